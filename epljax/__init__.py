@@ -1,0 +1,38 @@
+"""epljax: EPL's parallelism annotations for JAX and Flax.
+
+    import epljax as epl
+    epl.init()
+    epl.set_default_strategy(epl.replicate(1))
+    trainer = epl.Trainer(init_fn, loss_fn, optax.adamw(1e-3))
+
+See README.md for the whole picture; each name below documents itself.
+"""
+
+from epljax.config import Config
+from epljax.env import Cluster, Env, init
+from epljax.errors import ConfigError, EPLError, PlanError, ScopeError, StateError
+from epljax.plan import Plan
+from epljax.step import TrainState
+from epljax.strategy import TaskGraph, replicate, set_default_strategy, split
+from epljax.train import Trainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Cluster",
+    "Config",
+    "ConfigError",
+    "EPLError",
+    "Env",
+    "Plan",
+    "PlanError",
+    "ScopeError",
+    "StateError",
+    "TaskGraph",
+    "TrainState",
+    "Trainer",
+    "init",
+    "replicate",
+    "set_default_strategy",
+    "split",
+]

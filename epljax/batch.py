@@ -1,0 +1,121 @@
+"""The global batch: its size rules, process-local slices, and micro batches.
+
+EPL's batch semantics: the model's own batch dimension is the micro batch of one replica, and
+the global batch is ``replicas x micro batch x pipeline.num_micro_batch``. Each process passes
+its own slice of the global batch (its rows, in process order); ``shard_batch`` turns those
+slices into one global ``jax.Array`` split over the batch axes of the mesh.
+
+Rows are dealt out in order: replica ``r`` owns the ``r``-th contiguous block of the global
+batch, and its micro batch ``m`` is the ``m``-th contiguous chunk of that block, as if each
+replica read its own data and cut it into micro batches. Inside the step the model is traced
+once for the micro batch of *all* replicas together (GSPMD), so statistics over the batch
+(BatchNorm) are taken over every replica's rows, exactly as single-device training on the same
+batch would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from epljax.errors import PlanError
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+  """How the rows of a global batch are divided."""
+  num_replicas: int
+  num_micro_batch: int
+  split_per_replica: int          # devices each replica's micro batch is split over
+  axes: tuple[str, ...]           # mesh axes of the batch dimension
+
+  @property
+  def num_shards(self) -> int:
+    return self.num_replicas * self.split_per_replica
+
+  def check(self, global_rows: int) -> None:
+    """Raises a ``PlanError`` naming the sizes when ``global_rows`` does not divide."""
+    r, m, k = self.num_replicas, self.num_micro_batch, self.split_per_replica
+    unit = r * m * k
+    if global_rows % unit == 0:
+      return
+    parts = [f"{r} replicas", f"{m} micro batches"]
+    if k > 1:
+      parts.append(f"{k} devices per replica sharing each micro batch (replicate({k}))")
+    lower = max(unit, global_rows // unit * unit)
+    raise PlanError(
+        f"The global batch of {global_rows} rows does not divide into {' x '.join(parts)} "
+        f"(= {unit}). Use a global batch that is a multiple of {unit}, for example {lower} or "
+        f"{lower + unit}: a micro batch of {lower // (r * m)} rows per replica.")
+
+  def micro_rows(self, global_rows: int) -> int:
+    """Rows of one micro batch of all replicas together (what the model is traced with)."""
+    return global_rows // self.num_micro_batch
+
+
+def leading_rows(batch: Any) -> int:
+  """The leading (batch) size shared by every leaf of a process-local batch."""
+  leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+  if not leaves:
+    raise PlanError("The batch is empty: pass a pytree of arrays with a leading batch dimension.")
+  sizes = {}
+  for path, leaf in leaves:
+    shape = np.shape(leaf)
+    if not shape:
+      raise PlanError(f"Batch leaf '{jax.tree_util.keystr(path)}' is a scalar; every batch leaf "
+                      "needs a leading batch dimension.")
+    sizes[jax.tree_util.keystr(path)] = shape[0]
+  if len(set(sizes.values())) > 1:
+    listing = ", ".join(f"{k}: {v}" for k, v in sizes.items())
+    raise PlanError(f"Batch leaves have different leading (batch) sizes ({listing}); every leaf "
+                    "needs the same number of rows.")
+  return next(iter(sizes.values()))
+
+
+def global_shapes(batch: Any, sharding_of) -> Any:
+  """Abstract global batch: process-local rows times the number of processes."""
+  n = jax.process_count()
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] * n, *np.shape(x)[1:]), _dtype(x),
+                                     sharding=sharding_of(np.ndim(x))), batch)
+
+
+def shard_batch(batch: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
+  """Process-local slices -> global arrays split over ``axes`` (a no-op for arrays already so)."""
+
+  def one(x):
+    sharding = NamedSharding(mesh, P(axes))
+    if isinstance(x, jax.Array) and x.sharding == sharding and (
+        jax.process_count() == 1 or not x.is_fully_addressable):
+      return x
+    if jax.process_count() == 1:
+      return jax.device_put(x, sharding)
+    return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+  return jax.tree.map(one, batch)
+
+
+def micro_batches(batch: Any, plan: BatchPlan, mesh: Mesh) -> Any:
+  """Global batch ``(G, ...)`` -> ``(num_micro_batch, G / num_micro_batch, ...)`` (traced).
+
+  Micro batch ``m`` takes chunk ``m`` of every shard's rows, so no row leaves its device.
+  """
+  m, shards = plan.num_micro_batch, plan.num_shards
+
+  def one(x):
+    rows = x.shape[0] // (shards * m)
+    x = x.reshape(shards, m, rows, *x.shape[1:]).swapaxes(0, 1)
+    x = x.reshape(m, shards * rows, *x.shape[3:])
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, plan.axes)))
+
+  return jax.tree.map(one, batch)
+
+
+def _dtype(x: Any) -> Any:
+  return x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype

@@ -1,0 +1,138 @@
+"""Every configuration key of EPL, one frozen dataclass per section.
+
+The sections, keys, types and defaults are EPL's (its "Configuration" page); the docs below say
+what each key does in epljax. ``allowed`` lists the accepted values of a string key, ``minimum``
+the smallest accepted number. Values beyond EPL are marked as such in their doc.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+def key(default: Any, doc: str, *, allowed: tuple[Any, ...] | None = None,
+        minimum: int | None = None) -> Any:
+  """A config field: its default, a one-line doc, and the values it accepts."""
+  return dataclasses.field(
+      default=default, metadata={"doc": doc, "allowed": allowed, "minimum": minimum})
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+  num_micro_batch: int = key(
+      1, "Micro batches per model replica per step: pipeline micro batches, or gradient "
+      "accumulation when the model has one task graph.", minimum=1)
+  num_stages: int | None = key(
+      None, "With auto.auto_parallel, cut the model into this many pipeline stages.", minimum=1)
+  strategy: str = key(
+      "PreferBackward", "Pipeline schedule: PreferBackward (1F1B) or PreferForward (GPipe).",
+      allowed=("PreferBackward", "PreferForward"))
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientCheckpointConfig:
+  type: str = key(
+      "", "Rematerialization: '' (off), 'collection' (keep tensors tagged with "
+      "epl.add_to_collection) or 'auto' (repeated blocks found in the traced model).",
+      allowed=("", "collection", "auto"))
+  end_taskgraph: int = key(
+      -1, "Apply gradient checkpointing to task graphs 0..end_taskgraph (-1: all).", minimum=-1)
+  check_gradients: bool = key(
+      False, "On the first step, compare gradients with and without checkpointing; raise if "
+      "they differ.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+  level: str = key(
+      "", "ZeRO: 'v1' shards optimizer state over the data axis; beyond EPL, 'v2' keeps "
+      "gradients sharded too and 'v3' shards parameters (FSDP).",
+      allowed=("", "v1", "v2", "v3"))
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+  level: str = key(
+      "", "Host offload: 'v0' keeps weights in host memory; beyond EPL, 'v1' keeps the "
+      "optimizer state there too.", allowed=("", "v0", "v1"))
+
+
+@dataclasses.dataclass(frozen=True)
+class AmpConfig:
+  level: str = key(
+      "", "Memory-efficient mixed precision: 'O1' keeps float32 master weights and casts "
+      "them to low precision at use.", allowed=("", "O1"))
+  debug_log: bool = key(False, "Log loss-scale changes and skipped steps.")
+  loss_scale: int | float | str = key(
+      "dynamic", "'dynamic' (start 2**15, halve on overflow, double after 2000 good steps) "
+      "or a fixed positive number.")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  num_apply_group: int = key(
+      1, "Apply the optimizer update in this many size-balanced groups, one after another, "
+      "to cut its peak temporary memory.", minimum=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+  device_place_prefer_intra_node: bool = key(
+      True, "Place the devices of one model replica on one host.")
+  run_visible_devices: str = key(
+      "", "Comma-separated device ids this process may use (usually set by the scheduler).")
+  colocate_split_and_replicate: bool = key(
+      False, "Put split and replicate task graphs on the same devices instead of "
+      "different ones.")
+
+
+@dataclasses.dataclass(frozen=True)
+class CommunicationConfig:
+  num_communicators: int = key(
+      2, "Maps to XLA's collective combining: how many gradient all-reduces may run "
+      "concurrently.", minimum=1)
+  sparse_as_dense: bool = key(
+      False, "Reduce sparse (gathered) gradients as dense tensors. JAX gradients are "
+      "always dense, so this is accepted and has no further effect.")
+  max_splits: int = key(
+      5, "Maps to XLA's collective combining: the most groups gradients are fused into.",
+      minimum=1)
+  fp16: bool = key(False, "Reduce gradients in half precision.")
+  fp16_scale: int = key(
+      128, "Gradients are multiplied by this before a half-precision reduction and divided "
+      "after it.", minimum=1)
+  clip_after_allreduce: bool = key(
+      False, "Gradient clipping sees the reduced gradients instead of the local ones.")
+  gradients_reduce_method: str = key(
+      "mean", "How gradients are combined over replicas: 'mean' or 'sum'.",
+      allowed=("mean", "sum"))
+
+
+@dataclasses.dataclass(frozen=True)
+class IOConfig:
+  slicing: bool = key(False, "Give each worker its share of the input files.")
+  unbalanced_io_slicing: bool = key(
+      False, "Allow some workers one file more than others when the files do not divide.")
+  drop_last_files: bool = key(
+      False, "Drop the files that do not divide evenly over the workers.")
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoConfig:
+  auto_parallel: bool = key(
+      False, "Choose pipeline stages automatically (with pipeline.num_stages).")
+
+
+SECTIONS: dict[str, type] = {
+    "pipeline": PipelineConfig,
+    "gradient_checkpoint": GradientCheckpointConfig,
+    "zero": ZeroConfig,
+    "offload": OffloadConfig,
+    "amp": AmpConfig,
+    "optimizer": OptimizerConfig,
+    "cluster": ClusterConfig,
+    "communication": CommunicationConfig,
+    "io": IOConfig,
+    "auto": AutoConfig,
+}

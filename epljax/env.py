@@ -1,0 +1,107 @@
+"""``epl.init`` and ``epl.Env``: the configuration and the facts of the cluster.
+
+>>> env = epl.init(epl.Config({"pipeline.num_micro_batch": 2}))   # doctest: +SKIP
+>>> env.cluster.worker_num, env.cluster.total_gpu_num            # doctest: +SKIP
+(1, 8)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from epljax import strategy
+from epljax.config import ClusterConfig, Config
+from epljax.errors import ConfigError, StateError
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+  """Where the job runs. ``total_gpu_num`` counts accelerators, or CPU devices on a CPU host."""
+  worker_num: int
+  worker_index: int
+  total_gpu_num: int
+  local_device_count: int
+  platform: str
+  devices: tuple[jax.Device, ...] = dataclasses.field(repr=False)
+
+  @property
+  def local_devices(self) -> tuple[jax.Device, ...]:
+    return tuple(d for d in self.devices if d.process_index == self.worker_index)
+
+
+class Env:
+  """The process-wide state ``epl.init`` creates: ``Env.get().config`` and ``.cluster``."""
+
+  _current: Env | None = None
+
+  def __init__(self, config: Config, cluster: Cluster):
+    self.config = config
+    self.cluster = cluster
+
+  @classmethod
+  def get(cls) -> Env:
+    if cls._current is None:
+      raise StateError("epl.init() has not been called. Start the program with\n"
+                       "    import epljax as epl\n    epl.init()\n"
+                       "before building scopes or a Trainer.")
+    return cls._current
+
+  def __repr__(self) -> str:
+    return f"Env(config={self.config!r}, cluster={self.cluster!r})"
+
+
+def init(config: Config | Mapping[str, Any] | None = None) -> Env:
+  """Starts epljax in this process and returns ``Env``.
+
+  ``config`` is an ``epl.Config``, a dict of keys (``{"pipeline.num_micro_batch": 4}``) or
+  ``None`` for the defaults and the ``EPL_*`` environment. Calling ``init`` again (a notebook,
+  a test) replaces the configuration and forgets earlier scopes and the default strategy.
+  """
+  if config is None:
+    config = Config()
+  elif isinstance(config, Mapping):
+    config = Config(config)
+  elif not isinstance(config, Config):
+    raise ConfigError(f"epl.init(config) expects an epl.Config, a dict or None; got "
+                      f"{type(config).__name__}.")
+  strategy.reset()
+  Env._current = Env(config, _cluster(config.cluster))
+  return Env._current
+
+
+def _cluster(cfg: ClusterConfig) -> Cluster:
+  devices = tuple(jax.devices())
+  if cfg.run_visible_devices:
+    devices = _visible(devices, cfg.run_visible_devices)
+  me = jax.process_index()
+  return Cluster(
+      worker_num=jax.process_count(),
+      worker_index=me,
+      total_gpu_num=len(devices),
+      local_device_count=sum(d.process_index == me for d in devices),
+      platform=devices[0].platform,
+      devices=devices,
+  )
+
+
+def _visible(devices: tuple[jax.Device, ...], spec: str) -> tuple[jax.Device, ...]:
+  """Keeps the devices whose local id is listed in ``cluster.run_visible_devices``."""
+  try:
+    wanted = [int(p) for p in spec.split(",") if p.strip()]
+  except ValueError:
+    raise ConfigError(f"cluster.run_visible_devices={spec!r} must be comma-separated device "
+                      "ids, for example '0,1,2,3'.") from None
+  by_local_id: dict[int, list[jax.Device]] = {}
+  for d in devices:
+    by_local_id.setdefault(d.local_hardware_id if d.local_hardware_id is not None else d.id,
+                           []).append(d)
+  missing = [i for i in wanted if i not in by_local_id]
+  if missing:
+    raise ConfigError(f"cluster.run_visible_devices={spec!r} names device ids {missing} but "
+                      f"this host has {sorted(by_local_id)}.")
+  keep = {id(d) for i in wanted for d in by_local_id[i]}
+  return tuple(d for d in devices if id(d) in keep)

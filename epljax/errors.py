@@ -1,0 +1,27 @@
+"""One error base class for everything epljax refuses, so callers can catch it in one place.
+
+Subclasses also derive from the builtin a Python user would expect (``ValueError`` for bad
+values, ``RuntimeError`` for calls made in the wrong order), so ``except ValueError`` works too.
+"""
+
+from __future__ import annotations
+
+
+class EPLError(Exception):
+  """Base class of every error epljax raises on purpose."""
+
+
+class ConfigError(EPLError, ValueError):
+  """A configuration key, type or value that is not allowed."""
+
+
+class ScopeError(EPLError, ValueError):
+  """A strategy scope used in a way EPL does not allow (nesting, conflicting names)."""
+
+
+class PlanError(EPLError, ValueError):
+  """The model, its annotations, the batch and the devices do not fit together."""
+
+
+class StateError(EPLError, RuntimeError):
+  """A call made before what it needs exists (``epl.init``, ``Trainer.init``)."""

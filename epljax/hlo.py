@@ -1,0 +1,61 @@
+"""Facts read from a compiled program: its collectives and their bytes.
+
+>>> compiled = trainer.lower(state, batch).compile()            # doctest: +SKIP
+>>> summarize(collectives(compiled.as_text()))                  # doctest: +SKIP
+{'all-reduce': (1, 8192)}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterable
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+_LINE = re.compile(
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>\(.*?\)|\S+)\s+"
+    r"(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+    r"(?P<start>-start)?\(", re.M)
+_ARRAY = re.compile(r"\b(?P<dtype>pred|[subf]\d+|bf16|f8e\w+|c64|c128)\[(?P<dims>[\d,]*)\]")
+_GROUPS = re.compile(r"replica_groups=(?P<groups>.*?)(?:, [\w_]+=|$)", re.M)
+_BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective of a compiled program: its kind, result shapes and result bytes."""
+  kind: str
+  shapes: tuple[str, ...]
+  bytes: int
+  replica_groups: str
+
+
+def _nbytes(dtype: str, dims: str) -> int:
+  bits = _BITS.get(dtype) or int(re.sub(r"\D", "", dtype.split("e")[0]) or 8)
+  return math.prod(int(d) for d in dims.split(",") if d) * bits // 8
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+  """Every collective in ``hlo_text`` (async ``*-start`` forms counted once, by their result)."""
+  found = []
+  for m in _LINE.finditer(hlo_text):
+    arrays = _ARRAY.findall(m["type"])
+    if m["start"] and m["op"] in ("all-gather", "collective-permute") and len(arrays) >= 2:
+      arrays = arrays[len(arrays) // 2:]  # (operands..., results...): keep the results
+    line_end = hlo_text.find("\n", m.end())
+    groups = _GROUPS.search(hlo_text, m.end(), line_end if line_end >= 0 else len(hlo_text))
+    found.append(Collective(
+        m["op"], tuple(f"{d}[{s}]" for d, s in arrays),
+        sum(_nbytes(d, s) for d, s in arrays), groups["groups"] if groups else ""))
+  return found
+
+
+def summarize(found: Iterable[Collective]) -> dict[str, tuple[int, int]]:
+  """{kind: (count, total result bytes)} in a fixed order."""
+  out: dict[str, tuple[int, int]] = {}
+  for c in found:
+    n, b = out.get(c.kind, (0, 0))
+    out[c.kind] = (n + 1, b + c.bytes)
+  return {k: out[k] for k in KINDS if k in out}

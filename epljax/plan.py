@@ -1,0 +1,163 @@
+"""``Trainer.plan``: what epljax will do, readable by a person and checkable by a test.
+
+``print(trainer.plan)`` shows the mesh, the task graphs, every parameter's ``PartitionSpec`` and
+bytes per device, the per-device memory of the compiled step and its collectives. The compiled
+facts come from the same executable ``train_step`` runs (compiled on first use, then cached).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from epljax import hlo
+from epljax.strategy import TaskGraph
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+  """One variable leaf: where it lives and what it costs per device."""
+  path: str
+  shape: tuple[int, ...]
+  dtype: str
+  spec: P
+  bytes_per_device: int
+  taskgraph: str
+  trainable: bool
+
+
+def leaf_bytes_per_device(shape: Sequence[int], dtype: Any, sharding: NamedSharding) -> int:
+  # dtype.itemsize also covers PRNG key dtypes (key<fry> is 8 bytes), unlike np.dtype(...).
+  return math.prod(sharding.shard_shape(tuple(shape))) * dtype.itemsize
+
+
+def tree_bytes_per_device(shapes: Any, shardings: Any) -> int:
+  """Bytes one device holds of a tree of ``ShapeDtypeStruct`` with their shardings."""
+  leaves = jax.tree.leaves(shapes)
+  sh = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+  return sum(leaf_bytes_per_device(x.shape, x.dtype, s) for x, s in zip(leaves, sh, strict=True))
+
+
+class Plan:
+  """The plan of a Trainer, available after ``trainer.init``."""
+
+  def __init__(self, *, mesh: Mesh, num_replicas: int, num_stages: int,
+               taskgraphs: Sequence[TaskGraph], param_specs: Any, leaves: Sequence[Leaf],
+               num_micro_batch: int, global_rows: int, batch_axes: Sequence[str],
+               optimizer_bytes: int, schedule: str,
+               compile_step: Callable[[], Any]):
+    self.mesh = mesh
+    self.num_replicas = num_replicas
+    self.num_stages = num_stages
+    self.taskgraphs = list(taskgraphs)
+    self.param_specs = param_specs
+    self.leaves = list(leaves)
+    self.num_micro_batch = num_micro_batch
+    self.global_rows = global_rows
+    self.batch_axes = tuple(batch_axes)
+    self.optimizer_bytes = optimizer_bytes
+    self.schedule = schedule
+    self._compile_step = compile_step
+    self._compiled = None
+
+  # -- facts of the compiled step (compiled once, shared with train_step) ------------------
+  @property
+  def compiled(self):
+    if self._compiled is None:
+      self._compiled = self._compile_step()
+    return self._compiled
+
+  @property
+  def memory(self):
+    """``compiled.memory_analysis()`` of the step: bytes per device."""
+    return self.compiled.memory_analysis()
+
+  @property
+  def collectives(self) -> list[hlo.Collective]:
+    return hlo.collectives(self.compiled.as_text())
+
+  # -- derived -----------------------------------------------------------------------------
+  @property
+  def param_bytes(self) -> int:
+    return sum(leaf.bytes_per_device for leaf in self.leaves if leaf.trainable)
+
+  @property
+  def model_state_bytes(self) -> int:
+    return sum(leaf.bytes_per_device for leaf in self.leaves if not leaf.trainable)
+
+  @property
+  def micro_batch_per_replica(self) -> int:
+    return self.global_rows // (self.num_replicas * self.num_micro_batch)
+
+  def __str__(self) -> str:
+    axes = " x ".join(f"{n}={s}" for n, s in self.mesh.shape.items())
+    devices = self.mesh.devices.flat
+    first = next(iter(devices))
+    lines = [
+        "epljax plan",
+        f"  mesh      {axes} over {self.mesh.size} {first.platform} devices",
+        f"  replicas  {self.num_replicas}    stages {self.num_stages}    "
+        f"micro batches {self.num_micro_batch}    schedule {self.schedule}",
+        f"  batch     {self.global_rows} rows per step = {self.num_replicas} replicas x "
+        f"{self.micro_batch_per_replica} rows x {self.num_micro_batch} micro batches, "
+        f"split over ({', '.join(self.batch_axes)})",
+        "",
+        "task graphs",
+    ]
+    per_tg = {tg.name: [leaf for leaf in self.leaves if leaf.taskgraph == tg.name]
+              for tg in self.taskgraphs}
+    lines += _table(
+        ["index", "name", "strategy", "devices", "params", "bytes/device"],
+        [[tg.index, tg.name, tg.strategy, tg.device_count, len(per_tg[tg.name]),
+          _bytes(sum(x.bytes_per_device for x in per_tg[tg.name]))] for tg in self.taskgraphs])
+    lines += ["", "variables"]
+    lines += _table(
+        ["path", "shape", "dtype", "spec", "bytes/device", "task graph"],
+        [[leaf.path + ("" if leaf.trainable else "  (state)"), leaf.shape, leaf.dtype,
+          _spec(leaf.spec), _bytes(leaf.bytes_per_device), leaf.taskgraph]
+         for leaf in self.leaves])
+    mem = self.memory
+    lines += [
+        "",
+        "memory per device",
+        f"  params {_bytes(self.param_bytes)}    optimizer state {_bytes(self.optimizer_bytes)}"
+        f"    model state {_bytes(self.model_state_bytes)}",
+        f"  compiled step: arguments {_bytes(mem.argument_size_in_bytes)}    outputs "
+        f"{_bytes(mem.output_size_in_bytes)}    temp {_bytes(mem.temp_size_in_bytes)}    "
+        f"aliased {_bytes(mem.alias_size_in_bytes)}",
+        "",
+        "collectives per step (compiled HLO)",
+    ]
+    summary = hlo.summarize(self.collectives)
+    lines += _table(["kind", "count", "bytes"],
+                    [[k, n, _bytes(b)] for k, (n, b) in summary.items()]) if summary else [
+                        "  none"]
+    return "\n".join(lines)
+
+  def __repr__(self) -> str:
+    return (f"Plan(mesh={dict(self.mesh.shape)}, num_replicas={self.num_replicas}, "
+            f"num_stages={self.num_stages}, taskgraphs={self.taskgraphs})")
+
+
+def _spec(spec: P) -> str:
+  return "P(" + ", ".join(repr(a) for a in spec) + ")"
+
+
+def _bytes(n: int) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if n < 1024 or unit == "GiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+  return f"{n} B"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+  cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+  widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+  return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]

@@ -1,0 +1,134 @@
+"""What ``init_fn`` returns, seen the same way whatever the model library.
+
+- Flax Linen (a dict with a ``"params"`` collection): the optimizer trains ``"params"``; the
+  other collections (``batch_stats``) are model state, updated through ``mutable``.
+- Flax NNX (an ``nnx.Module``): the optimizer trains the ``nnx.Param`` variables; every other
+  variable (BatchNorm statistics, RNG counters) is model state, updated in place by the model
+  as NNX users expect.
+- Anything else (a pytree of arrays, for plain JAX functions): the whole tree is trained.
+
+Internally the Trainer always holds ``(params, model_state)``; ``Model`` converts between that
+and what ``loss_fn`` receives and ``Trainer.variables`` returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+
+from epljax.errors import PlanError
+
+LINEN, NNX, PYTREE = "flax", "nnx", "pytree"
+
+
+@dataclasses.dataclass
+class Model:
+  """How to split what ``init_fn`` returned into (params, model_state) and back."""
+  kind: str
+  collections: tuple[str, ...] = ()   # Linen: the collection names, in init's order
+  graphdef: Any = None                # NNX: the module's static structure
+
+  @staticmethod
+  def split(out: Any) -> tuple[Model, Any, Any]:
+    """``init_fn``'s result -> (Model, params, model_state)."""
+    if isinstance(out, nnx.Module):
+      graphdef, params, rest = nnx.split(out, nnx.Param, ...)
+      return Model(NNX, graphdef=graphdef), params, rest
+    if isinstance(out, Mapping) and "params" in out:
+      rest = {k: v for k, v in out.items() if k != "params"}
+      return Model(LINEN, collections=tuple(out.keys())), out["params"], rest
+    return Model(PYTREE), out, {}
+
+  def merge(self, params: Any, model_state: Any) -> Any:
+    """(params, model_state) -> the variables in the structure ``init_fn`` returned."""
+    if self.kind == NNX:
+      # copy: fresh Variables at the current trace level, so the model may update its state
+      # (BatchNorm) inside jax.grad even though the state came in from an outer jit.
+      return nnx.merge(self.graphdef, params, model_state, copy=True)
+    if self.kind == LINEN:
+      return {k: params if k == "params" else model_state[k] for k in self.collections}
+    return params
+
+  def user_tree(self, params: Any, model_state: Any) -> Any:
+    """A pytree shaped like the variables (for NNX: the module's state as a nested dict)."""
+    if self.kind == NNX:
+      return nnx.to_pure_dict(nnx.state(self.merge(params, model_state)))
+    return self.merge(params, model_state)
+
+  def leaf_paths(self, params: Any, model_state: Any) -> tuple[list[str], list[str]]:
+    """Readable paths of the params leaves and of the model-state leaves."""
+    prefix = "params/" if self.kind == LINEN else ""
+    return _paths(params, prefix), _paths(model_state, "")
+
+  def loss_call(self, loss_fn: Callable, has_aux: bool,
+                mutable: Sequence[str]) -> Callable[[Any, Any, Any], tuple[Any, Any, Any]]:
+    """A function ``(params, model_state, batch) -> (loss, aux, new_model_state)``."""
+
+    def call(params, model_state, batch):
+      variables = self.merge(params, model_state)
+      out = loss_fn(variables, batch)
+      if self.kind == NNX:
+        _, _, new_state = nnx.split(variables, nnx.Param, ...)
+      elif mutable:
+        out, updates = _expect_pair(out, "(output, updates)", _MUTABLE_RETURN)
+        new_state = _merge_updates(model_state, updates)
+      else:
+        new_state = model_state
+      loss, aux = _expect_pair(out, "(loss, aux)", _AUX_RETURN) if has_aux else (out, None)
+      _check_loss(loss, has_aux, mutable)
+      return loss, aux, new_state
+
+    return call
+
+
+def _paths(tree: Any, prefix: str) -> list[str]:
+  out = []
+  for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    text = jax.tree_util.keystr(path, simple=True, separator="/")
+    out.append(prefix + text.removesuffix("/value"))
+  return out
+
+
+def _expect_pair(out: Any, what: str, hint: str) -> tuple[Any, Any]:
+  if not (isinstance(out, tuple) and len(out) == 2):
+    raise PlanError(f"loss_fn should return {what} here, but returned {_describe(out)}. {hint}")
+  return out
+
+
+def _merge_updates(model_state: dict, updates: Mapping[str, Any]) -> dict:
+  unknown = [k for k in updates if k not in model_state]
+  if unknown:
+    raise PlanError(f"loss_fn returned updates for collections {unknown} that init_fn did not "
+                    f"create (it created {sorted(model_state)}). Only collections that exist "
+                    "after init can be updated; create them in init_fn or drop them from "
+                    "mutable.")
+  return {**model_state, **updates}
+
+
+def _check_loss(loss: Any, has_aux: bool, mutable: Sequence[str]) -> None:
+  shape = getattr(loss, "shape", None)
+  if shape == () and jax.numpy.issubdtype(loss.dtype, jax.numpy.floating):
+    return
+  if isinstance(loss, tuple):
+    raise PlanError(f"loss_fn returned a tuple where the loss (a float scalar) belongs. "
+                    f"{_AUX_RETURN if not has_aux else ''}"
+                    f"{_MUTABLE_RETURN if not mutable else ''}")
+  raise PlanError(f"The loss must be a float scalar, got {_describe(loss)}. Reduce it with "
+                  "jnp.mean over the batch.")
+
+
+def _describe(x: Any) -> str:
+  if isinstance(x, tuple):
+    return f"a tuple of {len(x)}"
+  shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+  return f"an array of shape {shape} and dtype {dtype}" if shape is not None else repr(x)
+
+
+_AUX_RETURN = "If it returns (loss, aux), pass has_aux=True to epl.Trainer. "
+_MUTABLE_RETURN = (
+    "If it returns (loss, updates) from model.apply(..., mutable=['batch_stats']), pass "
+    "mutable=['batch_stats'] to epl.Trainer.")

@@ -1,0 +1,29 @@
+"""Tests run on 8 simulated CPU devices; the flag must be set before JAX is imported."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+import epljax as epl  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+  if jax.device_count() < 8:
+    skip = pytest.mark.skip(reason="needs 8 devices (XLA_FLAGS was set before conftest ran)")
+    for item in items:
+      item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def fresh_epl():
+  """Every test starts from epl.init() with the defaults and no scopes or default strategy."""
+  for var in [v for v in os.environ if v.startswith("EPL_")]:
+    del os.environ[var]
+  epl.init()
+  yield
+  epl.init()
