@@ -50,7 +50,7 @@ class Plan:
   def __init__(self, *, mesh: Mesh, num_replicas: int, num_stages: int,
                taskgraphs: Sequence[TaskGraph], param_specs: Any, leaves: Sequence[Leaf],
                num_micro_batch: int, global_rows: int, batch_axes: Sequence[str],
-               optimizer_bytes: int, schedule: str,
+               optimizer_bytes: int, schedule: str, features: Sequence[str] = (),
                compile_step: Callable[[], Any]):
     self.mesh = mesh
     self.num_replicas = num_replicas
@@ -63,6 +63,7 @@ class Plan:
     self.batch_axes = tuple(batch_axes)
     self.optimizer_bytes = optimizer_bytes
     self.schedule = schedule
+    self.features = list(features)
     self._compile_step = compile_step
     self._compiled = None
 
@@ -107,6 +108,7 @@ class Plan:
         f"  batch     {self.global_rows} rows per step = {self.num_replicas} replicas x "
         f"{self.micro_batch_per_replica} rows x {self.num_micro_batch} micro batches, "
         f"split over ({', '.join(self.batch_axes)})",
+        *[f"  feature   {f}" for f in self.features],
         "",
         "task graphs",
     ]

@@ -1,18 +1,21 @@
 """The pieces of one training step, composed by the Trainer.
 
-    step = update(reduce(gradients(loss)))
+    step = update(gradients(forward))
 
-- ``accumulate_gradients``: value and gradient of the loss over ``num_micro_batch`` micro
-  batches (a ``lax.scan``; one micro batch is a plain call), averaged as EPL does;
-- the reduction over replicas is GSPMD's (the gradient of a loss traced over the whole batch
-  is already the mean over replicas); ``gradients_reduce_method="sum"`` scales it by the
-  number of replicas, which is what EPL's sum all-reduce gives;
+- ``forward``: ``(params, model_state, batch, fstate) -> (loss, aux, new_model_state)`` of one
+  micro batch: the user's loss, wrapped by the features' ``forward`` hooks;
+- ``accumulate_gradients``: value and gradient over ``num_micro_batch`` micro batches (a
+  ``lax.scan``; one micro batch is a plain call), averaged as EPL does. The reduction over
+  replicas is GSPMD's: the gradient of a loss traced over the whole batch is already the mean
+  over replicas;
 - ``apply_optimizer``: the optax update.
+
+Features (``epljax.features``) wrap each piece; ``train_step`` chains them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.struct
@@ -20,9 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-LossCall = Callable[[Any, Any, Any], tuple[jax.Array, Any, Any]]
-# (params, model_state, micro batches) -> (mean loss, aux, gradients, new model_state)
-GradientFn = Callable[[Any, Any, Any], tuple[jax.Array, Any, Any, Any]]
+from epljax.features import BuildContext, Feature, ForwardFn, GradientFn, UpdateFn
 
 
 @flax.struct.dataclass
@@ -31,7 +32,7 @@ class TrainState:
 
   ``params`` are what the optimizer trains; ``model_state`` the rest of the variables (BatchNorm
   statistics, NNX RNG counters); ``feature_state`` the state of optional features (the loss
-  scale of mixed precision).
+  scale of mixed precision), keyed by feature name.
   """
   step: jax.Array
   params: Any
@@ -40,23 +41,23 @@ class TrainState:
   feature_state: dict = flax.struct.field(default_factory=dict)
 
 
-def accumulate_gradients(loss_call: LossCall, num_micro_batch: int) -> GradientFn:
-  """Gradients of the loss over micro batches, averaged (gradient accumulation)."""
+def accumulate_gradients(forward: ForwardFn, num_micro_batch: int) -> GradientFn:
+  """Gradients of the loss over micro batches (leading axis of ``micro``), averaged."""
 
-  def value_and_grad(params, model_state, batch):
+  def value_and_grad(params, model_state, batch, fstate):
     def scalar(p):
-      loss, aux, new_state = loss_call(p, model_state, batch)
+      loss, aux, new_state = forward(p, model_state, batch, fstate)
       return loss, (aux, new_state)
     (loss, (aux, new_state)), grads = jax.value_and_grad(scalar, has_aux=True)(params)
     return loss, aux, grads, new_state
 
-  def gradients(params, model_state, micro):
+  def gradients(params, model_state, micro, fstate):
     if num_micro_batch == 1:
-      return value_and_grad(params, model_state, jax.tree.map(lambda x: x[0], micro))
+      return value_and_grad(params, model_state, jax.tree.map(lambda x: x[0], micro), fstate)
 
     def body(carry, batch):
       grad_sum, state = carry
-      loss, aux, grads, state = value_and_grad(params, state, batch)
+      loss, aux, grads, state = value_and_grad(params, state, batch, fstate)
       return (jax.tree.map(jnp.add, grad_sum, grads), state), (loss, aux)
 
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -67,36 +68,44 @@ def accumulate_gradients(loss_call: LossCall, num_micro_batch: int) -> GradientF
   return gradients
 
 
-def scale_gradients(gradients: GradientFn, factor: float) -> GradientFn:
-  """Multiplies the gradients by ``factor`` (``gradients_reduce_method="sum"``)."""
-  if factor == 1:
-    return gradients
+def apply_optimizer(optimizer: optax.GradientTransformation) -> UpdateFn:
+  def update(params, opt_state, grads, fstate):
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, fstate
 
-  def scaled(params, model_state, micro):
-    loss, aux, grads, new_state = gradients(params, model_state, micro)
-    return loss, aux, jax.tree.map(lambda g: g * factor, grads), new_state
-
-  return scaled
+  return update
 
 
-def apply_optimizer(optimizer: optax.GradientTransformation, params: Any, opt_state: Any,
-                    grads: Any) -> tuple[Any, Any]:
-  updates, opt_state = optimizer.update(grads, opt_state, params)
-  return optax.apply_updates(params, updates), opt_state
+def build(forward: ForwardFn, make_gradients: Callable[[ForwardFn], GradientFn],
+          optimizer: optax.GradientTransformation, features: Sequence[Feature],
+          ctx: BuildContext) -> tuple[GradientFn, UpdateFn]:
+  """Chains the features around forward, gradients and update."""
+  for f in features:
+    forward = f.forward(forward, ctx)
+  gradients = make_gradients(forward)
+  for f in features:
+    gradients = f.gradients(gradients, ctx)
+  update = apply_optimizer(optimizer)
+  for f in features:
+    update = f.update(update, ctx)
+  return gradients, update
 
 
-def train_step(gradients: GradientFn, optimizer: optax.GradientTransformation,
+def train_step(gradients: GradientFn, update: UpdateFn, features: Sequence[Feature],
                prepare_batch: Callable[[Any], Any], has_aux: bool):
   """``(state, batch) -> (state, metrics)`` from its pieces."""
 
   def step(state: TrainState, batch: Any):
+    fstate = state.feature_state
     loss, aux, grads, model_state = gradients(state.params, state.model_state,
-                                              prepare_batch(batch))
-    params, opt_state = apply_optimizer(optimizer, state.params, state.opt_state, grads)
+                                              prepare_batch(batch), fstate)
+    params, opt_state, fstate = update(state.params, state.opt_state, grads, fstate)
     metrics = {"loss": loss}
     if has_aux:
       metrics["aux"] = aux
+    for f in features:
+      metrics.update(f.metrics(fstate.get(f.name)))
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                         model_state=model_state), metrics
+                         model_state=model_state, feature_state=fstate), metrics
 
   return step

@@ -32,10 +32,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from epljax import batch as batch_lib
+from epljax import communication, memory
 from epljax import step as step_lib
 from epljax import strategy as strategy_lib
 from epljax.env import Env
 from epljax.errors import EPLError, PlanError, StateError
+from epljax.features import BuildContext, Feature, StateShardings
 from epljax.mesh import MODEL, Layout, build_mesh
 from epljax.plan import Leaf, Plan, leaf_bytes_per_device, tree_bytes_per_device
 from epljax.sharding import specs as specs_lib
@@ -196,16 +198,37 @@ class Trainer:
     named = [NamedSharding(mesh, s) for s in leaf_specs]
     replicated = NamedSharding(mesh, P())
     param_sh = jax.tree.unflatten(p_def, named[:n_p])
-    state_sh = jax.tree.unflatten(s_def, named[n_p:])
     opt_shape = jax.eval_shape(self.optimizer.init, params_shape)
-    opt_sh = optax.tree_map_params(self.optimizer, lambda _, s: s, opt_shape, param_sh,
-                                   transform_non_params=lambda _: replicated)
-    shardings = TrainState(step=replicated, params=param_sh, opt_state=opt_sh,
-                           model_state=state_sh, feature_state={})
+    base = StateShardings(
+        params=param_sh,
+        opt_state=optax.tree_map_params(self.optimizer, lambda _, s: s, opt_shape, param_sh,
+                                        transform_non_params=lambda _: replicated),
+        model_state=jax.tree.unflatten(s_def, named[n_p:]))
+
+    # 4. Features (memory, communication), chained around the step's pieces.
+    ctx = BuildContext(mesh=mesh, num_replicas=layout.num_replicas, num_micro_batch=num_micro,
+                       capture=cap, params_shape=params_shape, optimizer=self.optimizer)
+    features = _features(config)
+    for f in features:
+      base = f.shardings(base, ctx)
+    fstate_init = {f.name: f.init_state(ctx) for f in features}
+    shardings = TrainState(step=replicated, params=base.params, opt_state=base.opt_state,
+                           model_state=base.model_state,
+                           feature_state=jax.tree.map(lambda _: replicated, fstate_init))
     batch_sh = jax.tree.map(lambda x: NamedSharding(mesh, specs_lib.batch_spec(axes, x.ndim)),
                             micro_shapes)
 
-    # 4. The jitted functions.
+    def forward(params, model_state, b, fstate):
+      return loss_call(params, model_state, b)
+
+    gradients, update = step_lib.build(
+        forward, lambda fwd: step_lib.accumulate_gradients(fwd, num_micro), self.optimizer,
+        features, ctx)
+
+    def prepare(global_batch):
+      return batch_lib.micro_batches(global_batch, bplan, mesh)
+
+    # 5. The jitted functions.
     optimizer = self.optimizer
 
     def init_state(r, global_batch):
@@ -213,48 +236,47 @@ class Trainer:
       _, params, model_state = Model.split(self.init_fn(r, first))
       return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                         opt_state=optimizer.init(params), model_state=model_state,
-                        feature_state={})
+                        feature_state=fstate_init)
 
-    gradients = step_lib.accumulate_gradients(loss_call, num_micro)
-    if config.communication.gradients_reduce_method == "sum":
-      gradients = step_lib.scale_gradients(gradients, layout.num_replicas)
-
-    def prepare(global_batch):
-      return batch_lib.micro_batches(global_batch, bplan, mesh)
-
-    step = step_lib.train_step(gradients, optimizer, prepare, self.has_aux)
+    step = step_lib.train_step(gradients, update, features, prepare, self.has_aux)
     traced = _traced_in_session
     init_jit = jax.jit(traced(init_state), out_shardings=shardings)
     step_jit = jax.jit(traced(step), in_shardings=(shardings, batch_sh),
                        out_shardings=(shardings, None), donate_argnums=0)
 
     def loss_and_grads(state, global_batch):
-      loss, _, grads, _ = gradients(state.params, state.model_state, prepare(global_batch))
+      loss, _, grads, _ = gradients(state.params, state.model_state, prepare(global_batch),
+                                    state.feature_state)
       return loss, grads
 
     grads_jit = jax.jit(traced(loss_and_grads), in_shardings=(shardings, batch_sh),
-                        out_shardings=(replicated, param_sh))
+                        out_shardings=(replicated, base.params))
 
-    # 5. The plan.
+    # 6. The plan.
     abstract_state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params_shape,
-                   opt_state=opt_shape, model_state=state_shape, feature_state={}), shardings)
+        jax.eval_shape(lambda: TrainState(
+            step=jnp.zeros((), jnp.int32), params=params_shape, opt_state=opt_shape,
+            model_state=state_shape, feature_state=fstate_init)), shardings)
     abstract_batch = batch_lib.global_shapes(
         batch, lambda nd: NamedSharding(mesh, specs_lib.batch_spec(axes, nd)))
+    final_named = jax.tree.leaves(base.params) + jax.tree.leaves(base.model_state)
     leaves = [
-        Leaf(path, tuple(x.shape), str(x.dtype), spec, leaf_bytes_per_device(x.shape, x.dtype, sh),
+        Leaf(path, tuple(x.shape), str(x.dtype), sh.spec,
+             leaf_bytes_per_device(x.shape, x.dtype, sh),
              cap.taskgraphs[tg].name if tg is not None else "-", i < n_p)
-        for i, (path, x, spec, sh, tg) in enumerate(zip(
-            p_paths + s_paths, p_leaves + s_leaves, leaf_specs, named, cap.input_taskgraph))]
+        for i, (path, x, sh, tg) in enumerate(zip(
+            p_paths + s_paths, p_leaves + s_leaves, final_named, cap.input_taskgraph))]
+    spec_leaves = [sh.spec for sh in final_named]
     plan = Plan(
         mesh=mesh, num_replicas=layout.num_replicas, num_stages=layout.num_stages,
         taskgraphs=cap.taskgraphs,
-        param_specs=model.user_tree(jax.tree.unflatten(p_def, leaf_specs[:n_p]),
-                                    jax.tree.unflatten(s_def, leaf_specs[n_p:])),
+        param_specs=model.user_tree(jax.tree.unflatten(p_def, spec_leaves[:n_p]),
+                                    jax.tree.unflatten(s_def, spec_leaves[n_p:])),
         leaves=leaves, num_micro_batch=num_micro, global_rows=rows, batch_axes=axes,
-        optimizer_bytes=tree_bytes_per_device(opt_shape, opt_sh),
+        optimizer_bytes=tree_bytes_per_device(opt_shape, base.opt_state),
         schedule="gradient accumulation" if num_micro > 1 else "-",
+        features=[f.describe() for f in features],
         compile_step=lambda: step_jit.lower(abstract_state, abstract_batch).compile())
     self._built = _Built(model, cap, layout, bplan, shardings, init_jit, step_jit, grads_jit,
                          plan)
@@ -271,6 +293,11 @@ def _traced_in_session(fn: Callable) -> Callable:
 
   wrapped.__name__ = f"epl_{fn.__name__}"
   return wrapped
+
+
+def _features(config) -> list[Feature]:
+  """Every feature the configuration asks for, in the order they wrap the step."""
+  return [*memory.features(config), *communication.features(config.communication)]
 
 
 def _check_trainable(params_shape: Any, model: Model) -> None:

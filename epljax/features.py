@@ -1,0 +1,81 @@
+"""Features: small transforms of the training step or of the shardings, chained by the Trainer.
+
+Each optional behaviour set by the configuration (mixed precision, gradient checkpointing,
+ZeRO, offload, grouped apply, communication options) is one ``Feature``. A feature overrides
+only the hooks it needs; every hook defaults to "leave it as it is". The Trainer applies the
+features in order, so each sees the result of the ones before it (like ``optax.chain``).
+
+The hooks, in the order the Trainer calls them while building the step:
+
+- ``shardings(shardings, ctx)``: change where state lives (``StateShardings``: params,
+  optimizer state, model state; their specs and memory kinds).
+- ``forward(fn, ctx)``: wrap a forward function ``fn(params, model_state, batch, fstate) ->
+  (loss, aux, new_model_state)``. The Trainer wraps the whole loss with it; the pipeline wraps
+  each stage's forward the same way, so a forward transform (casting, rematerialization)
+  works inside pipeline stages too.
+- ``gradients(fn, ctx)``: wrap ``fn(params, model_state, micro_batches, fstate) -> (loss, aux,
+  grads, new_model_state)``, the gradient of all micro batches (reduction, clipping).
+- ``update(fn, ctx)``: wrap ``fn(params, opt_state, grads, fstate) -> (params, opt_state,
+  fstate)``, the optimizer step (grouped apply, skipping non-finite steps).
+- ``init_state(ctx)``: the feature's own state, kept in ``TrainState.feature_state[name]``.
+- ``metrics(fstate)``: numbers to add to the step's metrics.
+- ``describe()``: one line for the plan printout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from jax.sharding import Mesh
+
+ForwardFn = Callable[[Any, Any, Any, dict], tuple[Any, Any, Any]]
+GradientFn = Callable[[Any, Any, Any, dict], tuple[Any, Any, Any, Any]]
+UpdateFn = Callable[[Any, Any, Any, dict], tuple[Any, Any, dict]]
+
+
+@dataclasses.dataclass(frozen=True)
+class StateShardings:
+  """Where each part of the training state lives (trees of ``NamedSharding``)."""
+  params: Any
+  opt_state: Any
+  model_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildContext:
+  """What a feature may look at while the step is built."""
+  mesh: Mesh
+  num_replicas: int
+  num_micro_batch: int
+  capture: Any            # sharding.capture.Capture of the loss
+  params_shape: Any       # tree of ShapeDtypeStruct, structure of the trained params
+  optimizer: Any          # the user's optax.GradientTransformation
+
+
+class Feature:
+  """Base class: every hook leaves things as they are."""
+
+  name: str = "feature"
+
+  def shardings(self, shardings: StateShardings, ctx: BuildContext) -> StateShardings:
+    return shardings
+
+  def forward(self, fn: ForwardFn, ctx: BuildContext) -> ForwardFn:
+    return fn
+
+  def gradients(self, fn: GradientFn, ctx: BuildContext) -> GradientFn:
+    return fn
+
+  def update(self, fn: UpdateFn, ctx: BuildContext) -> UpdateFn:
+    return fn
+
+  def init_state(self, ctx: BuildContext) -> Any:
+    return None
+
+  def metrics(self, fstate: Any) -> dict[str, Any]:
+    return {}
+
+  def describe(self) -> str:
+    return self.name
