@@ -9,10 +9,12 @@ The hooks, in the order the Trainer calls them while building the step:
 
 - ``shardings(shardings, ctx)``: change where state lives (``StateShardings``: params,
   optimizer state, model state; their specs and memory kinds).
-- ``forward(fn, ctx)``: wrap a forward function ``fn(params, model_state, batch, fstate) ->
-  (loss, aux, new_model_state)``. The Trainer wraps the whole loss with it; the pipeline wraps
-  each stage's forward the same way, so a forward transform (casting, rematerialization)
-  works inside pipeline stages too.
+- ``forward(fn, ctx)``: wrap a forward function ``fn(params, *args) -> out`` whose first
+  argument is the tree of parameters it uses, returning a function of the same signature. The
+  Trainer wraps the whole loss, ``fn(params, model_state, batch, fstate) -> (loss, aux,
+  new_model_state)``; the pipeline wraps each stage's forward, ``fn(stage_params, *inputs)``.
+  So a forward transform (casting parameters at use, rematerialization) must only rely on the
+  first argument being parameters, and then works inside pipeline stages too.
 - ``gradients(fn, ctx)``: wrap ``fn(params, model_state, micro_batches, fstate) -> (loss, aux,
   grads, new_model_state)``, the gradient of all micro batches (reduction, clipping).
 - ``update(fn, ctx)``: wrap ``fn(params, opt_state, grads, fstate) -> (params, opt_state,
@@ -20,6 +22,11 @@ The hooks, in the order the Trainer calls them while building the step:
 - ``init_state(ctx)``: the feature's own state, kept in ``TrainState.feature_state[name]``.
 - ``metrics(fstate)``: numbers to add to the step's metrics.
 - ``describe()``: one line for the plan printout.
+
+Loss scaling contract: a feature may keep a float32 scalar under ``fstate[LOSS_SCALE]``. Every
+gradient computation (gradient accumulation here, the pipeline schedules) multiplies each micro
+batch's loss by it before differentiating, i.e. seeds the backward pass with it, and reports the
+unscaled loss; the gradients come out scaled and that feature's ``gradients`` hook unscales them.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from collections.abc import Callable
 from typing import Any
 
 from jax.sharding import Mesh
+
+LOSS_SCALE = "loss_scale"
 
 ForwardFn = Callable[[Any, Any, Any, dict], tuple[Any, Any, Any]]
 GradientFn = Callable[[Any, Any, Any, dict], tuple[Any, Any, Any, Any]]
@@ -52,6 +61,11 @@ class BuildContext:
   capture: Any            # sharding.capture.Capture of the loss
   params_shape: Any       # tree of ShapeDtypeStruct, structure of the trained params
   optimizer: Any          # the user's optax.GradientTransformation
+
+
+def loss_scale(fstate: dict) -> Any:
+  """The loss scale the gradient computations must apply, or None."""
+  return fstate.get(LOSS_SCALE)
 
 
 class Feature:

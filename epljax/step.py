@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from epljax.features import BuildContext, Feature, ForwardFn, GradientFn, UpdateFn
+from epljax.features import BuildContext, Feature, ForwardFn, GradientFn, UpdateFn, loss_scale
 
 
 @flax.struct.dataclass
@@ -45,10 +45,14 @@ def accumulate_gradients(forward: ForwardFn, num_micro_batch: int) -> GradientFn
   """Gradients of the loss over micro batches (leading axis of ``micro``), averaged."""
 
   def value_and_grad(params, model_state, batch, fstate):
+    scale = loss_scale(fstate)
+
     def scalar(p):
       loss, aux, new_state = forward(p, model_state, batch, fstate)
-      return loss, (aux, new_state)
-    (loss, (aux, new_state)), grads = jax.value_and_grad(scalar, has_aux=True)(params)
+      seed = loss if scale is None else loss * scale.astype(loss.dtype)
+      return seed, (loss, aux, new_state)
+
+    (_, (loss, aux, new_state)), grads = jax.value_and_grad(scalar, has_aux=True)(params)
     return loss, aux, grads, new_state
 
   def gradients(params, model_state, micro, fstate):
