@@ -11,6 +11,7 @@ See README.md for the whole picture; each name below documents itself.
 from epljax.config import Config
 from epljax.env import Cluster, Env, init
 from epljax.errors import ConfigError, EPLError, PlanError, ScopeError, StateError
+from epljax.memory.remat import GradientCheckError, add_to_collection
 from epljax.plan import Plan
 from epljax.step import TrainState
 from epljax.strategy import TaskGraph, replicate, set_default_strategy, split
@@ -24,6 +25,7 @@ __all__ = [
     "ConfigError",
     "EPLError",
     "Env",
+    "GradientCheckError",
     "Plan",
     "PlanError",
     "ScopeError",
@@ -31,6 +33,7 @@ __all__ = [
     "TaskGraph",
     "TrainState",
     "Trainer",
+    "add_to_collection",
     "init",
     "replicate",
     "set_default_strategy",

@@ -320,8 +320,7 @@ def _check_layout(layout: Layout, cap: Capture) -> None:
 # Config keys accepted by epl.Config whose features this version does not run yet. A value
 # other than the default is refused rather than ignored.
 _NOT_YET = {
-    "pipeline.strategy": None, "gradient_checkpoint.type": "", "zero.level": "",
-    "offload.level": "", "amp.level": "", "optimizer.num_apply_group": 1,
+    "pipeline.strategy": None,
     "communication.fp16": False, "communication.clip_after_allreduce": False,
     "auto.auto_parallel": False,
 }

@@ -1,14 +1,36 @@
 """Memory features: rematerialization, ZeRO, offload, mixed precision, grouped apply.
 
 Each is an ``epljax.features.Feature`` built from its own config section; ``features(config)``
-returns those the configuration asks for.
+returns those the configuration asks for, in the order they wrap the step.
+
+- ``remat.py``: ``gradient_checkpoint.*`` and ``epl.add_to_collection``; ``blocks.py`` chooses
+  where to cut, ``recompute.py`` recomputes in the backward pass;
+- ``zero.py``: ``zero.level`` (sharded optimizer state, gradients, parameters);
+- ``offload.py``: ``offload.level`` (state in host memory);
+- ``amp.py``: ``amp.*`` (op policy, loss scaling, skipped steps);
+- ``grouped.py``: ``optimizer.num_apply_group``;
+- ``uses.py``: the one forward rewrite of parameter uses that offload, ZeRO and mixed
+  precision share; ``interpret.py`` re-runs a traced function step by step for it and for
+  rematerialization.
 """
 
 from __future__ import annotations
 
 from epljax.features import Feature
+from epljax.memory import amp, grouped, offload, remat, uses, zero
 
 
 def features(config) -> list[Feature]:
-  """The memory features ``config`` (an ``epl.Config``) asks for, in the order they apply."""
-  return []
+  """The memory features ``config`` (an ``epl.Config``) asks for, in the order they apply.
+
+  Hooks nest in list order, the last one outermost:
+  - forward: the parameter-use rewrite, then gradient checkpointing around it, so what is
+    inserted before a parameter's use (transfer, gather, cast) lands inside the
+    rematerialized blocks and is redone in the backward pass instead of being kept;
+  - update: grouped apply innermost (it re-runs the optimizer's own equations), ZeRO's
+    sharded update around it, offload's placement, then mixed precision, which skips the
+    whole update when a gradient is not finite.
+  """
+  parts = [*grouped.features(config.optimizer), *zero.features(config.zero),
+           *offload.features(config.offload), *amp.features(config.amp)]
+  return [*parts, *uses.combine(parts), *remat.features(config.gradient_checkpoint)]

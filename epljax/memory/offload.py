@@ -1,0 +1,105 @@
+"""Host offload (``offload.level``): keep state in host memory, move it in when used.
+
+- ``"v0"`` (EPL's): parameters live in host memory (``memory_kind="pinned_host"``). Inside the
+  step each one is copied to the device right before its use (``uses.ParamUses``); with
+  gradient checkpointing the copy is redone in the backward pass, so weights are never
+  resident between uses. Their gradients come back in host memory (in JAX a value's memory
+  space is part of its type, so the gradient of a host value is a host value); the update runs
+  on the device with the optimizer state there, and the new parameters go back to the host.
+- ``"v1"`` (beyond EPL, ZeRO-Offload style): the optimizer state lives in host memory too, and
+  the update runs on the host (``compute_on("device_host")``): neither the state nor the
+  update's temporaries take device memory.
+
+Where the backend has no host memory kind, the feature says so once (a warning naming the
+backend) and the state stays on the device.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+from jax.experimental.compute_on import compute_on
+from jax.sharding import NamedSharding
+
+from epljax.config import OffloadConfig
+from epljax.features import BuildContext, Feature, StateShardings, UpdateFn
+
+HOST = "pinned_host"
+
+
+def host_memory_kind(device: jax.Device) -> str | None:
+  """``"pinned_host"`` when ``device`` can address it, else None."""
+  kinds = {m.kind for m in device.addressable_memories()}
+  return HOST if HOST in kinds else None
+
+
+def on_host(sharding: NamedSharding) -> NamedSharding:
+  return NamedSharding(sharding.mesh, sharding.spec, memory_kind=HOST)
+
+
+def _is_sharding(x) -> bool:
+  return isinstance(x, jax.sharding.Sharding)
+
+
+class Offload(Feature):
+  """``offload.level`` v0 or v1 (see the module docstring)."""
+
+  name = "offload"
+
+  def __init__(self, config: OffloadConfig):
+    self.level = config.level
+    self.active = False
+    self._backend = ""
+
+  def shardings(self, shardings: StateShardings, ctx: BuildContext) -> StateShardings:
+    device = ctx.mesh.devices.flat[0]
+    self._backend = device.platform
+    if host_memory_kind(device) is None:
+      warnings.warn(f"offload.level={self.level!r}: the {device.platform} backend has no "
+                    f"'{HOST}' memory, so parameters and optimizer state stay in device "
+                    "memory.", stacklevel=2)
+      return shardings
+    self.active = True
+    params = jax.tree.map(on_host, shardings.params, is_leaf=_is_sharding)
+    opt_state = shardings.opt_state
+    if self.level == "v1":
+      opt_state = jax.tree.map(on_host, opt_state, is_leaf=_is_sharding)
+    return StateShardings(params=params, opt_state=opt_state,
+                          model_state=shardings.model_state)
+
+  def update(self, fn: UpdateFn, ctx: BuildContext) -> UpdateFn:
+    if self.level == "v1":
+      return self._update_on_host(fn)
+
+    def on_device(params, opt_state, grads, fstate):
+      if not self.active:
+        return fn(params, opt_state, grads, fstate)
+      to_device = lambda t: jax.device_put(t, jax.memory.Space.Device)  # noqa: E731
+      new_params, opt_state, fstate = fn(to_device(params), opt_state, to_device(grads), fstate)
+      return jax.device_put(new_params, jax.memory.Space.Host), opt_state, fstate
+
+    return on_device
+
+  def _update_on_host(self, fn: UpdateFn) -> UpdateFn:
+    def on_host_update(params, opt_state, grads, fstate):
+      if not self.active:
+        return fn(params, opt_state, grads, fstate)
+      grads = jax.device_put(grads, jax.memory.Space.Host)
+      with compute_on("device_host"):
+        return fn(params, opt_state, grads, fstate)
+
+    return on_host_update
+
+  def describe(self) -> str:
+    if not self.active:
+      return (f"offload {self.level}: not applied, the {self._backend} backend has no "
+              f"'{HOST}' memory")
+    what = "parameters" if self.level == "v0" else "parameters and optimizer state " \
+        "(updated on the host)"
+    return f"offload {self.level}: {what} in host memory ({HOST}), copied in at each use"
+
+
+def features(config: OffloadConfig) -> list[Feature]:
+  return [Offload(config)] if config.level else []
+

@@ -1,0 +1,77 @@
+"""Rematerialization that survives every backend's optimizer.
+
+``rematerialize(fn)`` runs ``fn`` in the forward pass keeping only its inputs; the backward
+pass recomputes ``fn`` from them and differentiates it. Unlike ``jax.checkpoint``, the
+recomputation is explicitly made to *wait for the incoming cotangents*:
+
+- XLA is free to schedule a recomputation as early as its inputs allow. Recomputing every
+  block at the start of the backward pass brings back the peak it was meant to remove, so the
+  recomputed inputs are tied to the cotangents: nothing is recomputed before it is needed.
+- ``jax.checkpoint`` separates recomputation from the forward pass with optimization
+  barriers. The XLA CPU pipeline expands (drops) those barriers and CSE then merges the
+  recomputation back into the forward pass, so on CPU checkpointing saves nothing. There the tie
+  is a select on a value of the cotangent that XLA cannot constant-fold; elsewhere it is an
+  optimization barrier over (inputs, cotangents), which costs nothing.
+
+The select costs one scalar read of a cotangent (a scalar collective when the cotangent is
+sharded) per rematerialized block on CPU only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def rematerialize(fn: Callable[..., Sequence[Any]], *, platform: str) -> Callable[..., list]:
+  """``fn(*vals) -> list of outputs``, recomputed in the backward pass after its cotangents."""
+
+  @jax.custom_vjp
+  def remat(*vals):
+    return list(fn(*vals))
+
+  def fwd(*vals):
+    return list(fn(*vals)), vals
+
+  def bwd(vals, cts):
+    vals = after(vals, cts, platform=platform)
+    _, pullback = jax.vjp(lambda *v: list(fn(*v)), *vals)
+    return pullback(cts)
+
+  remat.defvjp(fwd, bwd)
+  return remat
+
+
+def after(vals: Sequence[Any], cts: Any, *, platform: str) -> tuple:
+  """``vals``, made to depend on the float cotangents ``cts`` (see the module docstring)."""
+  floats = [c for c in jax.tree.leaves(cts)
+            if hasattr(c, "dtype") and jnp.issubdtype(c.dtype, jnp.inexact)]
+  vals = tuple(vals)
+  if not floats:
+    return vals
+  vals, _ = jax.lax.optimization_barrier((vals, floats))
+  if platform != "cpu":
+    return tuple(vals)
+  probe = jax.lax.slice(jnp.ravel(floats[0]), (0,), (1,))[0] if floats[0].size else None
+  if probe is None:
+    return tuple(vals)
+  live = probe == probe          # False only for NaN: XLA cannot fold it
+  return tuple(_select(live, v) for v in vals)
+
+
+def _select(flag, v):
+  if not hasattr(v, "dtype") or v.size == 0:
+    return v
+  if getattr(jax.typeof(v), "memory_space", jax.memory.Space.Device) != jax.memory.Space.Device:
+    return v   # a host value is only copied in, never recomputed from
+
+  if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key):
+    data = jax.random.key_data(v)
+    return jax.random.wrap_key_data(jnp.where(flag, data, jnp.zeros_like(data)),
+                                    impl=jax.random.key_impl(v))
+  if v.dtype == jax.dtypes.float0:
+    return v
+  return jnp.where(flag, v, jnp.zeros_like(v))

@@ -1,0 +1,245 @@
+"""What happens where a parameter is used: offload's transfer, ZeRO's gather and gradient
+reduce-scatter, mixed precision's casts, in one pass over the traced forward.
+
+These three act on the same equations (a matmul reading a weight: stream the weight in,
+gather it, cast it, reduce-scatter its gradient), so one forward hook applies them together
+(``ParamUses``), built from the features that ask for them; each feature keeps its own
+shardings, update and state. Per parameter, right before its first use:
+
+1. offload: ``device_put`` to device memory (the gradient goes back to the host memory the
+   parameter lives in: a value's memory space is part of its type in JAX);
+2. ZeRO v3: all-gather to the parameter's layout without ``data``; v2/v3: the gradient is
+   constrained to the sharded layout where it is produced.
+
+Per matmul (``dot_general``, ``conv_general_dilated``) reading a parameter, one custom-VJP
+unit:
+
+- mixed precision: operands cast to the compute dtype; the backward pass recasts the float32
+  master weight (after the cotangent exists, see ``recompute``) instead of keeping the cast;
+- ZeRO: the weight gradient is computed per data shard and reduce-scattered explicitly
+  (``psum_scatter`` in a ``shard_map`` over ``data``), so the reduction is a reduce-scatter on
+  every backend; GSPMD alone writes all-reduce + slice and leaves the rewrite to the GPU/TPU
+  compilers. Used when ``data`` is the only mesh axis with more than one device.
+
+Every other equation follows the mixed-precision op policy (``amp.Policy``) or runs as traced.
+"""
+
+from __future__ import annotations
+
+import warnings
+import jax
+from jax.extend import core as jcore
+from jax.sharding import PartitionSpec as P
+
+from epljax.features import BuildContext, Feature, ForwardFn
+from epljax.memory import amp as amp_lib
+from epljax.memory import interpret
+from epljax.memory.recompute import after
+from epljax.mesh import DATA
+
+
+class ParamUses(Feature):
+  """The forward rewrite for offload, ZeRO and mixed precision (see the module docstring)."""
+
+  name = "param_uses"
+
+  def __init__(self, *, zero=None, amp=None, offload=None):
+    self.zero = zero
+    self.policy = amp.policy if amp is not None else None
+    self.offload = offload
+    self._warned = False
+
+  def forward(self, fn: ForwardFn, ctx: BuildContext) -> ForwardFn:
+    platform = ctx.mesh.devices.flat[0].platform
+    zero = self.zero
+    if zero is not None and zero.level == "v1" and ctx.num_micro_batch > 1:
+      zero = None        # v1 reduces the accumulated gradient once (zero.py)
+    explicit = zero is not None and all(
+        size == 1 for axis, size in ctx.mesh.shape.items() if axis != DATA)
+    stream = self.offload is not None and self.offload.active
+
+    def rewritten(params, *args):
+      whole = zero is not None and jax.tree.structure(params) == zero.treedef
+      if zero is not None and not whole:
+        self._warn_once()
+      program, flat = interpret.trace(fn, params, args, in_device_memory=stream)
+      run = _Run(program, flat, self.policy, platform, ctx.mesh,
+                 zero if whole else None, explicit and whole, stream)
+      return run()
+
+    return rewritten
+
+  def _warn_once(self):
+    if not self._warned:
+      self._warned = True
+      warnings.warn(f"zero.level={self.zero.level!r}: a forward function over a part of the "
+                    "parameters (a pipeline stage) is not resharded per use; GSPMD places its "
+                    "gathers and reductions.", stacklevel=3)
+
+  def describe(self) -> str:
+    parts = []
+    if self.offload is not None and self.offload.active:
+      parts.append("copied from host memory")
+    if self.zero is not None and self.zero.level == "v3":
+      parts.append("all-gathered")
+    if self.policy is not None:
+      parts.append(f"cast to {self.policy.low.name} in each matmul")
+    if self.zero is not None:
+      parts.append("weight gradients reduce-scattered where produced")
+    return "parameters at each use: " + ", ".join(parts) if parts else ""
+
+
+class _Run:
+  """One evaluation of the traced forward with the rewrites of ``ParamUses``."""
+
+  def __init__(self, program, flat, policy, platform, mesh, zero, explicit, stream):
+    self.program, self.flat = program, flat
+    self.policy, self.platform, self.mesh = policy, platform, mesh
+    self.zero, self.explicit, self.stream = zero, explicit, stream
+    self.param_index = {k: i for i, k in enumerate(program.param_keys)}
+
+  def __call__(self):
+    program = self.program
+    env = interpret.start_env(program, self.flat)
+    used: dict = {}                                   # param key -> value at use
+    param_like = set(self.param_index)
+    for step in program.steps:
+      for a in step.inputs:
+        if not _lit(a) and a in self.param_index and a not in used:
+          used[a] = interpret.in_context(step, self._at_use, self.param_index[a], env[a])
+      invals = [used[a] if not _lit(a) and a in used else interpret.read(env, a)
+                for a in step.inputs]
+      flags = [not _lit(a) and a in param_like for a in step.inputs]
+      outs = self._bind(step, invals, flags)
+      for key, val in zip(step.outputs, outs):
+        if key is not None:
+          env[key] = val
+      if step.primitive in amp_lib.SHAPE_ONLY and any(flags) and all(
+          f or _lit(a) for f, a in zip(flags, step.inputs)):
+        param_like.update(k for k in step.outputs if k is not None)
+    return interpret.finish(program, env, cast_back=self.policy is not None)
+
+  # -- per parameter ---------------------------------------------------------------------
+  def _at_use(self, i, value):
+    if self.stream:
+      value = jax.device_put(value, jax.memory.Space.Device)
+    if self.zero is not None:
+      full, sharded = self.zero.layouts(i)
+      value = _reshard_cotangent(full if self.zero.level == "v3" else None, sharded)(value)
+    return value
+
+  # -- per equation ----------------------------------------------------------------------
+  def _bind(self, step, invals, flags):
+    if step.primitive in amp_lib.LOW and len(invals) == 2 and any(flags):
+      return self._matmul(step, invals, flags)
+    if self.policy is not None:
+      changes = self.policy.low_params(step) if step.primitive in amp_lib.LOW else {}
+      return interpret.bind(step, self.policy.operands(step, invals, flags), **changes)
+    return interpret.bind(step, invals)
+
+  def _matmul(self, step, invals, flags):
+    policy, platform = self.policy, self.platform
+    low = policy.low if policy is not None else None
+    changes = policy.low_params(step) if policy is not None else {}
+    scatter = [self._scatter_plan(step, invals, j) if flags[j] else None for j in range(2)]
+    if low is None and not any(scatter):
+      return interpret.bind(step, invals)
+
+    def cast(x):
+      return amp_lib.cast(x, low) if low is not None else x
+
+    def forward(a, b):
+      return interpret.bind(step, [cast(a), cast(b)], **changes)[0]
+
+    @jax.custom_vjp
+    def unit(a, b):
+      return forward(a, b)
+
+    def fwd(a, b):
+      res = tuple(v if flags[j] else cast(v) for j, v in enumerate((a, b)))
+      return forward(a, b), res
+
+    def bwd(res, ct):
+      if any(flags):
+        res = after(res, ct, platform=platform)
+      a_c, b_c = cast(res[0]), cast(res[1])
+      _, pull = jax.vjp(lambda x, y: interpret.bind(step, [x, y], **changes)[0], a_c, b_c)
+      grads = list(pull(ct))
+      for j in range(2):
+        if scatter[j] is not None:
+          grads[j] = self._reduce_scattered(step, (a_c, b_c), ct, j, scatter[j])
+      return tuple(amp_lib.cast(g, v.dtype) for g, v in zip(grads, invals))
+
+    unit.defvjp(fwd, bwd)
+    return [unit(*invals)]
+
+  def _scatter_plan(self, step, invals, j):
+    """For operand j (a sharded parameter), the dimension of the other operand to split and
+    its position in the output, or None when the explicit reduce-scatter does not apply."""
+    if not self.explicit or step.primitive != "dot_general":
+      return None
+    i = self.param_index.get(step.inputs[j])
+    if i is None or self.zero.dim(i) is None:
+      return None
+    (lc, rc), (lb, rb) = step.eqn.params["dimension_numbers"]
+    if lb or rb:
+      return None
+    other = invals[1 - j]
+    contract = lc if j == 1 else rc
+    free = [d for d in range(other.ndim) if d not in contract]
+    size = self.mesh.shape[DATA]
+    for pos, d in enumerate(free):
+      if other.shape[d] % size == 0:
+        out_pos = pos if j == 1 else (invals[0].ndim - len(lc)) + pos
+        return d, out_pos
+    return None
+
+  def _reduce_scattered(self, step, operands, ct, j, plan):
+    d, out_pos = plan
+    dim = self.zero.dim(self.param_index[step.inputs[j]])
+    other = operands[1 - j]
+    n_out = ct.ndim
+
+    def spec(ndim, axis):
+      return P(*[DATA if k == axis else None for k in range(ndim)])
+
+    changes = self.policy.low_params(step) if self.policy is not None else {}
+
+    def local(other_l, ct_l, w):
+      ops = (other_l, w) if j == 1 else (w, other_l)
+      _, pull = jax.vjp(lambda x, y: interpret.bind(step, [x, y], **changes)[0], *ops)
+      g = pull(ct_l)[j]
+      return jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)
+
+    w = operands[j]
+    return jax.shard_map(local, mesh=self.mesh,
+                         in_specs=(spec(other.ndim, d), spec(n_out, out_pos), P()),
+                         out_specs=spec(w.ndim, dim), check_vma=False)(other, ct, w)
+
+
+def _reshard_cotangent(forward_sharding, backward_sharding):
+  """Identity (a gather when ``forward_sharding`` is given) whose cotangent is constrained to
+  ``backward_sharding``."""
+
+  @jax.custom_vjp
+  def f(x):
+    return x if forward_sharding is None else jax.lax.with_sharding_constraint(
+        x, forward_sharding)
+
+  f.defvjp(lambda x: (f(x), None),
+           lambda _, ct: (jax.lax.with_sharding_constraint(ct, backward_sharding),))
+  return f
+
+
+def _lit(a) -> bool:
+  return isinstance(a, jcore.Literal)
+
+
+def combine(features: list[Feature]) -> list[Feature]:
+  """The ``ParamUses`` feature for the features that need one (none if none do)."""
+  by_name = {f.name: f for f in features}
+  zero, amp, offload = by_name.get("zero"), by_name.get("amp"), by_name.get("offload")
+  if zero is None and amp is None and offload is None:
+    return []
+  return [ParamUses(zero=zero, amp=amp, offload=offload)]
+

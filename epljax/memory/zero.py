@@ -1,0 +1,146 @@
+"""ZeRO (``zero.level``): shard what data parallelism replicates over the ``data`` axis.
+
+- ``"v1"`` (EPL's): optimizer state sharded. Gradients are constrained to the same sharding
+  after they are accumulated, so GSPMD reduce-scatters them instead of all-reducing; each
+  device updates its shard of the parameters, and the new parameters are all-gathered into
+  their replicated layout. A ring all-reduce is a reduce-scatter plus an all-gather, so the
+  bytes on the wire are those of plain data parallelism.
+- ``"v2"``: gradients kept sharded from the moment they are produced: each micro batch's
+  gradient is reduce-scattered as it leaves the backward pass, so gradient accumulation keeps a
+  1/N accumulator (v1 accumulates whole gradients, all-reducing each micro batch as plain data
+  parallelism does). Without accumulation v1 and v2 compile to the same program.
+- ``"v3"``: parameters sharded too (FSDP). Each is all-gathered right before its first use in
+  the forward pass and its gradient reduce-scattered in the backward pass; with gradient
+  checkpointing the gather sits inside the recomputed block and is redone there.
+
+A leaf is sharded on its largest dimension that the data axis divides and that no other mesh
+axis uses; leaves with no such dimension stay as they are (``describe`` counts them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from epljax.config import ZeroConfig
+from epljax.features import BuildContext, Feature, GradientFn, StateShardings, UpdateFn
+from epljax.mesh import DATA
+
+
+def add_data_axis(spec: P, shape: tuple[int, ...], size: int) -> P | None:
+  """``spec`` with ``data`` on the largest free dimension ``size`` divides, or None."""
+  entries = list(spec) + [None] * (len(shape) - len(spec))
+  used = {a for e in entries if e is not None for a in (e if isinstance(e, tuple) else (e,))}
+  if DATA in used:
+    return None
+  free = [d for d, e in enumerate(entries) if e is None and shape[d] % size == 0
+          and shape[d] >= size]
+  if not free:
+    return None
+  dim = max(free, key=lambda d: (shape[d], -d))
+  entries[dim] = DATA
+  return P(*entries)
+
+
+def shard_over_data(sharding: NamedSharding, shape, size: int) -> NamedSharding:
+  spec = add_data_axis(sharding.spec, tuple(shape), size)
+  if spec is None:
+    return sharding
+  return NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
+
+
+def constrain(tree: Any, shardings: Any) -> Any:
+  return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
+
+
+def _without_memory_kind(sh: NamedSharding) -> NamedSharding:
+  # Constraints inside the step say how a value is laid out, not where it lives.
+  return NamedSharding(sh.mesh, sh.spec)
+
+
+class Zero(Feature):
+  """``zero.level`` v1, v2 or v3 (see the module docstring)."""
+
+  name = "zero"
+
+  def __init__(self, config: ZeroConfig):
+    self.level = config.level
+    self._sharded: list[NamedSharding] = []     # per parameter leaf: its ZeRO layout
+    self._full: list[NamedSharding] = []        # per parameter leaf: before ZeRO
+    self._treedef = None
+    self._unsharded: list[str] = []
+
+  def shardings(self, shardings: StateShardings, ctx: BuildContext) -> StateShardings:
+    size = ctx.mesh.shape[DATA]
+    shapes, self._treedef = jax.tree.flatten(ctx.params_shape)
+    full = jax.tree.leaves(shardings.params, is_leaf=_is_sharding)
+    self._full = full
+    self._sharded = [shard_over_data(s, x.shape, size) for s, x in zip(full, shapes)]
+    paths = [jax.tree_util.keystr(p, simple=True, separator="/")
+             for p, _ in jax.tree_util.tree_flatten_with_path(ctx.params_shape)[0]]
+    self._unsharded = [f"{path} {tuple(x.shape)}" for path, x, a, b in
+                       zip(paths, shapes, full, self._sharded) if a == b]
+    sharded_tree = jax.tree.unflatten(self._treedef, self._sharded)
+    opt_state = optax.tree_map_params(
+        ctx.optimizer, lambda current, target: NamedSharding(
+            target.mesh, target.spec, memory_kind=current.memory_kind),
+        shardings.opt_state, sharded_tree, is_leaf=_is_sharding)
+    params = sharded_tree if self.level == "v3" else shardings.params
+    return StateShardings(params=params, opt_state=opt_state,
+                          model_state=shardings.model_state)
+
+  # -- what ParamUses needs (the forward rewrite lives in uses.py) --------------------------
+  @property
+  def treedef(self):
+    return self._treedef
+
+  def layouts(self, i: int) -> tuple[NamedSharding, NamedSharding]:
+    """Parameter leaf ``i``: its layout without ZeRO, and its ZeRO layout."""
+    return _without_memory_kind(self._full[i]), _without_memory_kind(self._sharded[i])
+
+  def dim(self, i: int) -> int | None:
+    """The dimension of leaf ``i`` split over ``data``, or None when it is not split."""
+    if self._full[i] == self._sharded[i]:
+      return None
+    spec = self._sharded[i].spec
+    return next(d for d, e in enumerate(spec) if e == DATA)
+
+  # -- gradients and update: reduce-scatter, update shards, gather -------------------------
+  def gradients(self, fn: GradientFn, ctx: BuildContext) -> GradientFn:
+    def reduce_scattered(params, model_state, micro, fstate):
+      loss, aux, grads, new_state = fn(params, model_state, micro, fstate)
+      return loss, aux, constrain(grads, self._layout()), new_state
+
+    return reduce_scattered
+
+  def update(self, fn: UpdateFn, ctx: BuildContext) -> UpdateFn:
+    def sharded_update(params, opt_state, grads, fstate):
+      layout = self._layout()
+      grads = constrain(grads, layout)
+      new_params, opt_state, fstate = fn(constrain(params, layout), opt_state, grads, fstate)
+      return constrain(new_params, layout), opt_state, fstate
+
+    return sharded_update
+
+  def _layout(self):
+    return jax.tree.unflatten(self._treedef, [_without_memory_kind(s) for s in self._sharded])
+
+  def describe(self) -> str:
+    what = {"v1": "optimizer state", "v2": "optimizer state and gradients",
+            "v3": "parameters, gradients and optimizer state"}[self.level]
+    left = (f"; not sharded (no dimension divisible by the data axis): "
+            f"{', '.join(self._unsharded[:4])}{' ...' if len(self._unsharded) > 4 else ''}"
+            if self._unsharded else "")
+    return f"ZeRO {self.level}: {what} sharded over 'data'{left}"
+
+
+def _is_sharding(x) -> bool:
+  return isinstance(x, jax.sharding.Sharding)
+
+
+def features(config: ZeroConfig) -> list[Feature]:
+  return [Zero(config)] if config.level else []
