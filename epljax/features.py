@@ -46,10 +46,14 @@ UpdateFn = Callable[[Any, Any, Any, dict], tuple[Any, Any, dict]]
 
 @dataclasses.dataclass(frozen=True)
 class StateShardings:
-  """Where each part of the training state lives (trees of ``NamedSharding``)."""
+  """Where each part of the training state lives (trees of ``NamedSharding``).
+
+  ``grads``: the layout of the reduced gradients, for the plan (None: like ``params``).
+  """
   params: Any
   opt_state: Any
   model_state: Any
+  grads: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,8 +50,11 @@ class Plan:
   def __init__(self, *, mesh: Mesh, num_replicas: int, num_stages: int,
                taskgraphs: Sequence[TaskGraph], param_specs: Any, leaves: Sequence[Leaf],
                num_micro_batch: int, global_rows: int, batch_axes: Sequence[str],
-               optimizer_bytes: int, schedule: str, features: Sequence[str] = (),
-               compile_step: Callable[[], Any]):
+               optimizer_bytes: int, schedule: str,
+               features: Sequence[str | Callable[[], str]] = (),
+               compile_step: Callable[[], Any], grads_bytes: int | None = None,
+               placement: dict[str, str] | None = None,
+               compile_grads: Callable[[], Any] | None = None):
     self.mesh = mesh
     self.num_replicas = num_replicas
     self.num_stages = num_stages
@@ -63,9 +66,19 @@ class Plan:
     self.batch_axes = tuple(batch_axes)
     self.optimizer_bytes = optimizer_bytes
     self.schedule = schedule
-    self.features = list(features)
+    self._features = list(features)
     self._compile_step = compile_step
     self._compiled = None
+    self.grads_bytes = grads_bytes
+    self.placement = dict(placement or {})   # part of the state -> "device" / "host (...)"
+    self._compile_grads = compile_grads
+    self._grads_compiled = None
+
+  @property
+  def features(self) -> list[str]:
+    """One line per active feature (described lazily: some learn what they do by tracing)."""
+    lines = [f() if callable(f) else f for f in self._features]
+    return [line for line in lines if line]
 
   # -- facts of the compiled step (compiled once, shared with train_step) ------------------
   @property
@@ -83,6 +96,16 @@ class Plan:
   def collectives(self) -> list[hlo.Collective]:
     return hlo.collectives(self.compiled.as_text())
 
+  @property
+  def activation_bytes(self) -> int | None:
+    """Per device: temporaries of the compiled forward and backward pass (loss and gradients,
+    no update): the activations kept for the backward pass and what is computed from them."""
+    if self._compile_grads is None:
+      return None
+    if self._grads_compiled is None:
+      self._grads_compiled = self._compile_grads()
+    return self._grads_compiled.memory_analysis().temp_size_in_bytes
+
   # -- derived -----------------------------------------------------------------------------
   @property
   def param_bytes(self) -> int:
@@ -97,6 +120,7 @@ class Plan:
     return self.global_rows // (self.num_replicas * self.num_micro_batch)
 
   def __str__(self) -> str:
+    self.compiled   # compile first: some features describe what they found while tracing
     axes = " x ".join(f"{n}={s}" for n, s in self.mesh.shape.items())
     devices = self.mesh.devices.flat
     first = next(iter(devices))
@@ -124,23 +148,38 @@ class Plan:
         [[leaf.path + ("" if leaf.trainable else "  (state)"), leaf.shape, leaf.dtype,
           _spec(leaf.spec), _bytes(leaf.bytes_per_device), leaf.taskgraph]
          for leaf in self.leaves])
-    mem = self.memory
-    lines += [
-        "",
-        "memory per device",
-        f"  params {_bytes(self.param_bytes)}    optimizer state {_bytes(self.optimizer_bytes)}"
-        f"    model state {_bytes(self.model_state_bytes)}",
-        f"  compiled step: arguments {_bytes(mem.argument_size_in_bytes)}    outputs "
-        f"{_bytes(mem.output_size_in_bytes)}    temp {_bytes(mem.temp_size_in_bytes)}    "
-        f"aliased {_bytes(mem.alias_size_in_bytes)}",
-        "",
-        "collectives per step (compiled HLO)",
-    ]
+    lines += ["", "memory per device"] + self._memory_lines() + [
+        "", "collectives per step (compiled HLO)"]
     summary = hlo.summarize(self.collectives)
     lines += _table(["kind", "count", "bytes"],
                     [[k, n, _bytes(b)] for k, (n, b) in summary.items()]) if summary else [
                         "  none"]
     return "\n".join(lines)
+
+  def _memory_lines(self) -> list[str]:
+    mem = self.memory
+    where = lambda part: self.placement.get(part, "device")  # noqa: E731
+    grads = self.param_bytes if self.grads_bytes is None else self.grads_bytes
+    rows = [["parameters", _bytes(self.param_bytes), where("parameters")],
+            ["gradients", _bytes(grads), where("gradients")],
+            ["optimizer state", _bytes(self.optimizer_bytes), where("optimizer state")],
+            ["model state", _bytes(self.model_state_bytes), where("model state")]]
+    activations = self.activation_bytes
+    if activations is not None:
+      rows.append(["activations", _bytes(activations),
+                   "device (temp of the compiled forward + backward)"])
+    lines = _table(["part", "bytes", "lives in"], rows)
+    lines.append(
+        f"  compiled step: arguments {_bytes(mem.argument_size_in_bytes)}    outputs "
+        f"{_bytes(mem.output_size_in_bytes)}    temp {_bytes(mem.temp_size_in_bytes)}    "
+        f"aliased {_bytes(mem.alias_size_in_bytes)}")
+    host = (mem.host_argument_size_in_bytes, mem.host_output_size_in_bytes,
+            mem.host_temp_size_in_bytes)
+    if any(host) or any(v != "device" for v in self.placement.values()):
+      lines.append(f"  compiled step, host memory: arguments {_bytes(host[0])}    outputs "
+                   f"{_bytes(host[1])}    temp {_bytes(host[2])}"
+                   + ("" if any(host) else "  (this backend counts host buffers as device)"))
+    return lines
 
   def __repr__(self) -> str:
     return (f"Plan(mesh={dict(self.mesh.shape)}, num_replicas={self.num_replicas}, "

@@ -252,7 +252,8 @@ class Trainer:
     grads_jit = jax.jit(traced(loss_and_grads), in_shardings=(shardings, batch_sh),
                         out_shardings=(replicated, base.params))
 
-    # 6. The plan.
+    # 6. The plan (grads_bytes, placement, compile_grads and lazy feature descriptions: the
+    # per-device memory breakdown of the memory features).
     abstract_state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
         jax.eval_shape(lambda: TrainState(
@@ -268,6 +269,7 @@ class Trainer:
         for i, (path, x, sh, tg) in enumerate(zip(
             p_paths + s_paths, p_leaves + s_leaves, final_named, cap.input_taskgraph))]
     spec_leaves = [sh.spec for sh in final_named]
+    grads_sh = base.grads if base.grads is not None else base.params
     plan = Plan(
         mesh=mesh, num_replicas=layout.num_replicas, num_stages=layout.num_stages,
         taskgraphs=cap.taskgraphs,
@@ -276,11 +278,24 @@ class Trainer:
         leaves=leaves, num_micro_batch=num_micro, global_rows=rows, batch_axes=axes,
         optimizer_bytes=tree_bytes_per_device(opt_shape, base.opt_state),
         schedule="gradient accumulation" if num_micro > 1 else "-",
-        features=[f.describe() for f in features],
-        compile_step=lambda: step_jit.lower(abstract_state, abstract_batch).compile())
+        features=[f.describe for f in features],
+        compile_step=lambda: step_jit.lower(abstract_state, abstract_batch).compile(),
+        grads_bytes=tree_bytes_per_device(params_shape, grads_sh),
+        placement={"parameters": where(base.params), "gradients": where(grads_sh),
+                   "optimizer state": where(base.opt_state),
+                   "model state": where(base.model_state)},
+        compile_grads=lambda: grads_jit.lower(abstract_state, abstract_batch).compile())
     self._built = _Built(model, cap, layout, bplan, shardings, init_jit, step_jit, grads_jit,
                          plan)
     return self._built
+
+
+def where(shardings: Any) -> str:
+  """Where a tree of shardings puts its bytes: "device", "host (pinned_host)" or both."""
+  kinds = sorted({s.memory_kind or "device" for s in jax.tree.leaves(
+      shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))})
+  named = ["device" if k == "device" else f"host ({k})" for k in kinds]
+  return " + ".join(named) if named else "device"
 
 
 def _traced_in_session(fn: Callable) -> Callable:

@@ -16,6 +16,7 @@ backend) and the state stays on the device.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
@@ -65,8 +66,10 @@ class Offload(Feature):
     opt_state = shardings.opt_state
     if self.level == "v1":
       opt_state = jax.tree.map(on_host, opt_state, is_leaf=_is_sharding)
-    return StateShardings(params=params, opt_state=opt_state,
-                          model_state=shardings.model_state)
+    grads = shardings.grads
+    if grads is not None:    # the gradient of a host value is a host value
+      grads = jax.tree.map(on_host, grads, is_leaf=_is_sharding)
+    return dataclasses.replace(shardings, params=params, opt_state=opt_state, grads=grads)
 
   def update(self, fn: UpdateFn, ctx: BuildContext) -> UpdateFn:
     if self.level == "v1":

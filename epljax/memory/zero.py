@@ -19,6 +19,7 @@ axis uses; leaves with no such dimension stay as they are (``describe`` counts t
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -90,8 +91,11 @@ class Zero(Feature):
             target.mesh, target.spec, memory_kind=current.memory_kind),
         shardings.opt_state, sharded_tree, is_leaf=_is_sharding)
     params = sharded_tree if self.level == "v3" else shardings.params
-    return StateShardings(params=params, opt_state=opt_state,
-                          model_state=shardings.model_state)
+    reduced = self.level != "v1" or ctx.num_micro_batch == 1
+    grads = jax.tree.map(lambda s, p: NamedSharding(s.mesh, s.spec, memory_kind=p.memory_kind),
+                         sharded_tree, shardings.params, is_leaf=_is_sharding)
+    return dataclasses.replace(shardings, params=params, opt_state=opt_state,
+                               grads=grads if reduced else shardings.grads)
 
   # -- what ParamUses needs (the forward rewrite lives in uses.py) --------------------------
   @property
