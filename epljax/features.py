@@ -21,6 +21,8 @@ The hooks, in the order the Trainer calls them while building the step:
   fstate)``, the optimizer step (grouped apply, skipping non-finite steps).
 - ``init_state(ctx)``: the feature's own state, kept in ``TrainState.feature_state[name]``.
 - ``metrics(fstate)``: numbers to add to the step's metrics.
+- ``after_first_step(metrics)``: called once, on the host, with the first step's metrics; a
+  feature that verifies something (``gradient_checkpoint.check_gradients``) raises here.
 - ``describe()``: one line for the plan printout.
 
 Loss scaling contract: a feature may keep a float32 scalar under ``fstate[LOSS_SCALE]``. Every
@@ -94,6 +96,9 @@ class Feature:
 
   def metrics(self, fstate: Any) -> dict[str, Any]:
     return {}
+
+  def after_first_step(self, metrics: dict[str, Any]) -> None:
+    return None
 
   def describe(self) -> str:
     return self.name

@@ -76,7 +76,10 @@ class Plan:
 
   @property
   def features(self) -> list[str]:
-    """One line per active feature (described lazily: some learn what they do by tracing)."""
+    """One line per active feature (some learn what they do while the step is traced, so
+    this compiles the step first)."""
+    if self._features:
+      self.compiled
     lines = [f() if callable(f) else f for f in self._features]
     return [line for line in lines if line]
 

@@ -58,6 +58,7 @@ class _Built:
   step_jit: Any
   grads_jit: Any
   plan: Plan
+  first_step_checks: list = dataclasses.field(default_factory=list)
 
 
 class Trainer:
@@ -109,7 +110,11 @@ class Trainer:
   def train_step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
     """One global step over all micro batches; ``metrics["loss"]`` is the global mean loss."""
     built = self._require()
-    return built.step_jit(state, self.shard_batch(batch))
+    state, metrics = built.step_jit(state, self.shard_batch(batch))
+    checks, built.first_step_checks = built.first_step_checks, []
+    for check in checks:   # features that verify the first step (one host sync, once)
+      check(metrics)
+    return state, metrics
 
   def loss_and_grads(self, state: TrainState, batch: Any) -> tuple[jax.Array, Any]:
     """The mean loss and the reduced gradients the next step would apply (no update)."""
@@ -286,7 +291,7 @@ class Trainer:
                    "model state": where(base.model_state)},
         compile_grads=lambda: grads_jit.lower(abstract_state, abstract_batch).compile())
     self._built = _Built(model, cap, layout, bplan, shardings, init_jit, step_jit, grads_jit,
-                         plan)
+                         plan, [f.after_first_step for f in features])
     return self._built
 
 

@@ -153,10 +153,10 @@ class MixedPrecision(Feature):
   def update(self, fn: UpdateFn, ctx: BuildContext) -> UpdateFn:
     def guarded(params, opt_state, grads, fstate):
       finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-      new_params, new_opt, fstate = fn(params, opt_state, grads, fstate)
-      keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-      params = jax.tree.map(keep, new_params, params)
-      opt_state = jax.tree.map(keep, new_opt, opt_state)
+      # A cond, not a select: the update runs in place, or not at all.
+      params, opt_state, fstate = jax.lax.cond(
+          finite, lambda: fn(params, opt_state, grads, fstate),
+          lambda: (params, opt_state, fstate))
       scale, stats = fstate[LOSS_SCALE], fstate[self.name]
       new_scale, good = next_scale(scale, stats["good_steps"], finite, self.dynamic,
                                    self.growth_interval)

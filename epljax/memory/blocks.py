@@ -38,6 +38,9 @@ COLLECTIVES = frozenset({
 })
 STATEFUL = frozenset({"rng_uniform"})
 HEAVY = frozenset({"dot_general", "conv_general_dilated"})
+# Dtype casts differ between otherwise identical blocks under mixed precision (the first
+# block's input may arrive in another dtype): they do not count in a block's histogram.
+IGNORED = frozenset({"convert_element_type"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +57,8 @@ def repeated_blocks(program: Program) -> tuple[list[tuple[int, int]], str]:
   for depth in range(depth_max):
     by_histogram: dict[frozenset, list[tuple[tuple[str, ...], int, int]]] = {}
     for prefix, start, stop in _runs(steps, depth):
-      hist = frozenset(collections.Counter(s.primitive for s in steps[start:stop]).items())
+      hist = frozenset(collections.Counter(s.primitive for s in steps[start:stop]
+                                           if s.primitive not in IGNORED).items())
       by_histogram.setdefault(hist, []).append((prefix, start, stop))
     candidates = [runs for runs in by_histogram.values()
                   if len({p for p, _, _ in runs}) >= MIN_REPEATS]

@@ -154,23 +154,24 @@ def _flatten(jaxpr, scope: int, prefix, steps: list[Step], alias: dict, consts: 
 
 def bind(step: Step, invals: Sequence[Any], **param_changes) -> list[Any]:
   """Binds ``step``'s primitive on ``invals`` under its own name stack and context."""
+  return in_context(step, bind_here, step, invals, **param_changes)
+
+
+def bind_here(step: Step, invals: Sequence[Any], **param_changes) -> list[Any]:
+  """Binds ``step``'s primitive in the current context (inside ``in_context(step, ...)``)."""
   eqn = step.eqn
   params = dict(eqn.params, **param_changes) if param_changes else eqn.params
-  bind_params = eqn.primitive.get_bind_params(params)
-  stack = source_info_util.current_name_stack() + step.name_stack
-  with source_info_util.user_context(eqn.source_info.traceback, name_stack=stack), \
-      eqn.ctx.manager:
-    out = eqn.primitive.bind(*invals, **bind_params)
+  out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
   return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def in_context(step: Step, fn: Callable, *args):
+def in_context(step: Step, fn: Callable, *args, **kwargs):
   """Calls ``fn(*args)`` as if it were part of ``step``: same name stack and context, so what
-  a feature inserts before an equation (a cast, a transfer) belongs to the same block."""
+  a feature inserts around an equation (a cast, a transfer) belongs to the same block."""
   stack = source_info_util.current_name_stack() + step.name_stack
   with source_info_util.user_context(step.eqn.source_info.traceback, name_stack=stack), \
       step.eqn.ctx.manager:
-    return fn(*args)
+    return fn(*args, **kwargs)
 
 
 Rule = Callable[[Step, list], list]   # (step, input values) -> output values

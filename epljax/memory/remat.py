@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from epljax import strategy as strategy_lib
@@ -70,6 +71,8 @@ class GradientCheckpoint(Feature):
     self._plain = False          # set while check_gradients traces the reference
     self._found = "not traced yet"
     self._warned = False
+    self._paths: list[str] = []
+    self._diffs = None      # the first step's relative differences, set while tracing
 
   # -- forward -------------------------------------------------------------------------------
   def forward(self, fn: ForwardFn, ctx: BuildContext) -> ForwardFn:
@@ -125,9 +128,9 @@ class GradientCheckpoint(Feature):
                           zip(jax.tree.leaves(out[2]), jax.tree.leaves(reference))])
 
       leaves = jax.tree_util.tree_flatten_with_path(out[2])[0]
-      paths = [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in leaves]
-      diffs = jax.lax.cond(first, compare, lambda _: jnp.zeros(len(paths), jnp.float32), None)
-      jax.debug.callback(_raise_if_different, first, diffs, paths=tuple(paths))
+      self._paths = [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in leaves]
+      self._diffs = jax.lax.cond(first, compare,
+                                 lambda _: jnp.zeros(len(self._paths), jnp.float32), None)
       return out
 
     return checked
@@ -146,12 +149,23 @@ class GradientCheckpoint(Feature):
 
     def mark_checked(params, opt_state, grads, fstate):
       params, opt_state, fstate = fn(params, opt_state, grads, fstate)
-      return params, opt_state, {**fstate, self.name: {"checked": jnp.ones((), bool)}}
+      state = {"checked": jnp.ones((), bool), "diffs": self._diffs}
+      return params, opt_state, {**fstate, self.name: state}
 
     return mark_checked
 
   def init_state(self, ctx: BuildContext) -> Any:
-    return {"checked": jnp.zeros((), bool)} if self.config.check_gradients else None
+    if not self.config.check_gradients:
+      return None
+    count = len(jax.tree.leaves(ctx.params_shape))
+    return {"checked": jnp.zeros((), bool), "diffs": jnp.zeros(count, jnp.float32)}
+
+  def metrics(self, fstate: Any) -> dict[str, Any]:
+    return {} if fstate is None else {"gradient_check_diffs": fstate["diffs"]}
+
+  def after_first_step(self, metrics: dict[str, Any]) -> None:
+    if self.config.check_gradients:
+      _raise_if_different(np.asarray(metrics["gradient_check_diffs"]), self._paths)
 
   def describe(self) -> str:
     end = self.config.end_taskgraph
@@ -188,9 +202,7 @@ def _relative_diff(a, b):
   return jnp.max(jnp.abs(a - b)) / scale
 
 
-def _raise_if_different(first, diffs, *, paths):
-  if not first:
-    return
+def _raise_if_different(diffs, paths):
   bad = [(p, float(d)) for p, d in zip(paths, diffs) if not float(d) <= CHECK_RTOL]
   if bad:
     listing = ", ".join(f"{p} (max |diff| / max |grad| = {d:.2e})" for p, d in bad[:5])

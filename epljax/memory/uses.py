@@ -110,7 +110,7 @@ class _Run:
       invals = [used[a] if not _lit(a) and a in used else interpret.read(env, a)
                 for a in step.inputs]
       flags = [not _lit(a) and a in param_like for a in step.inputs]
-      outs = self._bind(step, invals, flags)
+      outs = interpret.in_context(step, self._bind, step, invals, flags)
       for key, val in zip(step.outputs, outs):
         if key is not None:
           env[key] = val
@@ -134,8 +134,8 @@ class _Run:
       return self._matmul(step, invals, flags)
     if self.policy is not None:
       changes = self.policy.low_params(step) if step.primitive in amp_lib.LOW else {}
-      return interpret.bind(step, self.policy.operands(step, invals, flags), **changes)
-    return interpret.bind(step, invals)
+      return interpret.bind_here(step, self.policy.operands(step, invals, flags), **changes)
+    return interpret.bind_here(step, invals)
 
   def _matmul(self, step, invals, flags):
     policy, platform = self.policy, self.platform
@@ -143,13 +143,13 @@ class _Run:
     changes = policy.low_params(step) if policy is not None else {}
     scatter = [self._scatter_plan(step, invals, j) if flags[j] else None for j in range(2)]
     if low is None and not any(scatter):
-      return interpret.bind(step, invals)
+      return interpret.bind_here(step, invals)
 
     def cast(x):
       return amp_lib.cast(x, low) if low is not None else x
 
     def forward(a, b):
-      return interpret.bind(step, [cast(a), cast(b)], **changes)[0]
+      return interpret.bind_here(step, [cast(a), cast(b)], **changes)[0]
 
     @jax.custom_vjp
     def unit(a, b):
@@ -163,7 +163,7 @@ class _Run:
       if any(flags):
         res = after(res, ct, platform=platform)
       a_c, b_c = cast(res[0]), cast(res[1])
-      _, pull = jax.vjp(lambda x, y: interpret.bind(step, [x, y], **changes)[0], a_c, b_c)
+      _, pull = jax.vjp(lambda x, y: interpret.bind_here(step, [x, y], **changes)[0], a_c, b_c)
       grads = list(pull(ct))
       for j in range(2):
         if scatter[j] is not None:
@@ -207,7 +207,7 @@ class _Run:
 
     def local(other_l, ct_l, w):
       ops = (other_l, w) if j == 1 else (w, other_l)
-      _, pull = jax.vjp(lambda x, y: interpret.bind(step, [x, y], **changes)[0], *ops)
+      _, pull = jax.vjp(lambda x, y: interpret.bind_here(step, [x, y], **changes)[0], *ops)
       g = pull(ct_l)[j]
       return jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)
 

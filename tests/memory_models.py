@@ -1,0 +1,107 @@
+"""Small models for the memory-feature tests: deep enough for activations to dominate."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+import epljax as epl
+from helpers import cross_entropy
+
+
+class Block(nn.Module):
+  """A transformer-style MLP block: Dense -> gelu -> Dense, residual, LayerNorm."""
+  width: int = 32
+  hidden: int = 128
+  dropout: float = 0.0
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.gelu(nn.Dense(self.hidden)(x))
+    if self.dropout:
+      h = nn.Dropout(self.dropout, deterministic=False)(h)
+    return nn.LayerNorm()(x + nn.Dense(self.width)(h))
+
+
+class Deep(nn.Module):
+  """Embed -> ``depth`` blocks named ``layers_i`` -> head."""
+  depth: int = 8
+  width: int = 32
+  hidden: int = 128
+  classes: int = 16
+  dropout: float = 0.0
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(self.width)(x)
+    for i in range(self.depth):
+      x = Block(self.width, self.hidden, self.dropout, name=f"layers_{i}")(x)
+    return nn.Dense(self.classes)(x)
+
+
+class TaggedDeep(Deep):
+  """``Deep`` with every second block's output tagged for gradient_checkpoint "collection",
+  using the returned value or (``style="tf"``) calling add_to_collection for its effect."""
+  style: str = "returned"
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(self.width)(x)
+    for i in range(self.depth):
+      x = Block(self.width, self.hidden, name=f"layers_{i}")(x)
+      if i % 2 == 1 and i < self.depth - 1:
+        if self.style == "returned":
+          x = epl.add_to_collection(x, "checkpoints")
+        else:
+          epl.add_to_collection(x, "checkpoints")
+    return nn.Dense(self.classes)(x)
+
+
+class TwoGraphs(Deep):
+  """``Deep`` in two named task graphs, half the blocks each."""
+
+  @nn.compact
+  def __call__(self, x):
+    with epl.replicate(1, name="low"):
+      x = nn.Dense(self.width)(x)
+      for i in range(self.depth // 2):
+        x = Block(self.width, self.hidden, name=f"layers_{i}")(x)
+    with epl.replicate(1, name="high"):
+      for i in range(self.depth // 2, self.depth):
+        x = Block(self.width, self.hidden, name=f"layers_{i}")(x)
+      return nn.Dense(self.classes)(x)
+
+
+def deep_fns(model: Deep, *, dropout_key: int | None = None):
+  """(init_fn, loss_fn) for ``model``; dropout uses a fixed key so runs can be compared."""
+
+  def init_fn(rng, batch):
+    return model.init(rng, batch["x"])
+
+  def loss_fn(variables, batch):
+    rngs = {"dropout": jax.random.key(dropout_key)} if dropout_key is not None else None
+    return cross_entropy(model.apply(variables, batch["x"], rngs=rngs), batch["y"])
+
+  return init_fn, loss_fn
+
+
+def plain_mlp_fns(depth: int = 9, width: int = 32, classes: int = 16):
+  """A plain-JAX pytree MLP: no module names, so "auto" falls back to sqrt(L) segments."""
+
+  def init_fn(rng, batch):
+    keys = jax.random.split(rng, depth + 1)
+    sizes = [batch["x"].shape[1]] + [width] * depth
+    layers = [{"w": jax.random.normal(k, (a, b)) / jnp.sqrt(a), "b": jnp.zeros(b)}
+              for k, a, b in zip(keys, sizes[:-1], sizes[1:])]
+    head = jax.random.normal(keys[-1], (width, classes)) / jnp.sqrt(width)
+    return {"layers": layers, "head": head}
+
+  def loss_fn(params, batch):
+    x = batch["x"]
+    for layer in params["layers"]:
+      x = jnp.tanh(x @ layer["w"] + layer["b"])
+    return optax.softmax_cross_entropy_with_integer_labels(x @ params["head"], batch["y"]).mean()
+
+  return init_fn, loss_fn

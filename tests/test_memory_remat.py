@@ -1,0 +1,192 @@
+"""Gradient checkpointing: the single-device reference's numbers, with less memory.
+
+``Deep``, ``TaggedDeep`` and ``TwoGraphs`` compute the same function with the same parameter
+names, so one single-device reference serves them all.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.experimental import io_callback
+
+import epljax as epl
+from epljax.memory import blocks, interpret
+from helpers import TOL, assert_trees_close, classification_batch, reference_run
+from memory_models import Deep, TaggedDeep, TwoGraphs, deep_fns, plain_mlp_fns
+
+ROWS = 1024
+
+
+def train(config, init_fn, loss_fn, batch, *, grads=False, steps=1, optimizer=None):
+  """Trainer, final state, (loss, grads) before the first step if asked, step losses."""
+  epl.init(config)
+  trainer = epl.Trainer(init_fn, loss_fn, optimizer or optax.sgd(0.1))
+  state = trainer.init(jax.random.key(0), batch)
+  first = trainer.loss_and_grads(state, batch) if grads else None
+  losses = []
+  for _ in range(steps):
+    state, metrics = trainer.train_step(state, batch)
+    losses.append(metrics["loss"])
+  return trainer, state, first, losses
+
+
+@pytest.fixture(scope="module")
+def deep():
+  """Reference, and the deep model trained without GC and with "auto"."""
+  epl.init()
+  init_fn, loss_fn = deep_fns(Deep(depth=8))
+  batch = classification_batch(ROWS, features=32, classes=16)
+  history, expected = reference_run(init_fn, loss_fn, optax.sgd(0.1), jax.random.key(0),
+                                    batch, 1)
+  runs = {"none": train({}, init_fn, loss_fn, batch),
+          "auto": train({"gradient_checkpoint.type": "auto"}, init_fn, loss_fn, batch,
+                        grads=True)}
+  return batch, history, expected, runs
+
+
+def check_reference(run, history, expected, grads=True):
+  trainer, state, first, losses = run
+  np.testing.assert_allclose(losses[0], history[0][0], **TOL)
+  if grads:
+    np.testing.assert_allclose(first[0], history[0][0], **TOL)
+    assert_trees_close(first[1], history[0][1])
+  assert_trees_close(trainer.variables(state), expected)
+
+
+def test_auto_matches_the_reference(deep):
+  _, history, expected, runs = deep
+  check_reference(runs["auto"], history, expected)
+
+
+def test_auto_finds_the_repeated_layers_and_halves_temp_memory(deep):
+  runs = deep[3]
+  plain, remat = runs["none"][0].plan, runs["auto"][0].plan
+  assert any("auto: 8 repeated blocks Deep/layers_*" in f for f in remat.features)
+  assert remat.memory.temp_size_in_bytes < 0.5 * plain.memory.temp_size_in_bytes
+  assert remat.activation_bytes < 0.5 * plain.activation_bytes
+  # Chen et al.: about one extra forward pass, a third of a step's FLOPs.
+  extra = (remat.compiled.cost_analysis()["flops"] / plain.compiled.cost_analysis()["flops"]
+           - 1)
+  assert 0.15 < extra < 0.5, extra
+
+
+@pytest.mark.parametrize("style", ["returned", "tf"])
+def test_collection_keeps_only_tagged_tensors(deep, style):
+  batch, history, expected, runs = deep
+  init_fn, loss_fn = deep_fns(TaggedDeep(depth=8, style=style))
+  run = train({"gradient_checkpoint.type": "collection"}, init_fn, loss_fn, batch)
+  check_reference(run, history, expected, grads=False)
+  plan = run[0].plan
+  assert any("collection: 3 tagged tensors -> 4 segments" in f for f in plan.features)
+  assert plan.activation_bytes < 0.6 * runs["none"][0].plan.activation_bytes
+
+
+def test_end_taskgraph_limits_checkpointing_to_the_first_task_graphs(deep):
+  batch, history, expected, runs = deep
+  init_fn, loss_fn = deep_fns(TwoGraphs(depth=8))
+  run = train({"cluster.colocate_split_and_replicate": True, "gradient_checkpoint.type": "auto",
+               "gradient_checkpoint.end_taskgraph": 0}, init_fn, loss_fn, batch)
+  check_reference(run, history, expected, grads=False)
+  plan = run[0].plan
+  assert [t.name for t in plan.taskgraphs] == ["low", "high"]
+  assert any("auto: 8 repeated blocks" in f and "task graphs 0..0" in f for f in plan.features)
+  none, auto = (runs[k][0].plan.activation_bytes for k in ("none", "auto"))
+  assert auto < plan.activation_bytes < none
+
+
+def test_dropout_keeps_its_mask():
+  """Random bits are recomputed from their key: the same mask, so the same gradients."""
+  init_fn, loss_fn = deep_fns(Deep(depth=4, dropout=0.3), dropout_key=7)
+  batch = classification_batch(64, features=32, classes=16)
+  history, expected = reference_run(init_fn, loss_fn, optax.sgd(0.1), jax.random.key(0),
+                                    batch, 1)
+  run = train({"gradient_checkpoint.type": "auto"}, init_fn, loss_fn, batch, grads=True)
+  check_reference(run, history, expected)
+
+
+def test_plain_jax_model_falls_back_to_sqrt_segments():
+  init_fn, loss_fn = plain_mlp_fns(depth=9)
+  batch = classification_batch(ROWS, features=32, classes=16)
+  params = init_fn(jax.random.key(0), batch)
+  loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+  acts = {}
+  for name, config in [("none", {}), ("auto", {"gradient_checkpoint.type": "auto"})]:
+    trainer, _, (loss0, grads0), _ = train(config, init_fn, loss_fn, batch, grads=True, steps=0)
+    np.testing.assert_allclose(loss0, loss, **TOL)
+    assert_trees_close(grads0, grads)
+    acts[name] = trainer.plan.activation_bytes
+  assert any("no block repeated 4+ times; 3 memory-balanced segments" in f
+             for f in trainer.plan.features), trainer.plan.features
+  assert acts["auto"] < 0.7 * acts["none"]
+
+
+def test_check_gradients_passes_on_a_pure_model_and_raises_on_an_impure_one():
+  init_fn, loss_fn = deep_fns(Deep(depth=4))
+  batch = classification_batch(64, features=32, classes=16)
+  history, expected = reference_run(init_fn, loss_fn, optax.sgd(0.1), jax.random.key(0),
+                                    batch, 2, micro_batches=2)
+  config = {"gradient_checkpoint.type": "auto", "gradient_checkpoint.check_gradients": True,
+            "pipeline.num_micro_batch": 2}
+  trainer, state, _, losses = train(config, init_fn, loss_fn, batch, steps=2)
+  assert bool(state.feature_state["gradient_checkpoint"]["checked"])
+  for step in range(2):    # with gradient accumulation, too
+    np.testing.assert_allclose(losses[step], history[step][0], **TOL)
+  assert_trees_close(trainer.variables(state), expected)
+
+  counter = iter(range(1, 10**6))
+  mlp_init, _ = plain_mlp_fns(depth=4)
+
+  def impure_loss(params, b):
+    # A callback declared pure that is not: recomputing it gives other numbers.
+    x = b["x"]
+    for layer in params["layers"]:
+      noise = jax.pure_callback(lambda: np.float32(next(counter)),
+                                jax.ShapeDtypeStruct((), jnp.float32))
+      x = jnp.tanh(x @ layer["w"] + layer["b"]) * noise
+    logits = x @ params["head"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  epl.init({**config, "pipeline.num_micro_batch": 1})
+  trainer = epl.Trainer(mlp_init, impure_loss, optax.sgd(0.1))
+  state = trainer.init(jax.random.key(0), batch)
+  with pytest.raises(epl.GradientCheckError, match=r"the gradients with and without gradient "
+                     r"checkpointing differ beyond 0.0001 \(relative\) at head .* layers/0/w"):
+    trainer.train_step(state, batch)
+
+
+def test_collectives_stateful_random_and_effects_are_never_recomputed():
+  def fn(params, x):
+    y = jnp.sin(x @ params)
+    noise = jax.lax.rng_uniform(0.0, 1.0, y.shape)
+    io_callback(lambda v: None, None, y.sum())
+    return jnp.sum(y * noise)
+
+  program, _ = interpret.trace(fn, jnp.ones((4, 4)), (jnp.ones((2, 4)),))
+  kept = {s.primitive for s in program.steps if blocks.must_run_once(s)}
+  assert kept == {"rng_uniform", "io_callback"}
+  segments = blocks.plan_segments(program, [(0, len(program.steps))],
+                                  [True] * len(program.steps))
+  assert any(seg.remat for seg in segments)
+  for seg in segments:
+    if seg.remat:
+      assert not any(blocks.must_run_once(s) for s in program.steps[seg.start:seg.stop])
+
+
+def test_tagging_is_a_no_op_unless_collection():
+  x = jnp.ones(3)
+  for kind in ["", "auto"]:
+    epl.init({"gradient_checkpoint.type": kind} if kind else {})
+    assert not jax.make_jaxpr(lambda v: epl.add_to_collection(v, "checkpoints"))(x).eqns
+  epl.init({"gradient_checkpoint.type": "collection"})
+  jaxpr = jax.make_jaxpr(lambda v: epl.add_to_collection(v, "checkpoints"))(x)
+  assert [e.primitive.name for e in jaxpr.eqns] == ["name"]
+  with pytest.raises(epl.EPLError, match=r"epljax knows one collection, 'checkpoints'"):
+    epl.add_to_collection(x, "activations")
+
+
+def test_invalid_type_lists_the_valid_ones():
+  with pytest.raises(epl.ConfigError, match=r"'gradient_checkpoint.type' .* must be one of "
+                     r"'', 'collection', 'auto'; got 'full'"):
+    epl.Config({"gradient_checkpoint.type": "full"})
