@@ -139,11 +139,11 @@ class MixedPrecision(Feature):
 
   name = "amp"
 
-  def __init__(self, config: AmpConfig, compute_dtype=COMPUTE_DTYPE,
+  def __init__(self, config: AmpConfig, compute_dtype=None,
                growth_interval: int = GROWTH_INTERVAL):
     self.dynamic = config.loss_scale == "dynamic"
     self.debug_log = config.debug_log
-    self.policy = Policy(compute_dtype)
+    self.policy = Policy(COMPUTE_DTYPE if compute_dtype is None else compute_dtype)
     self.growth_interval = growth_interval
     self.loss_scale = LossScale(config)
 
@@ -154,9 +154,10 @@ class MixedPrecision(Feature):
     def guarded(params, opt_state, grads, fstate):
       finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
       # A cond, not a select: the update runs in place, or not at all.
+      old = (params, opt_state, fstate)
       params, opt_state, fstate = jax.lax.cond(
-          finite, lambda: fn(params, opt_state, grads, fstate),
-          lambda: (params, opt_state, fstate))
+          finite, lambda: _in_memory_of(fn(params, opt_state, grads, fstate), old),
+          lambda: old)
       scale, stats = fstate[LOSS_SCALE], fstate[self.name]
       new_scale, good = next_scale(scale, stats["good_steps"], finite, self.dynamic,
                                    self.growth_interval)
@@ -177,6 +178,15 @@ class MixedPrecision(Feature):
         f"fixed loss scale {self.loss_scale.initial:g}"
     return (f"mixed precision O1: float32 master weights, {self.policy.low.name} compute "
             f"cast at use; {scale}; non-finite steps skipped")
+
+
+def _in_memory_of(new, old):
+  """``new`` moved to the memory (device or host) each leaf of ``old`` is in: both branches
+  of the skip must have one type, and a value's memory space is part of its type."""
+  def move(n, o):
+    space = jax.typeof(o).memory_space
+    return n if jax.typeof(n).memory_space == space else jax.device_put(n, space)
+  return jax.tree.map(move, new, old)
 
 
 def next_scale(scale, good_steps, finite, dynamic: bool, growth_interval: int):

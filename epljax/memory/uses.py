@@ -101,16 +101,12 @@ class _Run:
   def __call__(self):
     program = self.program
     env = interpret.start_env(program, self.flat)
-    used: dict = {}                                   # param key -> value at use
-    param_like = set(self.param_index)
+    param_like = set(self.param_index)       # parameters, and reshapes/casts of them
     for step in program.steps:
-      for a in step.inputs:
-        if not _lit(a) and a in self.param_index and a not in used:
-          used[a] = interpret.in_context(step, self._at_use, self.param_index[a], env[a])
-      invals = [used[a] if not _lit(a) and a in used else interpret.read(env, a)
-                for a in step.inputs]
+      direct = [not _lit(a) and a in self.param_index for a in step.inputs]
       flags = [not _lit(a) and a in param_like for a in step.inputs]
-      outs = interpret.in_context(step, self._bind, step, invals, flags)
+      raw = [interpret.read(env, a) for a in step.inputs]
+      outs = interpret.in_context(step, self._bind, step, raw, flags, direct)
       for key, val in zip(step.outputs, outs):
         if key is not None:
           env[key] = val
@@ -119,8 +115,21 @@ class _Run:
         param_like.update(k for k in step.outputs if k is not None)
     return interpret.finish(program, env, cast_back=self.policy is not None)
 
-  # -- per parameter ---------------------------------------------------------------------
-  def _at_use(self, i, value):
+  # -- a parameter at one use ------------------------------------------------------------
+  def _index(self, step, j):
+    return self.param_index[step.inputs[j]]
+
+  def _place(self, i, value):
+    """Device memory, full layout: what the use computes with (no autodiff rule)."""
+    if self.stream:
+      value = jax.device_put(value, jax.memory.Space.Device)
+    if self.zero is not None and self.zero.level == "v3":
+      value = jax.lax.with_sharding_constraint(value, self.zero.layouts(i)[0])
+    return value
+
+  def _prepare(self, i, value):
+    """``_place`` for any use but a matmul: autodiff sends the gradient back (to host memory,
+    reduce-scattered to the ZeRO layout)."""
     if self.stream:
       value = jax.device_put(value, jax.memory.Space.Device)
     if self.zero is not None:
@@ -128,50 +137,67 @@ class _Run:
       value = _reshard_cotangent(full if self.zero.level == "v3" else None, sharded)(value)
     return value
 
+  def _gradient_back(self, i, g, reduced: bool):
+    """The gradient of a matmul's weight, in the layout and memory of the parameter."""
+    if self.zero is not None and not reduced:
+      g = jax.lax.with_sharding_constraint(g, self.zero.layouts(i)[1])
+    if self.stream:
+      g = jax.device_put(g, jax.memory.Space.Host)
+    return g
+
   # -- per equation ----------------------------------------------------------------------
-  def _bind(self, step, invals, flags):
-    if step.primitive in amp_lib.LOW and len(invals) == 2 and any(flags):
-      return self._matmul(step, invals, flags)
+  def _bind(self, step, raw, flags, direct):
+    if step.primitive in amp_lib.LOW and len(raw) == 2 and any(flags):
+      return self._matmul(step, raw, flags, direct)
+    invals = [self._prepare(self._index(step, j), v) if direct[j] else v
+              for j, v in enumerate(raw)]
     if self.policy is not None:
       changes = self.policy.low_params(step) if step.primitive in amp_lib.LOW else {}
       return interpret.bind_here(step, self.policy.operands(step, invals, flags), **changes)
     return interpret.bind_here(step, invals)
 
-  def _matmul(self, step, invals, flags):
+  def _matmul(self, step, raw, flags, direct):
+    """One custom-VJP unit: the weight is placed (and cast) inside, kept raw as the residual
+    and placed again in the backward pass after the cotangent exists (see ``recompute``)."""
     policy, platform = self.policy, self.platform
     low = policy.low if policy is not None else None
     changes = policy.low_params(step) if policy is not None else {}
-    scatter = [self._scatter_plan(step, invals, j) if flags[j] else None for j in range(2)]
-    if low is None and not any(scatter):
-      return interpret.bind_here(step, invals)
+    index = [self._index(step, j) if direct[j] else None for j in range(2)]
+    scatter = [self._scatter_plan(step, raw, j) if direct[j] else None for j in range(2)]
+    if low is None and (not any(direct) or (not self.stream and self.zero is None)):
+      return interpret.bind_here(step, raw)
 
     def cast(x):
       return amp_lib.cast(x, low) if low is not None else x
 
+    def value(j, v):
+      return cast(self._place(index[j], v) if direct[j] else v)
+
     def forward(a, b):
-      return interpret.bind_here(step, [cast(a), cast(b)], **changes)[0]
+      return interpret.bind_here(step, [value(0, a), value(1, b)], **changes)[0]
 
     @jax.custom_vjp
     def unit(a, b):
       return forward(a, b)
 
     def fwd(a, b):
-      res = tuple(v if flags[j] else cast(v) for j, v in enumerate((a, b)))
+      res = tuple(v if flags[j] else value(j, v) for j, v in enumerate((a, b)))
       return forward(a, b), res
 
     def bwd(res, ct):
-      if any(flags):
-        res = after(res, ct, platform=platform)
-      a_c, b_c = cast(res[0]), cast(res[1])
-      _, pull = jax.vjp(lambda x, y: interpret.bind_here(step, [x, y], **changes)[0], a_c, b_c)
+      res = after(res, ct, platform=platform)
+      ops = [value(j, r) if flags[j] else r for j, r in enumerate(res)]
+      _, pull = jax.vjp(lambda x, y: interpret.bind_here(step, [x, y], **changes)[0], *ops)
       grads = list(pull(ct))
       for j in range(2):
         if scatter[j] is not None:
-          grads[j] = self._reduce_scattered(step, (a_c, b_c), ct, j, scatter[j])
-      return tuple(amp_lib.cast(g, v.dtype) for g, v in zip(grads, invals))
+          grads[j] = self._reduce_scattered(step, ops, ct, j, scatter[j])
+      grads = [amp_lib.cast(g, v.dtype) for g, v in zip(grads, raw)]
+      return tuple(self._gradient_back(index[j], g, scatter[j] is not None) if direct[j] else g
+                   for j, g in enumerate(grads))
 
     unit.defvjp(fwd, bwd)
-    return [unit(*invals)]
+    return [unit(*raw)]
 
   def _scatter_plan(self, step, invals, j):
     """For operand j (a sharded parameter), the dimension of the other operand to split and
@@ -196,7 +222,7 @@ class _Run:
 
   def _reduce_scattered(self, step, operands, ct, j, plan):
     d, out_pos = plan
-    dim = self.zero.dim(self.param_index[step.inputs[j]])
+    dim = self.zero.dim(self._index(step, j))
     other = operands[1 - j]
     n_out = ct.ndim
 

@@ -1,0 +1,120 @@
+"""ZeRO: the reference's numbers with sharded state, reduce-scatter, the wire bytes of DP."""
+
+import logging
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import epljax as epl
+from epljax import hlo
+from helpers import MLP, TOL, assert_trees_close, classification_batch, linen_fns, reference_run
+
+N = 8
+STEPS = 2
+MODEL = MLP(hidden=64, classes=16)     # every leaf has a dimension divisible by 8
+
+
+def wire_bytes(plan) -> float:
+  """Bytes each device sends per step, ring algorithms: an all-reduce is a reduce-scatter
+  plus an all-gather."""
+  per = {"all-reduce": lambda b: 2 * (N - 1) / N * b, "reduce-scatter": lambda b: (N - 1) * b,
+         "all-gather": lambda b: (N - 1) / N * b}
+  return sum(per[c.kind](c.bytes) for c in plan.collectives)
+
+
+def run(config, micro=1, caplog=None):
+  epl.init({**config, "pipeline.num_micro_batch": micro})
+  init_fn, loss_fn = linen_fns(MODEL)
+  batch = classification_batch(64, classes=16)
+  trainer = epl.Trainer(init_fn, loss_fn, optax.adam(1e-2))
+  state = trainer.init(jax.random.key(0), batch)
+  shardings = jax.tree.map(lambda x: x.sharding, state)
+  grads = trainer.loss_and_grads(state, batch)
+  losses = []
+  with jax.log_compiles():
+    for _ in range(STEPS):
+      state, metrics = trainer.train_step(state, batch)
+      losses.append(metrics["loss"])
+  assert jax.tree.map(lambda x: x.sharding, state) == shardings
+  return trainer, state, grads, losses
+
+
+@pytest.fixture(scope="module")
+def reference():
+  epl.init()
+  init_fn, loss_fn = linen_fns(MODEL)
+  batch = classification_batch(64, classes=16)
+  return {m: reference_run(init_fn, loss_fn, optax.adam(1e-2), jax.random.key(0), batch, STEPS,
+                           micro_batches=m) for m in (1, 4)}
+
+
+@pytest.fixture(scope="module")
+def dp():
+  return run({})
+
+
+@pytest.mark.parametrize("level", ["v1", "v2", "v3"])
+def test_matches_the_reference_with_sharded_state(level, reference, dp, caplog):
+  caplog.set_level(logging.WARNING)
+  trainer, state, (loss0, grads0), losses = run({"zero.level": level})
+  history, expected = reference[1]
+  np.testing.assert_allclose(loss0, history[0][0], **TOL)
+  assert_trees_close(grads0, history[0][1])
+  for step in range(STEPS):
+    np.testing.assert_allclose(losses[step], history[step][0], **TOL)
+  assert_trees_close(trainer.variables(state), expected)
+  assert len([r for r in caplog.records if "Compiling" in r.getMessage()
+              and "epl_step" in r.getMessage()]) <= 1
+
+  plan, base = trainer.plan, dp[0].plan
+  p = base.param_bytes
+  assert plan.optimizer_bytes == base.optimizer_bytes // N + 4     # mu, nu sharded; count not
+  assert plan.param_bytes == (p // N if level == "v3" else p)
+  assert plan.grads_bytes == p // N
+  # Argument bytes: P + 2P/N with Adam (P/N + 2P/N with v3), besides the same batch and step.
+  state_bytes = plan.param_bytes + plan.optimizer_bytes
+  assert (plan.memory.argument_size_in_bytes - state_bytes
+          == base.memory.argument_size_in_bytes - (p + base.optimizer_bytes))
+
+  kinds = hlo.summarize(plan.collectives)
+  assert kinds["reduce-scatter"][0] == 2                  # the two kernels' gradients
+  assert kinds["all-reduce"][1] < 400                     # the loss and the biases only
+  assert kinds["all-gather"][1] >= p - 400                # parameters gathered (v3: per use)
+  if level != "v3":   # v3 gathers in the forward pass and again for the backward matmul
+    np.testing.assert_allclose(wire_bytes(plan), wire_bytes(base), rtol=0.03)
+  assert any(f"ZeRO {level}" in f for f in plan.features)
+
+
+def test_with_gradient_accumulation_v2_keeps_the_accumulator_sharded(reference):
+  history, expected = reference[4]
+  temps = {}
+  for level in ["v1", "v2"]:
+    trainer, state, (loss0, grads0), losses = run({"zero.level": level}, micro=4)
+    np.testing.assert_allclose(loss0, history[0][0], **TOL)
+    assert_trees_close(grads0, history[0][1])
+    for step in range(STEPS):
+      np.testing.assert_allclose(losses[step], history[step][0], **TOL)
+    assert_trees_close(trainer.variables(state), expected)
+    temps[level] = trainer.plan.memory.temp_size_in_bytes
+    kinds = hlo.summarize(trainer.plan.collectives)
+    # v1 accumulates whole gradients as data parallelism does, then keeps its shard; v2
+    # reduce-scatters each micro batch's gradient inside the loop.
+    assert ("reduce-scatter" in kinds) == (level == "v2")
+  assert temps["v2"] < temps["v1"]
+
+
+def test_unshardable_leaves_stay_replicated_and_are_listed():
+  epl.init({"zero.level": "v1"})
+  init_fn, loss_fn = linen_fns(MLP(hidden=64, classes=10))
+  trainer = epl.Trainer(init_fn, loss_fn, optax.adam(1e-2))
+  trainer.init(jax.random.key(0), classification_batch(64))
+  assert any("not sharded (no dimension divisible by the data axis): Dense_1/bias (10,)" in f
+             for f in trainer.plan.features)
+
+
+def test_invalid_level_lists_the_valid_ones():
+  with pytest.raises(epl.ConfigError, match=r"'zero.level' .* must be one of '', 'v1', 'v2', "
+                     r"'v3'; got 'v4'"):
+    epl.Config({"zero.level": "v4"})
