@@ -2,10 +2,10 @@
 
 The forward hook of a feature receives any ``fn(params, *args)`` (the whole loss, or one
 pipeline stage). A memory feature changes *how* it runs, never *what* it computes: where a
-parameter is cast, moved or gathered (right before its first use), which values are kept for
-the backward pass (block boundaries of rematerialization). So each such feature traces ``fn``
-to a jaxpr (``trace``) and evaluates the equations itself (``run``), with a ``Rule`` deciding
-how each equation is bound.
+parameter is cast, moved or gathered (at its uses), which values are kept for the backward
+pass (block boundaries of rematerialization). So each such feature traces ``fn`` to a jaxpr
+(``trace``) and evaluates the steps itself (``run_steps``, ``bind``), changing how some of
+them are bound.
 
 Bodies of ``jit`` calls without explicit shardings are inlined, so a jitted model is seen
 equation by equation; every other higher-order primitive (scan, cond, custom_jvp, a user's own
@@ -62,15 +62,6 @@ class Program:
   @property
   def param_keys(self) -> tuple[Key, ...]:
     return self.inputs[:self.num_params]
-
-  def users(self) -> dict[Key, list[int]]:
-    """For every key, the indices of the steps that read it, in order."""
-    found: dict[Key, list[int]] = {}
-    for step in self.steps:
-      for a in step.inputs:
-        if not isinstance(a, jcore.Literal):
-          found.setdefault(a, []).append(step.index)
-    return found
 
 
 def trace(fn: Callable, params: Any, args: Sequence[Any], *,
@@ -212,14 +203,6 @@ def _cast_to(x, aval):
   return jax.lax.convert_element_type(x, dtype)
 
 
-def run(program: Program, flat_args: Sequence[Any], rule: Rule = None,
-        cast_back: bool = False) -> Any:
-  """Evaluates the whole program with ``rule``; returns ``fn``'s output tree."""
-  env = start_env(program, flat_args)
-  run_steps(program.steps, env, rule)
-  return finish(program, env, cast_back)
-
-
 def live_across(program: Program, start: int, stop: int) -> tuple[list[Key], list[Key]]:
   """Keys that steps ``[start, stop)`` read from before ``start`` (their inputs), and keys they
   define that later steps or the program's outputs read (their outputs), in order."""
@@ -247,25 +230,3 @@ def nbytes(aval) -> int:
     n *= int(d)
   return n * dtype.itemsize
 
-
-def run_with_params_at_use(program: Program, flat_args: Sequence[Any],
-                           transform: Callable[[int, Any], Any], rule: Rule = None) -> Any:
-  """Evaluates the program, replacing parameter ``i`` by ``transform(i, value)`` right before
-  the first step that reads it (inside that step's name stack, so it joins that step's
-  block). Later readers share the transformed value; the program's outputs see the original.
-  """
-  env = start_env(program, flat_args)
-  pending = {k: i for i, k in enumerate(program.param_keys)}
-  used: dict[Key, Any] = {}
-  bind_rule = rule or (lambda step, invals: bind(step, invals))
-  for step in program.steps:
-    for a in step.inputs:
-      if not isinstance(a, jcore.Literal) and a in pending:
-        used[a] = in_context(step, transform, pending.pop(a), env[a])
-    invals = [used[a] if not isinstance(a, jcore.Literal) and a in used else read(env, a)
-              for a in step.inputs]
-    outs = bind_rule(step, invals)
-    for key, val in zip(step.outputs, outs):
-      if key is not None:
-        env[key] = val
-  return finish(program, env)

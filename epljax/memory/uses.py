@@ -1,25 +1,30 @@
 """What happens where a parameter is used: offload's transfer, ZeRO's gather and gradient
 reduce-scatter, mixed precision's casts, in one pass over the traced forward.
 
-These three act on the same equations (a matmul reading a weight: stream the weight in,
-gather it, cast it, reduce-scatter its gradient), so one forward hook applies them together
+These three act on the same equations (a matmul reading a weight: copy the weight in, gather
+it, cast it, reduce-scatter its gradient), so one forward hook applies them together
 (``ParamUses``), built from the features that ask for them; each feature keeps its own
-shardings, update and state. Per parameter, right before its first use:
+shardings, update and state.
+
+At every use of a parameter:
 
 1. offload: ``device_put`` to device memory (the gradient goes back to the host memory the
    parameter lives in: a value's memory space is part of its type in JAX);
-2. ZeRO v3: all-gather to the parameter's layout without ``data``; v2/v3: the gradient is
-   constrained to the sharded layout where it is produced.
+2. ZeRO v3: all-gather to the layout without ``data``; v2/v3: the gradient is constrained to
+   the sharded layout where it is produced.
 
-Per matmul (``dot_general``, ``conv_general_dilated``) reading a parameter, one custom-VJP
-unit:
+A matmul (``dot_general``, ``conv_general_dilated``) reading a parameter becomes one
+custom-VJP unit that does the above inside and keeps only the *stored* parameter (host
+memory, ZeRO shard, float32) as its residual; the backward pass copies, gathers and casts it
+again once the cotangent exists (``recompute.after``), so no device copy, gathered copy or
+low-precision copy of a weight lives from the forward to the backward pass. Inside the unit:
 
-- mixed precision: operands cast to the compute dtype; the backward pass recasts the float32
-  master weight (after the cotangent exists, see ``recompute``) instead of keeping the cast;
+- mixed precision: operands cast to the compute dtype;
 - ZeRO: the weight gradient is computed per data shard and reduce-scattered explicitly
   (``psum_scatter`` in a ``shard_map`` over ``data``), so the reduction is a reduce-scatter on
   every backend; GSPMD alone writes all-reduce + slice and leaves the rewrite to the GPU/TPU
-  compilers. Used when ``data`` is the only mesh axis with more than one device.
+  compilers. Used when ``data`` is the only mesh axis with more than one device (a model
+  split over ``model`` keeps GSPMD's placement).
 
 Every other equation follows the mixed-precision op policy (``amp.Policy``) or runs as traced.
 """
@@ -27,6 +32,7 @@ Every other equation follows the mixed-precision op policy (``amp.Policy``) or r
 from __future__ import annotations
 
 import warnings
+
 import jax
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
@@ -48,6 +54,7 @@ class ParamUses(Feature):
     self.policy = amp.policy if amp is not None else None
     self.offload = offload
     self._warned = False
+    self._active: dict = {}
 
   def forward(self, fn: ForwardFn, ctx: BuildContext) -> ForwardFn:
     platform = ctx.mesh.devices.flat[0].platform
@@ -57,6 +64,7 @@ class ParamUses(Feature):
     explicit = zero is not None and all(
         size == 1 for axis, size in ctx.mesh.shape.items() if axis != DATA)
     stream = self.offload is not None and self.offload.active
+    self._active = {"stream": stream, "zero": zero, "explicit": explicit}
 
     def rewritten(params, *args):
       whole = zero is not None and jax.tree.structure(params) == zero.treedef
@@ -77,15 +85,18 @@ class ParamUses(Feature):
                     "gathers and reductions.", stacklevel=3)
 
   def describe(self) -> str:
+    active = self._active
+    zero = active.get("zero")
     parts = []
-    if self.offload is not None and self.offload.active:
+    if active.get("stream"):
       parts.append("copied from host memory")
-    if self.zero is not None and self.zero.level == "v3":
+    if zero is not None and zero.level == "v3":
       parts.append("all-gathered")
     if self.policy is not None:
       parts.append(f"cast to {self.policy.low.name} in each matmul")
-    if self.zero is not None:
-      parts.append("weight gradients reduce-scattered where produced")
+    if zero is not None:
+      how = "reduce-scattered" if active.get("explicit") else "constrained to the ZeRO layout"
+      parts.append(f"weight gradients {how} where produced")
     return "parameters at each use: " + ", ".join(parts) if parts else ""
 
 
