@@ -15,6 +15,7 @@ import jax
 
 from epljax import strategy
 from epljax.config import ClusterConfig, Config
+from epljax.sharding import annotations
 from epljax.errors import ConfigError, StateError
 
 
@@ -69,6 +70,7 @@ def init(config: Config | Mapping[str, Any] | None = None) -> Env:
     raise ConfigError(f"epl.init(config) expects an epl.Config, a dict or None; got "
                       f"{type(config).__name__}.")
   strategy.reset()
+  annotations.reset()
   Env._current = Env(config, _cluster(config.cluster))
   return Env._current
 

@@ -41,7 +41,8 @@ from epljax.features import BuildContext, Feature, StateShardings
 from epljax.mesh import MODEL, Layout, build_mesh
 from epljax.plan import Leaf, Plan, leaf_bytes_per_device, tree_bytes_per_device
 from epljax.sharding import specs as specs_lib
-from epljax.sharding.capture import Capture, capture
+from epljax.sharding import annotations
+from epljax.sharding.capture import Capture, capture, defining_frames
 from epljax.step import TrainState
 from epljax.variables import Model
 
@@ -166,12 +167,14 @@ class Trainer:
       return params, model_state
 
     with strategy_lib.trace_session():
-      params_shape, state_shape = jax.eval_shape(init_split, rng, micro_shapes)
+      init_jaxpr, (params_shape, state_shape) = jax.make_jaxpr(
+          init_split, return_shape=True)(rng, micro_shapes)
     model = found["model"]
     _check_trainable(params_shape, model)
     loss_call = model.loss_call(self.loss_fn, self.has_aux, self.mutable)
 
-    # 2. Task graphs, from loss_fn traced on abstract values.
+    # 2. Task graphs, from loss_fn traced on abstract values (and where init_fn defined each
+    #    variable, for EPL's "variables defined under split" MoE pattern).
     p_leaves, p_def = jax.tree.flatten(params_shape)
     s_leaves, s_def = jax.tree.flatten(state_shape)
     b_leaves, b_def = jax.tree.flatten(micro_shapes)
@@ -184,7 +187,8 @@ class Trainer:
 
     p_paths, s_paths = model.leaf_paths(params_shape, state_shape)
     cap = capture(flat_loss, p_leaves + s_leaves, b_leaves, input_paths=p_paths + s_paths,
-                  num_devices=len(cluster.devices))
+                  num_devices=len(cluster.devices), module_rules=annotations.module_rules(),
+                  definitions=defining_frames(init_jaxpr))
 
     # 3. Mesh, batch layout, shardings.
     layout = build_mesh(cap.taskgraphs, cluster.devices, config.cluster)
@@ -194,8 +198,10 @@ class Trainer:
     bplan = batch_lib.BatchPlan(layout.num_replicas, num_micro,
                                 layout.devices_per_stage if MODEL in axes else 1, axes)
     bplan.check(rows)
-    leaf_specs = specs_lib.variable_specs(cap, layout)
-    named = [NamedSharding(mesh, s) for s in leaf_specs]
+    shapes = [tuple(x.shape) for x in p_leaves + s_leaves]
+    user = annotations.user_specs(p_paths + s_paths, shapes, model.metadata, dict(mesh.shape))
+    leaf_specs = specs_lib.variable_specs(cap, layout, shapes, user)
+    named = [NamedSharding(mesh, s.spec) for s in leaf_specs]
     replicated = NamedSharding(mesh, P())
     param_sh = jax.tree.unflatten(p_def, named[:n_p])
     opt_shape = jax.eval_shape(self.optimizer.init, params_shape)
@@ -264,9 +270,10 @@ class Trainer:
     leaves = [
         Leaf(path, tuple(x.shape), str(x.dtype), sh.spec,
              leaf_bytes_per_device(x.shape, x.dtype, sh),
-             cap.taskgraphs[tg].name if tg is not None else "-", i < n_p)
-        for i, (path, x, sh, tg) in enumerate(zip(
-            p_paths + s_paths, p_leaves + s_leaves, final_named, cap.input_taskgraph))]
+             cap.taskgraphs[tg].name if tg is not None else "-", i < n_p, ls.rule)
+        for i, (path, x, sh, tg, ls) in enumerate(zip(
+            p_paths + s_paths, p_leaves + s_leaves, final_named, cap.input_taskgraph,
+            leaf_specs))]
     spec_leaves = [sh.spec for sh in final_named]
     plan = Plan(
         mesh=mesh, num_replicas=layout.num_replicas, num_stages=layout.num_stages,
@@ -312,6 +319,13 @@ def _check_trainable(params_shape: Any, model: Model) -> None:
 
 
 def _check_layout(layout: Layout, cap: Capture) -> None:
+  used = set(cap.node_taskgraph)
+  for tg in cap.taskgraphs:
+    if tg.index not in used and not layout.colocated:
+      raise PlanError(
+          f"Task graph '{tg.name}' ({tg.strategy}({tg.device_count})) only defines variables "
+          "(they are used by code outside its scope, EPL's MoE pattern), which needs the task "
+          "graphs on the same devices: set cluster.colocate_split_and_replicate=True.")
   if layout.num_stages > 1:
     raise PlanError(f"Task graphs {[tg.name for tg in cap.taskgraphs]} are pipeline stages; "
                     "pipeline parallelism is not available in this version of epljax.")
