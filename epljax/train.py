@@ -22,6 +22,7 @@ directly in their shardings.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,7 +39,7 @@ from epljax import strategy as strategy_lib
 from epljax.env import Env
 from epljax.errors import EPLError, PlanError, StateError
 from epljax.features import BuildContext, Feature, StateShardings
-from epljax.mesh import MODEL, Layout, build_mesh
+from epljax.mesh import AXES, MODEL, Layout, build_mesh
 from epljax.plan import Leaf, Plan, leaf_bytes_per_device, tree_bytes_per_device
 from epljax.sharding import specs as specs_lib
 from epljax.sharding import annotations
@@ -166,7 +167,10 @@ class Trainer:
       found["model"] = model
       return params, model_state
 
-    with strategy_lib.trace_session():
+    # The mesh is not known before the capture; a provisional one with the same axis names lets
+    # model code that asks for the mesh (NNX eager sharding) trace.
+    provisional = jax.sharding.AbstractMesh((1,) * len(AXES), AXES)
+    with strategy_lib.trace_session(), jax.sharding.use_abstract_mesh(provisional):
       init_jaxpr, (params_shape, state_shape) = jax.make_jaxpr(
           init_split, return_shape=True)(rng, micro_shapes)
     model = found["model"]
@@ -186,9 +190,10 @@ class Trainer:
       return loss_call(params, model_state, jax.tree.unflatten(b_def, flat[n_p + n_s:]))[0]
 
     p_paths, s_paths = model.leaf_paths(params_shape, state_shape)
-    cap = capture(flat_loss, p_leaves + s_leaves, b_leaves, input_paths=p_paths + s_paths,
-                  num_devices=len(cluster.devices), module_rules=annotations.module_rules(),
-                  definitions=defining_frames(init_jaxpr))
+    with jax.sharding.use_abstract_mesh(provisional):
+      cap = capture(flat_loss, p_leaves + s_leaves, b_leaves, input_paths=p_paths + s_paths,
+                    num_devices=len(cluster.devices), module_rules=annotations.module_rules(),
+                    definitions=defining_frames(init_jaxpr))
 
     # 3. Mesh, batch layout, shardings.
     layout = build_mesh(cap.taskgraphs, cluster.devices, config.cluster)
@@ -245,7 +250,7 @@ class Trainer:
                         feature_state=fstate_init)
 
     step = step_lib.train_step(gradients, update, features, prepare, self.has_aux)
-    traced = _traced_in_session
+    traced = functools.partial(_traced_in_session, mesh=mesh)
     init_jit = jax.jit(traced(init_state), out_shardings=shardings)
     step_jit = jax.jit(traced(step), in_shardings=(shardings, batch_sh),
                        out_shardings=(shardings, None), donate_argnums=0)
@@ -290,12 +295,13 @@ class Trainer:
     return self._built
 
 
-def _traced_in_session(fn: Callable) -> Callable:
-  """Runs ``fn`` inside a strategy trace session, so unnamed scopes get the same labels as in
-  the capture."""
+def _traced_in_session(fn: Callable, mesh) -> Callable:
+  """Traces ``fn`` inside a strategy trace session, so unnamed scopes get the same labels as in
+  the capture, and with the mesh as the abstract mesh, so model code can ask
+  ``jax.sharding.get_abstract_mesh()`` (the MoE layer does) or use bare ``PartitionSpec``s."""
 
   def wrapped(*args):
-    with strategy_lib.trace_session():
+    with strategy_lib.trace_session(), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       return fn(*args)
 
   wrapped.__name__ = f"epl_{fn.__name__}"

@@ -43,8 +43,10 @@ def variable_specs(capture: Capture, layout: Layout, shapes: Sequence[tuple[int,
       i for i, tg in enumerate(capture.input_taskgraph)
       if tg is not None and capture.taskgraphs[tg].strategy == SPLIT and i not in user
       and (capture.input_explicit[i] or not layout.colocated)}
+  fixed = {i: dims[0] for i, u in user.items()
+           if len(dims := [d for d, e in enumerate(u.spec) if e == MODEL]) == 1}
   decisions = split_decisions(capture.program, candidates, shapes, capture.input_paths,
-                              layout.devices_per_stage)
+                              layout.devices_per_stage, fixed)
   out = []
   for i, shape in enumerate(shapes):
     if i in user:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from jax.sharding import PartitionSpec as P
 
@@ -53,11 +53,20 @@ class _View:
 
 
 def split_decisions(program: Program, candidates: Iterable[int], leaf_shapes: Sequence[tuple],
-                    leaf_paths: Sequence[str], device_count: int) -> dict[int, Decision]:
-  """Decides the split dimension of each candidate variable leaf (program input index)."""
-  state = _State(program, set(candidates), leaf_shapes)
+                    leaf_paths: Sequence[str], device_count: int,
+                    fixed: Mapping[int, int] | None = None) -> dict[int, Decision]:
+  """Decides the split dimension of each candidate variable leaf (program input index).
+
+  ``fixed`` gives leaves whose split dimension the user already chose (their activations
+  propagate like decided ones: a user-split first matmul makes the next one a row split).
+  """
+  fixed = dict(fixed or {})
+  candidates = set(candidates) - set(fixed)
+  state = _State(program, candidates | set(fixed), leaf_shapes)
+  state.decisions.update({i: Decision(i, d, "user") for i, d in fixed.items()})
   for node in program.nodes:
     state.visit(node)
+  state.decisions = {i: d for i, d in state.decisions.items() if i in candidates}
   for d in state.decisions.values():
     size = leaf_shapes[d.leaf][d.dim]
     if size % device_count:
