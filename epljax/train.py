@@ -59,6 +59,7 @@ class _Built:
   init_jit: Any
   step_jit: Any
   grads_jit: Any
+  loss_jit: Any
   plan: Plan
 
 
@@ -125,6 +126,11 @@ class Trainer:
   def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
     """The lowered step: ``.compile().memory_analysis()``, ``.cost_analysis()``, ``.as_text()``."""
     return self._require().step_jit.lower(state, self.shard_batch(batch))
+
+  def lower_loss(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
+    """The lowered forward pass alone (the loss of the first micro batch, no gradient): to read
+    what the forward communicates."""
+    return self._require().loss_jit.lower(state, self.shard_batch(batch))
 
   def shard_batch(self, batch: Any) -> Any:
     """This process's slice of the global batch -> global arrays split over the batch axes.
@@ -232,7 +238,7 @@ class Trainer:
     def forward(params, model_state, b, fstate):
       return loss_call(params, model_state, b)
 
-    gradients, update = step_lib.build(
+    forward, gradients, update = step_lib.build(
         forward, lambda fwd: step_lib.accumulate_gradients(fwd, num_micro), self.optimizer,
         features, ctx)
 
@@ -263,6 +269,13 @@ class Trainer:
     grads_jit = jax.jit(traced(loss_and_grads), in_shardings=(shardings, batch_sh),
                         out_shardings=(replicated, base.params))
 
+    def first_loss(state, global_batch):
+      micro = jax.tree.map(lambda x: x[0], prepare(global_batch))
+      return forward(state.params, state.model_state, micro, state.feature_state)[0]
+
+    loss_jit = jax.jit(traced(first_loss), in_shardings=(shardings, batch_sh),
+                       out_shardings=replicated)
+
     # 6. The plan.
     abstract_state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -291,7 +304,7 @@ class Trainer:
         features=[f.describe() for f in features],
         compile_step=lambda: step_jit.lower(abstract_state, abstract_batch).compile())
     self._built = _Built(model, cap, layout, bplan, shardings, init_jit, step_jit, grads_jit,
-                         plan)
+                         loss_jit, plan)
     return self._built
 
 

@@ -80,7 +80,12 @@ class MegatronMLP(nn.Module):
 
 
 def test_megatron_mlp_column_then_row_with_nested_data_parallelism():
-  trainer, _ = train_and_compare(MegatronMLP(), tokens_batch())
+  trainer, state = train_and_compare(MegatronMLP(), tokens_batch())
+  # The forward communicates once for the MLP: an all-reduce of this replica's activations
+  # (8 sequences x 8 tokens x 32 features), besides scalar reductions of the loss.
+  forward = epl.hlo.collectives(trainer.lower_loss(state, tokens_batch()).compile().as_text())
+  tensors = [c for c in forward if any(not s.endswith("[]") for s in c.shapes)]
+  assert [(c.kind, c.shapes) for c in tensors] == [("all-reduce", ("f32[8,8,32]",))]
   plan = trainer.plan
   assert dict(plan.mesh.shape) == {"data": 2, "stage": 1, "model": 4}
   assert plan.num_replicas == 2 and plan.batch_axes == ("data",)
