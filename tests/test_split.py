@@ -330,17 +330,35 @@ class NNXLogical(nnx.Module):
 
 def test_nnx_sharding_metadata_is_honoured():
   batch = features_batch(rows=16, classes=10)
-  trainer = epl.Trainer(lambda r, b: NNXLogical(nnx.Rngs(r)),
-                        lambda m, b: cross_entropy(m(b["x"]), b["y"]), optax.sgd(0.1))
+
+  def loss_fn(model, b):
+    return cross_entropy(model(b["x"]), b["y"])
+
+  trainer = epl.Trainer(lambda r, b: NNXLogical(nnx.Rngs(r)), loss_fn,
+                        optax.sgd(0.1, momentum=0.9))
   state = trainer.init(jax.random.key(0), batch)
   specs = trainer.plan.param_specs
   assert specs["wi"]["kernel"] == P(None, "model")
   assert specs["wo"]["kernel"] == P("model", None)    # the automatic row rule
   rules = {leaf.path: leaf.rule for leaf in trainer.plan.leaves}
   assert rules["wi/kernel"] == "user: Flax metadata (None, 'model')"
-  state, metrics = trainer.train_step(state, batch)
+  losses = []
+  for _ in range(STEPS):
+    state, metrics = trainer.train_step(state, batch)
+    losses.append(metrics["loss"])
+
   one_device = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
   with jax.set_mesh(one_device):   # NNX creates annotated variables under a mesh
-    reference = NNXLogical(nnx.Rngs(jax.random.key(0)))
-    loss = cross_entropy(reference(batch["x"]), batch["y"])
-  np.testing.assert_allclose(metrics["loss"], loss, **DEEP_TOL)
+    model = NNXLogical(nnx.Rngs(jax.random.key(0)))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer):
+      loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+      optimizer.update(model, grads)
+      return loss
+
+    for i in range(STEPS):
+      np.testing.assert_allclose(losses[i], step(model, optimizer), **DEEP_TOL)
+  assert_trees_close(nnx.state(trainer.variables(state), nnx.Param),
+                     nnx.state(model, nnx.Param), DEEP_TOL)
