@@ -82,7 +82,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for w in workers:
       extra = " ".join(f"{k}={v}" for k, v in sorted(w.env.items()))
       print(f"epljax.launch: worker {w.index}: {extra} {' '.join(w.argv)}", flush=True)
-  return supervisor.run(workers, os.environ, debug=job.debug)
+  try:
+    return supervisor.run(workers, os.environ, debug=job.debug)
+  except OSError as e:       # the script cannot be executed (the others were stopped)
+    print(f"epljax.launch: could not start {' '.join(workers[0].argv)}: {e}", file=sys.stderr)
+    return 2
 
 
 def _debug_flag(argv: Sequence[str]) -> list[str]:
