@@ -169,3 +169,13 @@ def test_sparse_as_dense_is_accepted_and_changes_nothing():
   _, grads = _grads(loss_fn, variables, batch)
   assert_trees_close(trainer.loss_and_grads(state, batch)[1], grads)
   assert "sparse_as_dense" in "\n".join(trainer.plan.features)
+
+
+def test_local_clipping_measures_the_norm_without_the_loss_scale():
+  """Gradients that carry a loss scale (fstate[LOSS_SCALE]) are clipped as if unscaled and keep
+  their scale, so the feature that unscales them later gets the clipped gradients."""
+  grads = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([12.0])}          # norm 13
+  scale = jnp.float32(1024.0)
+  got = communication.clip_by_global_norm(jax.tree.map(lambda g: g * scale, grads), 6.5, scale)
+  assert_trees_close(jax.tree.map(lambda g: g / scale, got), _clip(grads, 6.5))
+  assert_trees_close(communication.clip_by_global_norm(grads, 20.0), grads)
