@@ -79,11 +79,14 @@ class Trainer:
     mutable: Flax Linen collections the loss updates (``["batch_stats"]``); ``loss_fn`` then
       returns ``(output, updates)`` as ``model.apply(..., mutable=...)`` does. NNX models need
       nothing: their state is read back from the module after the loss.
+    clip_norm: clip the gradients to this global norm before the optimizer; whether each
+      replica clips its own gradients (EPL's default) or the reduced ones follows
+      ``communication.clip_after_allreduce`` (``epljax.communication``).
   """
 
   def __init__(self, init_fn: Callable[[Any, Any], Any], loss_fn: Callable[[Any, Any], Any],
                optimizer: optax.GradientTransformation, has_aux: bool = False, *,
-               mutable: Sequence[str] = ()):
+               mutable: Sequence[str] = (), clip_norm: float | None = None):
     env = Env.get()
     if not (callable(getattr(optimizer, "init", None))
             and callable(getattr(optimizer, "update", None))):
@@ -96,6 +99,7 @@ class Trainer:
     self.optimizer = optimizer
     self.has_aux = bool(has_aux)
     self.mutable = tuple(mutable)
+    self.clip_norm = clip_norm
     self._config = env.config
     self._cluster = env.cluster
     _check_supported(self._config)
@@ -225,7 +229,7 @@ class Trainer:
     # 4. Features (memory, communication), chained around the step's pieces.
     ctx = BuildContext(mesh=mesh, num_replicas=layout.num_replicas, num_micro_batch=num_micro,
                        capture=cap, params_shape=params_shape, optimizer=self.optimizer)
-    features = _features(config)
+    features = _features(config, self.clip_norm)
     for f in features:
       base = f.shardings(base, ctx)
     fstate_init = {f.name: f.init_state(ctx) for f in features}
@@ -238,9 +242,11 @@ class Trainer:
     def forward(params, model_state, b, fstate):
       return loss_call(params, model_state, b)
 
-    forward, gradients, update = step_lib.build(
-        forward, lambda fwd: step_lib.accumulate_gradients(fwd, num_micro), self.optimizer,
-        features, ctx)
+    # communication.fp16 / local clipping need each replica's own gradients (communication.py).
+    make_gradients = (communication.replica_gradients(features, ctx)
+                      or (lambda fwd: step_lib.accumulate_gradients(fwd, num_micro)))
+    forward, gradients, update = step_lib.build(forward, make_gradients, self.optimizer,
+                                                features, ctx)
 
     def prepare(global_batch):
       return batch_lib.micro_batches(global_batch, bplan, mesh)
@@ -257,9 +263,11 @@ class Trainer:
 
     step = step_lib.train_step(gradients, update, features, prepare, self.has_aux)
     traced = functools.partial(_traced_in_session, mesh=mesh)
+    xla_options = communication.compiler_options(features, params_shape) or None
     init_jit = jax.jit(traced(init_state), out_shardings=shardings)
     step_jit = jax.jit(traced(step), in_shardings=(shardings, batch_sh),
-                       out_shardings=(shardings, None), donate_argnums=0)
+                       out_shardings=(shardings, None), donate_argnums=0,
+                       compiler_options=xla_options)
 
     def loss_and_grads(state, global_batch):
       loss, _, grads, _ = gradients(state.params, state.model_state, prepare(global_batch),
@@ -267,14 +275,14 @@ class Trainer:
       return loss, grads
 
     grads_jit = jax.jit(traced(loss_and_grads), in_shardings=(shardings, batch_sh),
-                        out_shardings=(replicated, base.params))
+                        out_shardings=(replicated, base.params), compiler_options=xla_options)
 
     def first_loss(state, global_batch):
       micro = jax.tree.map(lambda x: x[0], prepare(global_batch))
       return forward(state.params, state.model_state, micro, state.feature_state)[0]
 
     loss_jit = jax.jit(traced(first_loss), in_shardings=(shardings, batch_sh),
-                       out_shardings=replicated)
+                       out_shardings=replicated, compiler_options=xla_options)
 
     # 6. The plan.
     abstract_state = jax.tree.map(
@@ -321,9 +329,9 @@ def _traced_in_session(fn: Callable, mesh) -> Callable:
   return wrapped
 
 
-def _features(config) -> list[Feature]:
+def _features(config, clip_norm: float | None = None) -> list[Feature]:
   """Every feature the configuration asks for, in the order they wrap the step."""
-  return [*memory.features(config), *communication.features(config.communication)]
+  return [*memory.features(config), *communication.features(config.communication, clip_norm)]
 
 
 def _check_trainable(params_shape: Any, model: Model) -> None:
@@ -355,7 +363,6 @@ def _check_layout(layout: Layout, cap: Capture) -> None:
 _NOT_YET = {
     "pipeline.strategy": None, "gradient_checkpoint.type": "", "zero.level": "",
     "offload.level": "", "amp.level": "", "optimizer.num_apply_group": 1,
-    "communication.fp16": False, "communication.clip_after_allreduce": False,
     "auto.auto_parallel": False,
 }
 
