@@ -13,6 +13,7 @@ from epljax.env import Cluster, Env, init
 from epljax.errors import ConfigError, EPLError, PlanError, ScopeError, StateError
 from epljax.memory.remat import GradientCheckError, add_to_collection
 from epljax.plan import Plan
+from epljax.sharding.annotations import annotate
 from epljax.step import TrainState
 from epljax.strategy import TaskGraph, replicate, set_default_strategy, split
 from epljax.train import Trainer
@@ -34,6 +35,7 @@ __all__ = [
     "TrainState",
     "Trainer",
     "add_to_collection",
+    "annotate",
     "init",
     "replicate",
     "set_default_strategy",

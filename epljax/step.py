@@ -82,7 +82,7 @@ def apply_optimizer(optimizer: optax.GradientTransformation) -> UpdateFn:
 
 def build(forward: ForwardFn, make_gradients: Callable[[ForwardFn], GradientFn],
           optimizer: optax.GradientTransformation, features: Sequence[Feature],
-          ctx: BuildContext) -> tuple[GradientFn, UpdateFn]:
+          ctx: BuildContext) -> tuple[ForwardFn, GradientFn, UpdateFn]:
   """Chains the features around forward, gradients and update."""
   for f in features:
     forward = f.forward(forward, ctx)
@@ -92,7 +92,7 @@ def build(forward: ForwardFn, make_gradients: Callable[[ForwardFn], GradientFn],
   update = apply_optimizer(optimizer)
   for f in features:
     update = f.update(update, ctx)
-  return gradients, update
+  return forward, gradients, update
 
 
 def train_step(gradients: GradientFn, update: UpdateFn, features: Sequence[Feature],
