@@ -81,3 +81,20 @@ def test_every_memory_feature_at_once():
   assert plan.placement == {"parameters": "host (pinned_host)",
                             "gradients": "host (pinned_host)",
                             "optimizer state": "host (pinned_host)", "model state": "device"}
+
+
+def test_memory_features_inside_the_per_replica_gradient_of_communication_fp16():
+  """communication.fp16 computes each replica's gradient in a shard_map over data: the
+  forward hooks run there, and ZeRO leaves the reduction to it (then keeps its shard)."""
+  init_fn, loss_fn = linen_fns(MLP(hidden=64, classes=16))
+  batch = classification_batch(64, classes=16)
+  history, expected = reference_run(init_fn, loss_fn, optimizer(), jax.random.key(0), batch, 2)
+  config = {"communication.fp16": True, "gradient_checkpoint.type": "auto", "zero.level": "v1",
+            "offload.level": "v0"}
+  trainer, state, (loss0, grads0), losses = train(config, init_fn, loss_fn, batch)
+  tol = dict(rtol=1e-3, atol=1e-4)      # float16 all-reduce
+  np.testing.assert_allclose(loss0, history[0][0], **tol)
+  for step in range(2):
+    np.testing.assert_allclose(losses[step], history[step][0], **tol)
+  for a, e in zip(jax.tree.leaves(trainer.variables(state)), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(np.asarray(a), e, **tol)

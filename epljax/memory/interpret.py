@@ -76,7 +76,7 @@ def trace(fn: Callable, params: Any, args: Sequence[Any], *,
   num_params = len(jax.tree.leaves(params))
   traced = list(leaves)
   if in_device_memory:
-    traced[:num_params] = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves[:num_params]]
+    traced[:num_params] = [_in_device_memory(x) for x in leaves[:num_params]]
 
   def flat_fn(*flat):
     p, a = jax.tree.unflatten(in_tree, flat)
@@ -96,6 +96,15 @@ def trace(fn: Callable, params: Any, args: Sequence[Any], *,
   program = Program(tuple(steps), inputs, consts + tuple(inner_consts), tuple(outputs),
                     tuple(v.aval for v in jaxpr.outvars), num_params, in_tree, out_tree)
   return program, leaves
+
+
+def _in_device_memory(x) -> jax.ShapeDtypeStruct:
+  """``x``'s abstract value in device memory (keeping what a shard_map knows of it)."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)
+  if manual is None or manual.empty:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=aval.sharding, manual_axis_type=manual)
 
 
 def _inlinable(eqn) -> bool:

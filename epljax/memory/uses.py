@@ -67,8 +67,12 @@ class ParamUses(Feature):
     self._active = {"stream": stream, "zero": zero, "explicit": explicit}
 
     def rewritten(params, *args):
-      whole = zero is not None and jax.tree.structure(params) == zero.treedef
-      if zero is not None and not whole:
+      # Inside a per-replica computation (communication.fp16, local clipping: a shard_map
+      # over data) the gradient is reduced by that feature; ZeRO then only slices it.
+      per_replica = DATA in getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
+      whole = (zero is not None and not per_replica
+               and jax.tree.structure(params) == zero.treedef)
+      if zero is not None and not per_replica and not whole:
         self._warn_once()
       program, flat = interpret.trace(fn, params, args, in_device_memory=stream)
       run = _Run(program, flat, self.policy, platform, ctx.mesh,
