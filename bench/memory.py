@@ -97,6 +97,7 @@ def measure(name: str, config: dict) -> dict:
       "where": f"{plan.placement['parameters'].split(' ')[0]}/"
                f"{plan.placement['optimizer state'].split(' ')[0]}",
       "flops": plan.compiled.cost_analysis()["flops"],
+      "features": plan.features,
   }
 
 
@@ -138,8 +139,10 @@ def main(argv=None):
       "at use (memory-efficient AMP), so data parallelism is 4 + 4 + 8 = 16 bytes too, and "
       "ZeRO v1/v2 shard the gradient with the moments (v1 keeps whole gradients only with "
       "gradient accumulation).",
-      f"Gradient checkpointing FLOPs overhead: {gc * 100:.0f}% (Chen et al.: about one extra "
-      "forward pass, ~33%). GC + ZeRO v1 + AMP: "
+      f"Gradient checkpointing: {results['GC auto']['features'][0]}. FLOPs overhead "
+      f"{gc * 100:.0f}% (Chen et al.: about one extra forward pass, ~33%; here the embedding, "
+      "the vocabulary projection and the loss are outside the repeated blocks and not "
+      "recomputed). GC + ZeRO v1 + AMP: "
       f"{(base['args'] + base['temp']) / (combo['args'] + combo['temp']):.2f}x less memory "
       "than none (EPL reports 2.6x for that combination on T5).",
       "No GPU was available: offload and AMP timings are not measured. On CPU the host "
