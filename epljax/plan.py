@@ -51,7 +51,7 @@ class Plan:
                taskgraphs: Sequence[TaskGraph], param_specs: Any, leaves: Sequence[Leaf],
                num_micro_batch: int, global_rows: int, batch_axes: Sequence[str],
                optimizer_bytes: int, schedule: str, features: Sequence[str] = (),
-               compile_step: Callable[[], Any]):
+               compile_step: Callable[[], Any], pipeline: Any = None):
     self.mesh = mesh
     self.num_replicas = num_replicas
     self.num_stages = num_stages
@@ -64,6 +64,7 @@ class Plan:
     self.optimizer_bytes = optimizer_bytes
     self.schedule = schedule
     self.features = list(features)
+    self.pipeline = pipeline   # epljax.pipeline.Pipeline when the model has stages
     self._compile_step = compile_step
     self._compiled = None
 
@@ -86,6 +87,8 @@ class Plan:
   # -- derived -----------------------------------------------------------------------------
   @property
   def param_bytes(self) -> int:
+    if self.pipeline is not None:   # each device holds its stage's packed buffer
+      return self.pipeline.param_bytes_per_device
     return sum(leaf.bytes_per_device for leaf in self.leaves if leaf.trainable)
 
   @property
@@ -118,6 +121,13 @@ class Plan:
         ["index", "name", "strategy", "devices", "params", "bytes/device"],
         [[tg.index, tg.name, tg.strategy, tg.device_count, len(per_tg[tg.name]),
           _bytes(sum(x.bytes_per_device for x in per_tg[tg.name]))] for tg in self.taskgraphs])
+    if self.pipeline is not None:
+      lines += ["", "pipeline stages"]
+      lines += _table(
+          ["stage", "task graph", "params", "bytes/device", "activations in", "kept/micro batch"],
+          [[i.index, i.name, i.num_params, _bytes(i.param_bytes), _bytes(i.incoming_bytes),
+            _bytes(i.kept_bytes)] for i in self.pipeline.stage_info()])
+      lines += [f"  {line}" for line in self.pipeline.describe()]
     lines += ["", "variables"]
     lines += _table(
         ["path", "shape", "dtype", "spec", "bytes/device", "task graph"],

@@ -86,7 +86,13 @@ def build(forward: ForwardFn, make_gradients: Callable[[ForwardFn], GradientFn],
   """Chains the features around forward, gradients and update."""
   for f in features:
     forward = f.forward(forward, ctx)
-  gradients = make_gradients(forward)
+  return chain(make_gradients(forward), optimizer, features, ctx)
+
+
+def chain(gradients: GradientFn, optimizer: optax.GradientTransformation,
+          features: Sequence[Feature], ctx: BuildContext) -> tuple[GradientFn, UpdateFn]:
+  """Chains the features around a gradient function and the update (the pipeline builds its
+  own gradients, with the features' ``forward`` hooks around each stage)."""
   for f in features:
     gradients = f.gradients(gradients, ctx)
   update = apply_optimizer(optimizer)

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from epljax import batch as batch_lib
 from epljax import communication, memory
+from epljax import pipeline as pipeline_lib
 from epljax import step as step_lib
 from epljax import strategy as strategy_lib
 from epljax.env import Env
@@ -58,6 +59,7 @@ class _Built:
   step_jit: Any
   grads_jit: Any
   plan: Plan
+  user_params: Callable[[Any], Any]   # TrainState.params -> the user's tree (pipeline: unpack)
 
 
 class Trainer:
@@ -118,7 +120,8 @@ class Trainer:
 
   def variables(self, state: TrainState) -> Any:
     """The variables in the structure ``init_fn`` returned (an ``nnx.Module`` for NNX)."""
-    return self._require().model.merge(state.params, state.model_state)
+    built = self._require()
+    return built.model.merge(built.user_params(state.params), state.model_state)
 
   def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
     """The lowered step: ``.compile().memory_analysis()``, ``.cost_analysis()``, ``.as_text()``."""
@@ -188,17 +191,23 @@ class Trainer:
 
     # 3. Mesh, batch layout, shardings.
     layout = build_mesh(cap.taskgraphs, cluster.devices, config.cluster)
-    _check_layout(layout, cap)
     mesh = layout.mesh
     axes = specs_lib.batch_axes(cap, layout)
     bplan = batch_lib.BatchPlan(layout.num_replicas, num_micro,
                                 layout.devices_per_stage if MODEL in axes else 1, axes)
     bplan.check(rows)
+    # Pipeline stages: parameters packed per stage, a shard_map gradient (epljax.pipeline).
+    pipe = None if layout.num_stages == 1 else pipeline_lib.plan_pipeline(
+        loss_call=loss_call, has_aux=self.has_aux, params_shape=params_shape,
+        state_shape=state_shape, param_paths=p_paths, state_paths=s_paths,
+        micro_shapes=micro_shapes, global_capture=cap, layout=layout, batch_axes=axes,
+        config=config.pipeline, optimizer=self.optimizer, num_devices=len(cluster.devices))
     leaf_specs = specs_lib.variable_specs(cap, layout)
     named = [NamedSharding(mesh, s) for s in leaf_specs]
     replicated = NamedSharding(mesh, P())
-    param_sh = jax.tree.unflatten(p_def, named[:n_p])
-    opt_shape = jax.eval_shape(self.optimizer.init, params_shape)
+    param_sh = jax.tree.unflatten(p_def, named[:n_p]) if pipe is None else pipe.param_shardings
+    trained_shape = params_shape if pipe is None else pipe.packed_shape
+    opt_shape = jax.eval_shape(self.optimizer.init, trained_shape)
     base = StateShardings(
         params=param_sh,
         opt_state=optax.tree_map_params(self.optimizer, lambda _, s: s, opt_shape, param_sh,
@@ -207,7 +216,7 @@ class Trainer:
 
     # 4. Features (memory, communication), chained around the step's pieces.
     ctx = BuildContext(mesh=mesh, num_replicas=layout.num_replicas, num_micro_batch=num_micro,
-                       capture=cap, params_shape=params_shape, optimizer=self.optimizer)
+                       capture=cap, params_shape=trained_shape, optimizer=self.optimizer)
     features = _features(config)
     for f in features:
       base = f.shardings(base, ctx)
@@ -221,9 +230,15 @@ class Trainer:
     def forward(params, model_state, b, fstate):
       return loss_call(params, model_state, b)
 
-    gradients, update = step_lib.build(
-        forward, lambda fwd: step_lib.accumulate_gradients(fwd, num_micro), self.optimizer,
-        features, ctx)
+    if pipe is None:
+      gradients, update = step_lib.build(
+          forward, lambda fwd: step_lib.accumulate_gradients(fwd, num_micro), self.optimizer,
+          features, ctx)
+    else:
+      gradients, update = step_lib.chain(pipe.gradients(features, ctx), self.optimizer,
+                                         features, ctx)
+    user_params = (lambda p: p) if pipe is None else jax.jit(
+        pipe.unpack, out_shardings=jax.tree.map(lambda _: replicated, params_shape))
 
     def prepare(global_batch):
       return batch_lib.micro_batches(global_batch, bplan, mesh)
@@ -234,6 +249,7 @@ class Trainer:
     def init_state(r, global_batch):
       first = jax.tree.map(lambda x: x[:rows // num_micro], global_batch)
       _, params, model_state = Model.split(self.init_fn(r, first))
+      params = params if pipe is None else pipe.pack(params)
       return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                         opt_state=optimizer.init(params), model_state=model_state,
                         feature_state=fstate_init)
@@ -247,20 +263,22 @@ class Trainer:
     def loss_and_grads(state, global_batch):
       loss, _, grads, _ = gradients(state.params, state.model_state, prepare(global_batch),
                                     state.feature_state)
-      return loss, grads
+      return loss, grads if pipe is None else pipe.unpack(grads)
 
     grads_jit = jax.jit(traced(loss_and_grads), in_shardings=(shardings, batch_sh),
-                        out_shardings=(replicated, base.params))
+                        out_shardings=(replicated, base.params if pipe is None else
+                                       jax.tree.map(lambda _: replicated, params_shape)))
 
     # 6. The plan.
     abstract_state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
         jax.eval_shape(lambda: TrainState(
-            step=jnp.zeros((), jnp.int32), params=params_shape, opt_state=opt_shape,
+            step=jnp.zeros((), jnp.int32), params=trained_shape, opt_state=opt_shape,
             model_state=state_shape, feature_state=fstate_init)), shardings)
     abstract_batch = batch_lib.global_shapes(
         batch, lambda nd: NamedSharding(mesh, specs_lib.batch_spec(axes, nd)))
-    final_named = jax.tree.leaves(base.params) + jax.tree.leaves(base.model_state)
+    final_named = (jax.tree.leaves(base.params) if pipe is None else named[:n_p]) + \
+        jax.tree.leaves(base.model_state)
     leaves = [
         Leaf(path, tuple(x.shape), str(x.dtype), sh.spec,
              leaf_bytes_per_device(x.shape, x.dtype, sh),
@@ -275,11 +293,12 @@ class Trainer:
                                     jax.tree.unflatten(s_def, spec_leaves[n_p:])),
         leaves=leaves, num_micro_batch=num_micro, global_rows=rows, batch_axes=axes,
         optimizer_bytes=tree_bytes_per_device(opt_shape, base.opt_state),
-        schedule="gradient accumulation" if num_micro > 1 else "-",
-        features=[f.describe() for f in features],
+        schedule=(pipe.schedule.strategy if pipe is not None else
+                  "gradient accumulation" if num_micro > 1 else "-"),
+        features=[f.describe() for f in features], pipeline=pipe,
         compile_step=lambda: step_jit.lower(abstract_state, abstract_batch).compile())
     self._built = _Built(model, cap, layout, bplan, shardings, init_jit, step_jit, grads_jit,
-                         plan)
+                         plan, user_params)
     return self._built
 
 
@@ -309,12 +328,6 @@ def _check_trainable(params_shape: Any, model: Model) -> None:
       raise PlanError(f"Trainable leaf '{where}' of {what} has dtype {leaf.dtype}; only "
                       "floating-point leaves can be trained. Keep integer state in another "
                       "collection (Flax) or a non-Param variable (NNX).")
-
-
-def _check_layout(layout: Layout, cap: Capture) -> None:
-  if layout.num_stages > 1:
-    raise PlanError(f"Task graphs {[tg.name for tg in cap.taskgraphs]} are pipeline stages; "
-                    "pipeline parallelism is not available in this version of epljax.")
 
 
 # Config keys accepted by epl.Config whose features this version does not run yet. A value
