@@ -37,6 +37,12 @@ from epljax.sharding.capture import Capture, capture
 from epljax.strategy import REPLICATE
 
 
+# What the loop keeps between a micro batch's forward and backward: "residuals" (the forward
+# runs once) or "inputs" (the stage's forward runs again in the backward). bench/pipeline.py
+# measures both; gradient checkpointing features give the policies in between.
+STASH = "residuals"
+
+
 class PipelineWarning(UserWarning):
   """A pipeline that runs, but not the way it should (too few micro batches)."""
 
@@ -58,7 +64,7 @@ class Pipeline:
   def __init__(self, stages: Sequence[Stage], param_avals: Sequence[Any], params_def: Any,
                batch_avals: Sequence[Any], aux_avals: Sequence[Any], aux_def: Any,
                schedule: Schedule, layout: Layout, batch_axes: tuple[str, ...],
-               stash: str = "residuals"):
+               stash: str | None = None):
     self.stages = tuple(stages)
     self.param_avals = list(param_avals)
     self.params_def = params_def
@@ -68,7 +74,7 @@ class Pipeline:
     self.schedule = schedule
     self.mesh = layout.mesh
     self.batch_axes = batch_axes
-    self.stash = stash
+    self.stash = stash or STASH
     self.layouts = [packing.Layout.of([param_avals[i] for i in s.params]) for s in stages]
     self.sizes = packing.padded_sizes(self.layouts)
     self.buffers: runtime.Buffers | None = None
@@ -248,7 +254,7 @@ loss_fn's aux '{path}' has dtype {dtype}. With pipeline stages aux values are av
 the model replicas, which needs floating-point values: return jnp.mean(...) of a float (for
 example accuracy as a float) instead."""
 
-_FEW_MICRO = """\
-pipeline.num_micro_batch={m} is smaller than the {s} pipeline stages: at most {m} stages work
-at any time, and {bubble:.0%} of each step is pipeline bubble. Use num_micro_batch >= {s}
-(4 x the stages keeps the bubble under 20%)."""
+_FEW_MICRO = (
+    "pipeline.num_micro_batch={m} is smaller than the {s} pipeline stages: at most {m} stages "
+    "work at any time, and {bubble:.0%} of each step is pipeline bubble. Use num_micro_batch "
+    ">= {s} (4 x the stages keeps the bubble under 20%).")

@@ -286,7 +286,10 @@ class _Cutter:
     if last:
       outvars += [use(k) for k in self.outputs[:num_outputs]]
     effects = set().union(*(e.effects for e in eqns)) if eqns else jcore.no_effects
-    jaxpr = jcore.Jaxpr(constvars, invars, outvars, eqns, effects)
+    info = jcore.DebugInfo("epljax pipeline", f"stage {self.names[s]}",
+                           tuple(f"in{i}" for i in range(len(invars))),
+                           tuple(f"out{i}" for i in range(len(outvars))))
+    jaxpr = jcore.Jaxpr(constvars, invars, outvars, eqns, effects, info)
     return Stage(s, self.names[s], jcore.ClosedJaxpr(jaxpr, consts), tuple(order),
                  tuple(k.aval for k in incoming), tuple(k.aval for k in outgoing), last)
 
