@@ -152,8 +152,8 @@ class Pipeline:
       per_slot = packing.nbytes(self.buffers.residuals) + (
           packing.nbytes(self.buffers.payload) if self.buffers.keep_inputs else 0)
       lines.append(
-          f"stash     {self.stash}: {self.schedule.num_slots} slots x {_kib(per_slot)} per "
-          f"device; {len(self.branches)} distinct stage functions")
+          f"stash     {self.stash}: {self.schedule.num_slots} micro batches (+1 scratch slot) x "
+          f"{_kib(per_slot)} per device; {len(self.branches)} distinct stage functions")
     lines.append(f"params    {_kib(self.param_bytes_per_device)} per device (the largest stage, "
                  "packed)")
     return lines

@@ -189,10 +189,13 @@ def _forward_branch(branch: Branch, sizes: Buffers, aux_avals):
 
 
 def _backward_branch(branch: Branch, sizes: Buffers):
-  def run(params, incoming, residuals, batch, grad_out, seed):
+  # The stash comes in whole and is sliced here, where the slices fuse into their consumers,
+  # rather than copying a slot out before the switch.
+  def run(params, stash_x, stash_r, slot, batch, grad_out, seed):
     leaves = branch.params.unpack(params)
-    acts = branch.incoming.unpack(incoming)
-    stashed = branch.residuals.layout.unpack(residuals)
+    acts = branch.incoming.unpack(_take(stash_x, slot)) if branch.needs_inputs else [
+        jnp.zeros(a.shape, a.dtype) for a in branch.stage.incoming]
+    stashed = branch.residuals.layout.unpack(_take(stash_r, slot))
     source = {"param": leaves, "act": acts, "batch": batch, "res": stashed}
     pull_leaves = [value if kind == "static" else source[kind][value]
                    for kind, value in branch.residuals.kinds]
@@ -213,7 +216,7 @@ def _idle_forward(sizes: Buffers, aux_avals):
 
 
 def _idle_backward(sizes: Buffers):
-  def run(params, incoming, residuals, batch, grad_out, seed):
+  def run(params, stash_x, stash_r, slot, batch, grad_out, seed):
     return packing.zeros(sizes.params), packing.zeros(sizes.grad_payload)
   return run
 
@@ -222,12 +225,8 @@ def _take(buffers: dict, index) -> dict:
   return {k: lax.dynamic_index_in_dim(v, index, keepdims=False) for k, v in buffers.items()}
 
 
-def _put(buffers: dict, index, values: dict, valid) -> dict:
-  out = {}
-  for k, v in buffers.items():
-    old = lax.dynamic_index_in_dim(v, index, keepdims=False)
-    out[k] = lax.dynamic_update_index_in_dim(v, jnp.where(valid, values[k], old), index, 0)
-  return out
+def _put(buffers: dict, index, values: dict) -> dict:
+  return {k: lax.dynamic_update_index_in_dim(v, values[k], index, 0) for k, v in buffers.items()}
 
 
 def pipelined_gradients(branches: Sequence[Branch], branch_of: Sequence[int], aux_avals,
@@ -254,8 +253,10 @@ def pipelined_gradients(branches: Sequence[Branch], branch_of: Sequence[int], au
     branch = jnp.asarray(np.asarray(branch_of, np.int32))[stage]
     carry = (dict(
         fwd=packing.zeros(sizes.payload), bwd=packing.zeros(sizes.grad_payload),
-        stash_x=packing.zeros(sizes.payload if sizes.keep_inputs else {}, (slots,)),
-        stash_r=packing.zeros(sizes.residuals, (slots,)),
+        # One slot more than the schedule keeps: idle forwards write there, so a write needs
+        # no read of the old slot and updates the loop's buffer in place.
+        stash_x=packing.zeros(sizes.payload if sizes.keep_inputs else {}, (slots + 1,)),
+        stash_r=packing.zeros(sizes.residuals, (slots + 1,)),
         grads=packing.zeros(sizes.params), losses=jnp.zeros((n_micro,), jnp.float32),
         aux=[jnp.zeros((n_micro, *a.shape), a.dtype) for a in aux_avals]))
 
@@ -266,15 +267,15 @@ def pipelined_gradients(branches: Sequence[Branch], branch_of: Sequence[int], au
       batch = [lax.dynamic_index_in_dim(x, f_m, keepdims=False) for x in micro]
       out, loss, aux, res = lax.switch(jnp.where(f_ok, branch, idle), fwd, params, c["fwd"],
                                        batch)
-      stash_x = _put(c["stash_x"], f_slot, c["fwd"], f_ok)
-      stash_r = _put(c["stash_r"], f_slot, res, f_ok)
+      write = jnp.where(f_ok, f_slot, slots)
+      stash_x = _put(c["stash_x"], write, c["fwd"])
+      stash_r = _put(c["stash_r"], write, res)
       losses = c["losses"].at[f_m].add(loss)
       auxes = [acc.at[f_m].add(a) for acc, a in zip(c["aux"], aux)]
       batch = [lax.dynamic_index_in_dim(x, b_m, keepdims=False) for x in micro]
       g_params, g_in = lax.switch(
           jnp.where(b_ok, branch, idle), bwd, params,
-          _take(stash_x, b_slot) if sizes.keep_inputs else c["fwd"], _take(stash_r, b_slot),
-          batch, c["bwd"], seed)
+          stash_x, stash_r, b_slot, batch, c["bwd"], seed)
       grads = {k: c["grads"][k] + g_params[k] for k in c["grads"]}
       return dict(fwd=lax.ppermute(out, STAGE, down), bwd=lax.ppermute(g_in, STAGE, up),
                   stash_x=stash_x, stash_r=stash_r, grads=grads, losses=losses,
