@@ -9,7 +9,8 @@ import pytest
 import epljax as epl
 from epljax import train as train_lib
 from epljax.features import LOSS_SCALE, Feature
-from epljax.pipeline import make_schedule, render_schedule, schedule_text
+from epljax.pipeline import make_schedule
+from epljax.pipeline.render import render_schedule, schedule_text
 from epljax.pipeline.schedules import check_schedule
 from helpers import classification_batch, linen_fns
 from pipeline_helpers import Stack, TwoStages, check_matches_reference

@@ -10,8 +10,6 @@ the ``shard_map`` loop that runs them in one SPMD program.
 """
 
 from epljax.pipeline.builder import Pipeline, PipelineWarning, plan_pipeline
-from epljax.pipeline.render import render_schedule, schedule_text
 from epljax.pipeline.schedules import Schedule, make_schedule
 
-__all__ = ["Pipeline", "PipelineWarning", "Schedule", "make_schedule", "plan_pipeline",
-           "render_schedule", "schedule_text"]
+__all__ = ["Pipeline", "PipelineWarning", "Schedule", "make_schedule", "plan_pipeline"]

@@ -1,6 +1,6 @@
 """A schedule as text (for the plan) or as a picture (for the README): ticks x stages.
 
-    python -m epljax.pipeline.render docs/pipeline_schedule.png      # GPipe and 1F1B, S=4, M=8
+    python -m epljax.pipeline.render docs/pipeline_schedule.png 4 10   # GPipe and 1F1B, S=4, M=10
 
 Each tick of a stage has a forward slot (blue, ``F3`` = forward of micro batch 3) and a
 backward slot (orange, ``B3``); white is pipeline bubble.
@@ -69,7 +69,7 @@ def render_schedule(schedules: Schedule | Sequence[Schedule], path: str) -> str:
     for side in ("top", "right"):
       ax.spines[side].set_visible(False)
   fig.tight_layout()
-  fig.savefig(path, dpi=90)
+  fig.savefig(path, dpi=72)
   plt.close(fig)
   return path
 
@@ -77,7 +77,7 @@ def render_schedule(schedules: Schedule | Sequence[Schedule], path: str) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
   argv = list(sys.argv[1:] if argv is None else argv)
   path = argv[0] if argv else "pipeline_schedule.png"
-  stages, micro = (int(argv[1]), int(argv[2])) if len(argv) >= 3 else (4, 8)
+  stages, micro = (int(argv[1]), int(argv[2])) if len(argv) >= 3 else (4, 10)
   print(render_schedule([make_schedule("PreferForward", stages, micro),
                          make_schedule("PreferBackward", stages, micro)], path))
 

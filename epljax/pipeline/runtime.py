@@ -292,3 +292,23 @@ def pipelined_gradients(branches: Sequence[Branch], branch_of: Sequence[int], au
   # calls, scans and custom rules carry no varying-axes types); every reduction is explicit.
   return jax.shard_map(local, mesh=mesh, in_specs=(stage_spec, batch_spec, P()),
                        out_specs=(P(), P(), stage_spec), check_vma=False)
+
+
+def branch_flops(branches: Sequence[Branch], aux_avals, batch_avals) -> list[tuple[float, float]]:
+  """``(forward, backward)`` FLOPs of one tick of each branch, from ``cost_analysis`` of the
+  branch compiled alone. (The compiled step counts a loop body once and a switch as its
+  costliest branch, so the executed FLOPs are these times the busy slots of the schedule.)"""
+  sizes = buffer_sizes(branches)
+  sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+  bufs = lambda d, lead=(): {k: jax.ShapeDtypeStruct((*lead, n), k) for k, n in d.items()}  # noqa: E731
+  batch = [sds(a) for a in batch_avals]
+  out = []
+  for b in branches:
+    fwd = jax.jit(_forward_branch(b, sizes, aux_avals)).lower(
+        bufs(sizes.params), bufs(sizes.payload), batch).compile()
+    bwd = jax.jit(_backward_branch(b, sizes)).lower(
+        bufs(sizes.params), bufs(sizes.payload if sizes.keep_inputs else {}, (2,)),
+        bufs(sizes.residuals, (2,)), jax.ShapeDtypeStruct((), jnp.int32), batch,
+        bufs(sizes.grad_payload), jax.ShapeDtypeStruct((), jnp.float32)).compile()
+    out.append((fwd.cost_analysis().get("flops", 0.0), bwd.cost_analysis().get("flops", 0.0)))
+  return out
