@@ -1,8 +1,16 @@
 """Pipeline parallelism against the single-device reference on the same global batch."""
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
+from flax import nnx
 
-from pipeline_helpers import CASES, run_case
+import epljax as epl
+from helpers import TOL, assert_trees_close, classification_batch, cross_entropy, reference_run
+from pipeline_helpers import CASES, adamw, run_case
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -17,3 +25,82 @@ def test_matches_single_device_reference(case):
   assert len(plan.pipeline.branches) == distinct
   # Activations and gradients move between stages; gradients are reduced over replicas.
   assert {c.kind for c in plan.collectives} == {"collective-permute", "all-reduce"}
+
+
+class Routed(nn.Module):
+  """Four stages with a skip over two of them, an integer activation and an aux value made
+  on the first stage: all must be routed to the last stage through the ones in between."""
+
+  @nn.compact
+  def __call__(self, x):
+    with epl.replicate(1, name="s0"):
+      h0 = nn.relu(nn.Dense(16)(x))
+      k = jnp.argmax(h0[:, :10], axis=-1)          # int32, no gradient
+    with epl.replicate(1, name="s1"):
+      h1 = jnp.tanh(nn.Dense(16)(h0))
+    with epl.replicate(1, name="s2"):
+      h2 = jnp.tanh(nn.Dense(16)(h1))
+    with epl.replicate(1, name="s3"):
+      logits = nn.Dense(10)(h2) + 0.1 * nn.Dense(10)(h0) + 0.5 * jax.nn.one_hot(k, 10)
+    return logits, jnp.mean(h0)
+
+
+def test_skips_integer_activations_and_aux_are_routed_to_the_last_stage():
+  epl.init({"pipeline.num_micro_batch": 4})
+  model = Routed()
+  batch = classification_batch(32)
+
+  def init_fn(rng, b):
+    return model.init(rng, b["x"])
+
+  def loss_fn(variables, b):
+    logits, h0_mean = model.apply(variables, b["x"])
+    accuracy = jnp.mean((jnp.argmax(logits, -1) == b["y"]).astype(jnp.float32))
+    return cross_entropy(logits, b["y"]), {"accuracy": accuracy, "h0_mean": h0_mean}
+
+  trainer = epl.Trainer(init_fn, loss_fn, adamw(), has_aux=True)
+  state = trainer.init(jax.random.key(0), batch)
+  history, _ = reference_run(init_fn, lambda v, b: loss_fn(v, b)[0], adamw(), jax.random.key(0),
+                             batch, 1)
+  loss, grads = trainer.loss_and_grads(state, batch)
+  np.testing.assert_allclose(loss, history[0][0], **TOL)
+  assert_trees_close(grads, history[0][1])
+  variables = trainer.variables(state)
+  _, metrics = trainer.train_step(state, batch)
+  # Micro batch m: chunk m of each of the 2 replicas' 16 rows; aux is the mean over both.
+  for m in range(4):
+    rows = np.concatenate([np.arange(r * 16 + m * 4, r * 16 + m * 4 + 4) for r in range(2)])
+    expected = loss_fn(variables, jax.tree.map(lambda x: x[rows], batch))[1]
+    assert_trees_close(jax.tree.map(lambda a: a[m], metrics["aux"]), expected)
+
+
+class NNXStages(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.body = nnx.Linear(20, 16, rngs=rngs)
+    self.head = nnx.Linear(16, 10, rngs=rngs)
+
+  def __call__(self, x):
+    with epl.replicate(1, name="body"):
+      h = nnx.relu(self.body(x))
+    with epl.replicate(1, name="head"):
+      return self.head(h)
+
+
+def test_nnx_model_in_two_stages_matches_single_device():
+  epl.init({"pipeline.num_micro_batch": 2, "pipeline.strategy": "PreferForward"})
+  batch = classification_batch(32)
+
+  def loss_fn(model, b):
+    return cross_entropy(model(b["x"]), b["y"])
+
+  trainer = epl.Trainer(lambda rng, b: NNXStages(nnx.Rngs(rng)), loss_fn, optax.sgd(0.1))
+  state = trainer.init(jax.random.key(0), batch)
+  state, metrics = trainer.train_step(state, batch)
+  assert trainer.plan.num_stages == 2
+  model = NNXStages(nnx.Rngs(jax.random.key(0)))
+  loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+  np.testing.assert_allclose(metrics["loss"], loss, **TOL)
+  nnx.update(model, jax.tree.map(lambda p, g: p - 0.1 * g, nnx.state(model, nnx.Param), grads))
+  trained = trainer.variables(state)
+  assert isinstance(trained, NNXStages)
+  assert_trees_close(nnx.state(trained, nnx.Param), nnx.state(model, nnx.Param))
