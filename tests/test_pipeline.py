@@ -29,19 +29,22 @@ def test_matches_single_device_reference(case):
 
 class Routed(nn.Module):
   """Four stages with a skip over two of them, an integer activation and an aux value made
-  on the first stage: all must be routed to the last stage through the ones in between."""
+  on the first stage: all must be routed to the last stage through the ones in between. The
+  scale made from the batch alone on s0 is recomputed on s3 instead."""
 
   @nn.compact
   def __call__(self, x):
     with epl.replicate(1, name="s0"):
       h0 = nn.relu(nn.Dense(16)(x))
       k = jnp.argmax(h0[:, :10], axis=-1)          # int32, no gradient
+      scale = 1.0 + 0.1 * jnp.abs(x[:, :1])        # from the batch alone
     with epl.replicate(1, name="s1"):
       h1 = jnp.tanh(nn.Dense(16)(h0))
     with epl.replicate(1, name="s2"):
       h2 = jnp.tanh(nn.Dense(16)(h1))
     with epl.replicate(1, name="s3"):
       logits = nn.Dense(10)(h2) + 0.1 * nn.Dense(10)(h0) + 0.5 * jax.nn.one_hot(k, 10)
+      logits = logits * scale
     return logits, jnp.mean(h0)
 
 
@@ -65,6 +68,11 @@ def test_skips_integer_activations_and_aux_are_routed_to_the_last_stage():
   loss, grads = trainer.loss_and_grads(state, batch)
   np.testing.assert_allclose(loss, history[0][0], **TOL)
   assert_trees_close(grads, history[0][1])
+  incoming = [[(a.shape, str(a.dtype)) for a in stage.incoming]
+              for stage in trainer.plan.pipeline.stages]
+  # h0, k, mean(h0) from s0 and h2 from s2 reach s3; the (4, 1) scale does not travel.
+  assert sorted(incoming[3]) == sorted([((4, 16), "float32"), ((4,), "int32"), ((), "float32"),
+                                        ((4, 16), "float32")])
   variables = trainer.variables(state)
   _, metrics = trainer.train_step(state, batch)
   # Micro batch m: chunk m of each of the 2 replicas' 16 rows; aux is the mean over both.
@@ -104,3 +112,30 @@ def test_nnx_model_in_two_stages_matches_single_device():
   trained = trainer.variables(state)
   assert isinstance(trained, NNXStages)
   assert_trees_close(nnx.state(trained, nnx.Param), nnx.state(model, nnx.Param))
+
+
+def test_a_jitted_call_across_a_stage_boundary_is_inlined():
+  @jax.jit
+  def body(p, x):
+    with epl.replicate(1, name="stage_0"):
+      h = jnp.tanh(x @ p["w0"])
+    with epl.replicate(1, name="stage_1"):
+      return h @ p["w1"]
+
+  def init_fn(rng, b):
+    k0, k1 = jax.random.split(rng)
+    return {"params": {"w0": jax.random.normal(k0, (20, 16)) * 0.3,
+                       "w1": jax.random.normal(k1, (16, 10)) * 0.3}}
+
+  def loss_fn(variables, b):
+    return cross_entropy(body(variables["params"], b["x"]), b["y"])
+
+  epl.init({"pipeline.num_micro_batch": 2})
+  batch = classification_batch(16)
+  trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))
+  state = trainer.init(jax.random.key(0), batch)
+  history, _ = reference_run(init_fn, loss_fn, optax.sgd(0.1), jax.random.key(0), batch, 1)
+  loss, grads = trainer.loss_and_grads(state, batch)
+  assert trainer.plan.num_stages == 2
+  np.testing.assert_allclose(loss, history[0][0], **TOL)
+  assert_trees_close(grads, history[0][1])
