@@ -189,12 +189,11 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
                 num_devices=num_devices)
   if [t.name for t in cap.taskgraphs] != [t.name for t in global_capture.taskgraphs]:
     raise AssertionError("the per-replica trace found other task graphs than the global one")
-  num_outputs = 1 + found["aux_def"].num_leaves
-  aux_avals = [v.aval for v in cap.program.closed_jaxpr.jaxpr.outvars[1:num_outputs]]
+  aux_avals = [v.aval for v in cap.program.closed_jaxpr.jaxpr.outvars[1:]]
   for path, a in zip(_aux_paths(found["aux_def"]), aux_avals):
     if not jnp.issubdtype(a.dtype, jnp.inexact):
       raise PlanError(_AUX.format(path=path, dtype=a.dtype))
-  stages = cut_stages(cap, layout.stage_of, len(p_leaves), num_outputs)
+  stages = cut_stages(cap, layout.stage_of, len(p_leaves))
   schedule = make_schedule(config.strategy, layout.num_stages, config.num_micro_batch)
   if config.num_micro_batch < layout.num_stages:
     warnings.warn(_FEW_MICRO.format(m=config.num_micro_batch, s=layout.num_stages,

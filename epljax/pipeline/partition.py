@@ -76,8 +76,7 @@ class Stage:
     return (), outs[n], tuple(outs[n + 1:])
 
 
-def cut_stages(cap: Capture, stage_of: Sequence[int], num_params: int,
-               num_outputs: int) -> tuple[Stage, ...]:
+def cut_stages(cap: Capture, stage_of: Sequence[int], num_params: int) -> tuple[Stage, ...]:
   """The stages of the captured program ``(params..., batch...) -> (loss, aux...)``.
 
   ``stage_of`` maps task graph index -> stage; the first ``num_params`` program inputs are
@@ -85,7 +84,7 @@ def cut_stages(cap: Capture, stage_of: Sequence[int], num_params: int,
   """
   cutter = _Cutter(cap, stage_of, num_params)
   cutter.run()
-  return cutter.build(num_outputs)
+  return cutter.build()
 
 
 class _Cutter:
@@ -108,6 +107,7 @@ class _Cutter:
     self.producer: dict[_Key, int] = {}   # key -> item index
     self.cursor = 0
     self.outputs: list[Any] = []
+    self.batch_only: set[_Key] = set()
 
   # -- walking ------------------------------------------------------------------------------
   def run(self) -> None:
@@ -120,6 +120,7 @@ class _Cutter:
     if self.cursor != len(self.cap.program.nodes):  # internal invariant
       raise AssertionError("stage cutting lost track of the capture's equations")
     self._assign_untagged()
+    self.batch_only = self._find_batch_only()
     self._check_order()
 
   def _walk(self, jaxpr: jcore.Jaxpr, alias: dict, prefix) -> None:
@@ -171,7 +172,7 @@ class _Cutter:
   def _check_order(self) -> None:
     for item in self.items:
       for key in item.inputs:
-        if isinstance(key, _Key) and key.kind == "node":
+        if isinstance(key, _Key) and key.kind == "node" and key not in self.batch_only:
           producer = self.items[self.producer[key]]
           if producer.stage > item.stage:
             order = " -> ".join(f"'{n}'" for n in self.names)
@@ -181,7 +182,7 @@ class _Cutter:
                 made=producer.eqn.primitive.name, made_where=_where(producer.eqn), order=order))
 
   # -- stage jaxprs -------------------------------------------------------------------------
-  def _batch_only(self) -> set[_Key]:
+  def _find_batch_only(self) -> set[_Key]:
     """Keys computed from batch leaves and constants alone (cheap to recompute anywhere)."""
     only: set[_Key] = set()
     for item in self.items:
@@ -192,58 +193,42 @@ class _Cutter:
         only.update(k for k in item.outputs if k is not None)
     return only
 
-  def build(self, num_outputs: int) -> tuple[Stage, ...]:
+  def build(self) -> tuple[Stage, ...]:
     n_stages = self.num_stages
-    last = n_stages - 1
-    batch_only = self._batch_only()
     members: list[set[int]] = [set() for _ in range(n_stages)]
     for i, item in enumerate(self.items):
       members[item.stage].add(i)
-    # Where each value is used; batch-only values are recomputed by their users instead.
+    # Where each value is read. A stage that reads a batch-only value made elsewhere takes the
+    # equations that make it instead (their inputs are batch-only too, so they follow).
     used_at: dict[_Key, set[int]] = {}
     for s in range(n_stages):
       pending = sorted(members[s])
+
+      def read(k: Any, s=s, pending=pending) -> None:
+        if not isinstance(k, _Key) or k.kind in ("batch", "const"):
+          return
+        used_at.setdefault(k, set()).add(s)
+        if k in self.batch_only and self.producer[k] not in members[s]:
+          members[s].add(self.producer[k])
+          pending.append(self.producer[k])
+
+      if s == n_stages - 1:
+        for k in self.outputs:
+          read(k)
       while pending:
-        item = self.items[pending.pop()]
-        for k in item.inputs:
-          if not isinstance(k, _Key) or k.kind in ("batch", "const"):
-            continue
-          used_at.setdefault(k, set()).add(s)
-          if k in batch_only and k.kind == "node":
-            p = self.producer[k]
-            if p not in members[s]:
-              members[s].add(p)
-              pending.append(p)
-    for k in self.outputs:
-      if isinstance(k, _Key) and k.kind not in ("batch", "const"):
-        used_at.setdefault(k, set()).add(last)
-        if k in batch_only and k.kind == "node":
-          members[last].add(self.producer[k])   # its inputs are batch-only too: pull them in
-          self._close_over(members[last], batch_only, self.producer[k])
-    # Boundary b carries the values made on stages <= b and used after b.
+        for k in self.items[pending.pop()].inputs:
+          read(k)
+    # Boundary b carries the values made on stages <= b and read after b.
     boundary: list[list[_Key]] = [[] for _ in range(n_stages - 1)]
     made = [(k, self.param_stage[k.index]) for k in self.inputs[:self.num_params]]
     made += [(k, item.stage) for item in self.items for k in item.outputs if k is not None]
     for k, p in made:
-      if k in batch_only:
-        continue
-      for b in range(p, max(used_at.get(k, {p}), default=p)):
-        boundary[b].append(k)
-    return tuple(self._stage(s, sorted(members[s]), boundary, num_outputs)
-                 for s in range(n_stages))
+      if k not in self.batch_only:
+        for b in range(p, max(used_at.get(k, {p}))):
+          boundary[b].append(k)
+    return tuple(self._stage(s, sorted(members[s]), boundary) for s in range(n_stages))
 
-  def _close_over(self, member: set[int], batch_only: set[_Key], start: int) -> None:
-    pending = [start]
-    while pending:
-      for k in self.items[pending.pop()].inputs:
-        if isinstance(k, _Key) and k.kind == "node" and k in batch_only:
-          p = self.producer[k]
-          if p not in member:
-            member.add(p)
-            pending.append(p)
-
-  def _stage(self, s: int, member: list[int], boundary: list[list[_Key]],
-             num_outputs: int) -> Stage:
+  def _stage(self, s: int, member: list[int], boundary: list[list[_Key]]) -> Stage:
     last = s == self.num_stages - 1
     var: dict[_Key, jcore.Var] = {}
     constvars, consts = [], []
@@ -284,7 +269,7 @@ class _Cutter:
     outgoing = [] if last else boundary[s]
     outvars = [use(k) for k in outgoing]
     if last:
-      outvars += [use(k) for k in self.outputs[:num_outputs]]
+      outvars += [use(k) for k in self.outputs]
     effects = set().union(*(e.effects for e in eqns)) if eqns else jcore.no_effects
     info = jcore.DebugInfo("epljax pipeline", f"stage {self.names[s]}",
                            tuple(f"in{i}" for i in range(len(invars))),
