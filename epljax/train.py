@@ -16,7 +16,9 @@
 traced loss (``sharding.capture``), builds the mesh (``mesh.build_mesh``), gives every variable
 its ``PartitionSpec`` (``sharding.specs``) and compiles the step pieces of ``step.py`` into one
 ``jax.jit`` with those shardings. Parameters and optimizer state are created by a jitted init
-directly in their shardings.
+directly in their shardings. When the task graphs are pipeline stages, ``epljax.pipeline`` gives
+the parameter storage (packed per stage) and the gradient function (a ``shard_map`` loop over
+micro batches) instead of ``step.accumulate_gradients``.
 """
 
 from __future__ import annotations

@@ -3,12 +3,14 @@
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
 import epljax as epl
 from epljax.pipeline import PipelineWarning
-from helpers import classification_batch, cross_entropy, linen_fns
+from helpers import (TOL, assert_trees_close, classification_batch, cross_entropy, linen_fns,
+                     reference_run)
 from pipeline_helpers import TwoStages, run_case
 
 
@@ -50,13 +52,19 @@ def test_bert_style_default_strategy_calls_name_stages_in_order():
                       "Block_3": "taskgraph_3", "Dense_1": "taskgraph_3"}
 
 
-def test_fewer_micro_batches_than_stages_warns():
+def test_fewer_micro_batches_than_stages_warns_and_stays_exact():
   epl.init({"pipeline.num_micro_batch": 1})
   trainer = trainer_for(TwoStages())
+  batch = classification_batch(16)
   with pytest.warns(PipelineWarning, match=r"pipeline.num_micro_batch=1 is smaller than the 2 "
                     r"pipeline stages: at most 1 stages work at any time, and 50% of each step "
                     r"is pipeline bubble\. Use num_micro_batch >= 2"):
-    trainer.init(jax.random.key(0), classification_batch(16))
+    state = trainer.init(jax.random.key(0), batch)
+  init_fn, loss_fn = linen_fns(TwoStages())
+  history, _ = reference_run(init_fn, loss_fn, optax.sgd(0.1), jax.random.key(0), batch, 1)
+  loss, grads = trainer.loss_and_grads(state, batch)
+  np.testing.assert_allclose(loss, history[0][0], **TOL)
+  assert_trees_close(grads, history[0][1])
 
 
 def test_batch_that_does_not_divide_into_replicas_and_micro_batches():

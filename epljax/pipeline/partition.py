@@ -310,13 +310,6 @@ def _where(eqn: jcore.JaxprEqn) -> str:
   return source_info_util.summarize(eqn.source_info)
 
 
-def stage_avals(stage: Stage, param_avals: Sequence[Any], batch_avals: Sequence[Any]):
-  """Abstract arguments of ``stage``: (params, incoming, batch) as ShapeDtypeStructs."""
-  sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
-  return ([sds(param_avals[i]) for i in stage.params], [sds(a) for a in stage.incoming],
-          [sds(a) for a in batch_avals])
-
-
 def same_consts(a: Sequence[Any], b: Sequence[Any]) -> bool:
   return len(a) == len(b) and all(
       np.shape(x) == np.shape(y) and np.asarray(x).dtype == np.asarray(y).dtype

@@ -36,6 +36,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from epljax.errors import PlanError
 from epljax.mesh import STAGE
 from epljax.pipeline import packing
 from epljax.pipeline.partition import Stage, same_consts
@@ -63,8 +64,7 @@ class Branch:
     self.incoming = packing.Layout.of(stage.incoming)
     self.outgoing = packing.Layout.of(stage.outgoing)
     self.residuals: _Residuals | None = None
-    self.loss_dtype = stage.jaxpr.out_avals[len(stage.outgoing)].dtype if stage.last else (
-        jnp.float32)
+    self.loss_dtype: Any = jnp.float32   # of the (feature-wrapped) stage's loss output
 
   # -- forward: outputs and pullback -------------------------------------------------------
   def pullback(self, params, acts, batch):
@@ -98,21 +98,23 @@ class Branch:
     found = {}
 
     def trial(params, acts, batch):
-      _, _, _, pull = self.pullback(params, acts, batch)
+      _, loss, _, pull = self.pullback(params, acts, batch)
       found["treedef"], found["kinds"], stash = self.split(pull, params, acts, batch)
-      return stash
+      return loss, stash
 
-    args = ([jax.ShapeDtypeStruct(param_avals[i].shape, param_avals[i].dtype)
-             for i in self.stage.params],
-            [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.stage.incoming],
-            [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in batch_avals])
-    stash = jax.eval_shape(trial, *args)
+    loss, stash = jax.eval_shape(trial, *self._abstract_args(param_avals, batch_avals))
     for leaf in stash:
       if not jnp.issubdtype(leaf.dtype, np.number) and leaf.dtype != np.bool_:
-        raise NotImplementedError(
-            f"Stage '{self.stage.name}' keeps a value of dtype {leaf.dtype} for its backward "
-            "pass; pipeline stages can keep numeric and boolean values only.")
+        raise PlanError(f"Stage '{self.stage.name}' keeps a value of dtype {leaf.dtype} for its "
+                        "backward pass; pipeline stages can keep numeric and boolean values "
+                        "only. Pass PRNG keys as raw key data (jax.random.key_data).")
+    self.loss_dtype = loss.dtype
     self.residuals = _Residuals(found["treedef"], found["kinds"], packing.Layout.of(stash))
+
+  def _abstract_args(self, param_avals, batch_avals):
+    sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+    return ([sds(param_avals[i]) for i in self.stage.params],
+            [sds(a) for a in self.stage.incoming], [sds(a) for a in batch_avals])
 
   @property
   def needs_inputs(self) -> bool:
@@ -120,11 +122,8 @@ class Branch:
 
   def signature(self, param_avals, batch_avals) -> tuple:
     """Equal for stages that compute the same thing on buffers laid out the same way."""
-    args = ([jax.ShapeDtypeStruct(param_avals[i].shape, param_avals[i].dtype)
-             for i in self.stage.params],
-            [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.stage.incoming],
-            [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in batch_avals])
-    closed = jax.make_jaxpr(lambda p, a, b: self.fn(p, a, b))(*args)
+    closed = jax.make_jaxpr(lambda p, a, b: self.fn(p, a, b))(
+        *self._abstract_args(param_avals, batch_avals))
     return (str(closed), self.params, self.incoming, self.outgoing, self.stage.last), closed.consts
 
 
@@ -251,14 +250,14 @@ def pipelined_gradients(branches: Sequence[Branch], branch_of: Sequence[int], au
     stage = lax.axis_index(STAGE)
     params = {k: v[0] for k, v in params.items()}
     branch = jnp.asarray(np.asarray(branch_of, np.int32))[stage]
-    carry = (dict(
+    carry = dict(
         fwd=packing.zeros(sizes.payload), bwd=packing.zeros(sizes.grad_payload),
         # One slot more than the schedule keeps: idle forwards write there, so a write needs
         # no read of the old slot and updates the loop's buffer in place.
         stash_x=packing.zeros(sizes.payload if sizes.keep_inputs else {}, (slots + 1,)),
         stash_r=packing.zeros(sizes.residuals, (slots + 1,)),
         grads=packing.zeros(sizes.params), losses=jnp.zeros((n_micro,), jnp.float32),
-        aux=[jnp.zeros((n_micro, *a.shape), a.dtype) for a in aux_avals]))
+        aux=[jnp.zeros((n_micro, *a.shape), a.dtype) for a in aux_avals])
 
     def tick(c, row):
       f_m, f_slot, b_m, b_slot = (row[stage, i] for i in range(4))
