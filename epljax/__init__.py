@@ -12,6 +12,7 @@ from epljax.config import Config
 from epljax.env import Cluster, Env, init
 from epljax.errors import ConfigError, EPLError, PlanError, ScopeError, StateError
 from epljax.plan import Plan
+from epljax.sharding.annotations import annotate
 from epljax.step import TrainState
 from epljax.strategy import TaskGraph, replicate, set_default_strategy, split
 from epljax.train import Trainer
@@ -31,6 +32,7 @@ __all__ = [
     "TaskGraph",
     "TrainState",
     "Trainer",
+    "annotate",
     "init",
     "replicate",
     "set_default_strategy",

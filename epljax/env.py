@@ -15,7 +15,9 @@ import jax
 
 from epljax import strategy
 from epljax.config import ClusterConfig, Config
+from epljax.sharding import annotations
 from epljax.errors import ConfigError, StateError
+from epljax.launch import runtime as launch_runtime
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +62,10 @@ def init(config: Config | Mapping[str, Any] | None = None) -> Env:
   ``config`` is an ``epl.Config``, a dict of keys (``{"pipeline.num_micro_batch": 4}``) or
   ``None`` for the defaults and the ``EPL_*`` environment. Calling ``init`` again (a notebook,
   a test) replaces the configuration and forgets earlier scopes and the default strategy.
+
+  In one worker of a multi-process job (``python -m epljax.launch``, or Slurm / Open MPI) the
+  first call connects the workers with ``jax.distributed.initialize``, before anything starts
+  JAX's backend; ``Env.cluster`` then counts every process's devices (``epljax.launch.runtime``).
   """
   if config is None:
     config = Config()
@@ -68,7 +74,9 @@ def init(config: Config | Mapping[str, Any] | None = None) -> Env:
   elif not isinstance(config, Config):
     raise ConfigError(f"epl.init(config) expects an epl.Config, a dict or None; got "
                       f"{type(config).__name__}.")
+  launch_runtime.initialize()   # before _cluster: jax.devices() would start the backend
   strategy.reset()
+  annotations.reset()
   Env._current = Env(config, _cluster(config.cluster))
   return Env._current
 

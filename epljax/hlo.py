@@ -31,14 +31,32 @@ class Collective:
   bytes: int
   replica_groups: str
 
+  @property
+  def group_size(self) -> int | None:
+    """Devices in each replica group (1: the collective moves nothing), if it can be read."""
+    text = self.replica_groups
+    explicit = re.match(r"\{\{([\d,]*)\}", text)
+    if explicit:
+      return len([d for d in explicit.group(1).split(",") if d])
+    mesh = re.match(r"mesh\[(.*?)\]\s*\{(.*?)\}", text)
+    if mesh:
+      sizes = dict(re.findall(r"'(\w+)'=(\d+)", mesh.group(1)))
+      axes = re.findall(r"'(\w+)'", mesh.group(2))
+      return math.prod(int(sizes[a]) for a in axes if a in sizes)
+    return None
+
 
 def _nbytes(dtype: str, dims: str) -> int:
   bits = _BITS.get(dtype) or int(re.sub(r"\D", "", dtype.split("e")[0]) or 8)
   return math.prod(int(d) for d in dims.split(",") if d) * bits // 8
 
 
-def collectives(hlo_text: str) -> list[Collective]:
-  """Every collective in ``hlo_text`` (async ``*-start`` forms counted once, by their result)."""
+def collectives(hlo_text: str, include_trivial: bool = False) -> list[Collective]:
+  """Every collective in ``hlo_text`` (async ``*-start`` forms counted once, by their result).
+
+  Collectives whose replica groups have one device each move nothing (XLA leaves some, e.g.
+  a reduction over a mesh axis of size 1); they are left out unless ``include_trivial``.
+  """
   found = []
   for m in _LINE.finditer(hlo_text):
     arrays = _ARRAY.findall(m["type"])
@@ -49,7 +67,7 @@ def collectives(hlo_text: str) -> list[Collective]:
     found.append(Collective(
         m["op"], tuple(f"{d}[{s}]" for d, s in arrays),
         sum(_nbytes(d, s) for d, s in arrays), groups["groups"] if groups else ""))
-  return found
+  return [c for c in found if include_trivial or c.group_size != 1]
 
 
 def summarize(found: Iterable[Collective]) -> dict[str, tuple[int, int]]:

@@ -30,6 +30,7 @@ class Leaf:
   bytes_per_device: int
   taskgraph: str
   trainable: bool
+  rule: str = ""      # why it has its spec: a split rule, or the user's annotation
 
 
 def leaf_bytes_per_device(shape: Sequence[int], dtype: Any, sharding: NamedSharding) -> int:
@@ -130,9 +131,9 @@ class Plan:
       lines += [f"  {line}" for line in self.pipeline.describe()]
     lines += ["", "variables"]
     lines += _table(
-        ["path", "shape", "dtype", "spec", "bytes/device", "task graph"],
+        ["path", "shape", "dtype", "spec", "bytes/device", "task graph", "why"],
         [[leaf.path + ("" if leaf.trainable else "  (state)"), leaf.shape, leaf.dtype,
-          _spec(leaf.spec), _bytes(leaf.bytes_per_device), leaf.taskgraph]
+          _spec(leaf.spec), _bytes(leaf.bytes_per_device), leaf.taskgraph, leaf.rule]
          for leaf in self.leaves])
     mem = self.memory
     lines += [

@@ -82,23 +82,17 @@ def apply_optimizer(optimizer: optax.GradientTransformation) -> UpdateFn:
 
 def build(forward: ForwardFn, make_gradients: Callable[[ForwardFn], GradientFn],
           optimizer: optax.GradientTransformation, features: Sequence[Feature],
-          ctx: BuildContext) -> tuple[GradientFn, UpdateFn]:
+          ctx: BuildContext) -> tuple[ForwardFn, GradientFn, UpdateFn]:
   """Chains the features around forward, gradients and update."""
   for f in features:
     forward = f.forward(forward, ctx)
-  return chain(make_gradients(forward), optimizer, features, ctx)
-
-
-def chain(gradients: GradientFn, optimizer: optax.GradientTransformation,
-          features: Sequence[Feature], ctx: BuildContext) -> tuple[GradientFn, UpdateFn]:
-  """Chains the features around a gradient function and the update (the pipeline builds its
-  own gradients, with the features' ``forward`` hooks around each stage)."""
+  gradients = make_gradients(forward)
   for f in features:
     gradients = f.gradients(gradients, ctx)
   update = apply_optimizer(optimizer)
   for f in features:
     update = f.update(update, ctx)
-  return gradients, update
+  return forward, gradients, update
 
 
 def train_step(gradients: GradientFn, update: UpdateFn, features: Sequence[Feature],

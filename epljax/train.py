@@ -24,6 +24,7 @@ micro batches) instead of ``step.accumulate_gradients``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,10 +42,11 @@ from epljax import strategy as strategy_lib
 from epljax.env import Env
 from epljax.errors import EPLError, PlanError, StateError
 from epljax.features import BuildContext, Feature, StateShardings
-from epljax.mesh import MODEL, Layout, build_mesh
+from epljax.mesh import AXES, MODEL, Layout, build_mesh
 from epljax.plan import Leaf, Plan, leaf_bytes_per_device, tree_bytes_per_device
 from epljax.sharding import specs as specs_lib
-from epljax.sharding.capture import Capture, capture
+from epljax.sharding import annotations
+from epljax.sharding.capture import Capture, capture, defining_frames
 from epljax.step import TrainState
 from epljax.variables import Model
 
@@ -60,6 +62,7 @@ class _Built:
   init_jit: Any
   step_jit: Any
   grads_jit: Any
+  loss_jit: Any
   plan: Plan
   user_params: Callable[[Any], Any]   # TrainState.params -> the user's tree (pipeline: unpack)
 
@@ -80,11 +83,14 @@ class Trainer:
     mutable: Flax Linen collections the loss updates (``["batch_stats"]``); ``loss_fn`` then
       returns ``(output, updates)`` as ``model.apply(..., mutable=...)`` does. NNX models need
       nothing: their state is read back from the module after the loss.
+    clip_norm: clip the gradients to this global norm before the optimizer; whether each
+      replica clips its own gradients (EPL's default) or the reduced ones follows
+      ``communication.clip_after_allreduce`` (``epljax.communication``).
   """
 
   def __init__(self, init_fn: Callable[[Any, Any], Any], loss_fn: Callable[[Any, Any], Any],
                optimizer: optax.GradientTransformation, has_aux: bool = False, *,
-               mutable: Sequence[str] = ()):
+               mutable: Sequence[str] = (), clip_norm: float | None = None):
     env = Env.get()
     if not (callable(getattr(optimizer, "init", None))
             and callable(getattr(optimizer, "update", None))):
@@ -97,6 +103,7 @@ class Trainer:
     self.optimizer = optimizer
     self.has_aux = bool(has_aux)
     self.mutable = tuple(mutable)
+    self.clip_norm = clip_norm
     self._config = env.config
     self._cluster = env.cluster
     _check_supported(self._config)
@@ -128,6 +135,11 @@ class Trainer:
   def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
     """The lowered step: ``.compile().memory_analysis()``, ``.cost_analysis()``, ``.as_text()``."""
     return self._require().step_jit.lower(state, self.shard_batch(batch))
+
+  def lower_loss(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
+    """The lowered forward pass alone (the loss of the first micro batch, no gradient): to read
+    what the forward communicates."""
+    return self._require().loss_jit.lower(state, self.shard_batch(batch))
 
   def shard_batch(self, batch: Any) -> Any:
     """This process's slice of the global batch -> global arrays split over the batch axes.
@@ -170,13 +182,18 @@ class Trainer:
       found["model"] = model
       return params, model_state
 
-    with strategy_lib.trace_session():
-      params_shape, state_shape = jax.eval_shape(init_split, rng, micro_shapes)
+    # The mesh is not known before the capture; a provisional one with the same axis names lets
+    # model code that asks for the mesh (NNX eager sharding) trace.
+    provisional = jax.sharding.AbstractMesh((1,) * len(AXES), AXES)
+    with strategy_lib.trace_session(), jax.sharding.use_abstract_mesh(provisional):
+      init_jaxpr, (params_shape, state_shape) = jax.make_jaxpr(
+          init_split, return_shape=True)(rng, micro_shapes)
     model = found["model"]
     _check_trainable(params_shape, model)
     loss_call = model.loss_call(self.loss_fn, self.has_aux, self.mutable)
 
-    # 2. Task graphs, from loss_fn traced on abstract values.
+    # 2. Task graphs, from loss_fn traced on abstract values (and where init_fn defined each
+    #    variable, for EPL's "variables defined under split" MoE pattern).
     p_leaves, p_def = jax.tree.flatten(params_shape)
     s_leaves, s_def = jax.tree.flatten(state_shape)
     b_leaves, b_def = jax.tree.flatten(micro_shapes)
@@ -188,11 +205,14 @@ class Trainer:
       return loss_call(params, model_state, jax.tree.unflatten(b_def, flat[n_p + n_s:]))[0]
 
     p_paths, s_paths = model.leaf_paths(params_shape, state_shape)
-    cap = capture(flat_loss, p_leaves + s_leaves, b_leaves, input_paths=p_paths + s_paths,
-                  num_devices=len(cluster.devices))
+    with jax.sharding.use_abstract_mesh(provisional):
+      cap = capture(flat_loss, p_leaves + s_leaves, b_leaves, input_paths=p_paths + s_paths,
+                    num_devices=len(cluster.devices), module_rules=annotations.module_rules(),
+                    definitions=defining_frames(init_jaxpr))
 
     # 3. Mesh, batch layout, shardings.
     layout = build_mesh(cap.taskgraphs, cluster.devices, config.cluster)
+    _check_layout(layout, cap)
     mesh = layout.mesh
     axes = specs_lib.batch_axes(cap, layout)
     bplan = batch_lib.BatchPlan(layout.num_replicas, num_micro,
@@ -203,9 +223,13 @@ class Trainer:
         loss_call=loss_call, has_aux=self.has_aux, params_shape=params_shape,
         state_shape=state_shape, param_paths=p_paths, state_paths=s_paths,
         micro_shapes=micro_shapes, global_capture=cap, layout=layout, batch_axes=axes,
-        config=config.pipeline, optimizer=self.optimizer, num_devices=len(cluster.devices))
-    leaf_specs = specs_lib.variable_specs(cap, layout)
-    named = [NamedSharding(mesh, s) for s in leaf_specs]
+        config=config.pipeline, optimizer=self.optimizer, num_devices=len(cluster.devices),
+        capture_options=dict(module_rules=annotations.module_rules(),
+                             definitions=defining_frames(init_jaxpr)))
+    shapes = [tuple(x.shape) for x in p_leaves + s_leaves]
+    user = annotations.user_specs(p_paths + s_paths, shapes, model.metadata, dict(mesh.shape))
+    leaf_specs = specs_lib.variable_specs(cap, layout, shapes, user)
+    named = [NamedSharding(mesh, s.spec) for s in leaf_specs]
     replicated = NamedSharding(mesh, P())
     param_sh = jax.tree.unflatten(p_def, named[:n_p]) if pipe is None else pipe.param_shardings
     trained_shape = params_shape if pipe is None else pipe.packed_shape
@@ -219,7 +243,7 @@ class Trainer:
     # 4. Features (memory, communication), chained around the step's pieces.
     ctx = BuildContext(mesh=mesh, num_replicas=layout.num_replicas, num_micro_batch=num_micro,
                        capture=cap, params_shape=trained_shape, optimizer=self.optimizer)
-    features = _features(config)
+    features = _features(config, self.clip_norm)
     for f in features:
       base = f.shardings(base, ctx)
     fstate_init = {f.name: f.init_state(ctx) for f in features}
@@ -232,13 +256,14 @@ class Trainer:
     def forward(params, model_state, b, fstate):
       return loss_call(params, model_state, b)
 
-    if pipe is None:
-      gradients, update = step_lib.build(
-          forward, lambda fwd: step_lib.accumulate_gradients(fwd, num_micro), self.optimizer,
-          features, ctx)
-    else:
-      gradients, update = step_lib.chain(pipe.gradients(features, ctx), self.optimizer,
-                                         features, ctx)
+    # communication.fp16 / local clipping need each replica's own gradients (communication.py).
+    # Pipeline stages compute their gradients in their own shard_map (epljax.pipeline).
+    make_gradients = (communication.replica_gradients(features, ctx)
+                      or (lambda fwd: step_lib.accumulate_gradients(fwd, num_micro)))
+    if pipe is not None:
+      make_gradients = lambda _: pipe.gradients(features, ctx)  # noqa: E731
+    forward, gradients, update = step_lib.build(forward, make_gradients, self.optimizer,
+                                                features, ctx)
     user_params = (lambda p: p) if pipe is None else jax.jit(
         pipe.unpack, out_shardings=jax.tree.map(lambda _: replicated, params_shape))
 
@@ -257,10 +282,12 @@ class Trainer:
                         feature_state=fstate_init)
 
     step = step_lib.train_step(gradients, update, features, prepare, self.has_aux)
-    traced = _traced_in_session
+    traced = functools.partial(_traced_in_session, mesh=mesh)
+    xla_options = communication.compiler_options(features, params_shape) or None
     init_jit = jax.jit(traced(init_state), out_shardings=shardings)
     step_jit = jax.jit(traced(step), in_shardings=(shardings, batch_sh),
-                       out_shardings=(shardings, None), donate_argnums=0)
+                       out_shardings=(shardings, None), donate_argnums=0,
+                       compiler_options=xla_options)
 
     def loss_and_grads(state, global_batch):
       loss, _, grads, _ = gradients(state.params, state.model_state, prepare(global_batch),
@@ -269,7 +296,16 @@ class Trainer:
 
     grads_jit = jax.jit(traced(loss_and_grads), in_shardings=(shardings, batch_sh),
                         out_shardings=(replicated, base.params if pipe is None else
-                                       jax.tree.map(lambda _: replicated, params_shape)))
+                                       jax.tree.map(lambda _: replicated, params_shape)),
+                        compiler_options=xla_options)
+
+    def first_loss(state, global_batch):
+      micro = jax.tree.map(lambda x: x[0], prepare(global_batch))
+      params = state.params if pipe is None else pipe.unpack(state.params)
+      return forward(params, state.model_state, micro, state.feature_state)[0]
+
+    loss_jit = jax.jit(traced(first_loss), in_shardings=(shardings, batch_sh),
+                       out_shardings=replicated, compiler_options=xla_options)
 
     # 6. The plan.
     abstract_state = jax.tree.map(
@@ -284,9 +320,10 @@ class Trainer:
     leaves = [
         Leaf(path, tuple(x.shape), str(x.dtype), sh.spec,
              leaf_bytes_per_device(x.shape, x.dtype, sh),
-             cap.taskgraphs[tg].name if tg is not None else "-", i < n_p)
-        for i, (path, x, sh, tg) in enumerate(zip(
-            p_paths + s_paths, p_leaves + s_leaves, final_named, cap.input_taskgraph))]
+             cap.taskgraphs[tg].name if tg is not None else "-", i < n_p, ls.rule)
+        for i, (path, x, sh, tg, ls) in enumerate(zip(
+            p_paths + s_paths, p_leaves + s_leaves, final_named, cap.input_taskgraph,
+            leaf_specs))]
     spec_leaves = [sh.spec for sh in final_named]
     plan = Plan(
         mesh=mesh, num_replicas=layout.num_replicas, num_stages=layout.num_stages,
@@ -300,25 +337,26 @@ class Trainer:
         features=[f.describe() for f in features], pipeline=pipe,
         compile_step=lambda: step_jit.lower(abstract_state, abstract_batch).compile())
     self._built = _Built(model, cap, layout, bplan, shardings, init_jit, step_jit, grads_jit,
-                         plan, user_params)
+                         loss_jit, plan, user_params)
     return self._built
 
 
-def _traced_in_session(fn: Callable) -> Callable:
-  """Runs ``fn`` inside a strategy trace session, so unnamed scopes get the same labels as in
-  the capture."""
+def _traced_in_session(fn: Callable, mesh) -> Callable:
+  """Traces ``fn`` inside a strategy trace session, so unnamed scopes get the same labels as in
+  the capture, and with the mesh as the abstract mesh, so model code can ask
+  ``jax.sharding.get_abstract_mesh()`` (the MoE layer does) or use bare ``PartitionSpec``s."""
 
   def wrapped(*args):
-    with strategy_lib.trace_session():
+    with strategy_lib.trace_session(), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       return fn(*args)
 
   wrapped.__name__ = f"epl_{fn.__name__}"
   return wrapped
 
 
-def _features(config) -> list[Feature]:
+def _features(config, clip_norm: float | None = None) -> list[Feature]:
   """Every feature the configuration asks for, in the order they wrap the step."""
-  return [*memory.features(config), *communication.features(config.communication)]
+  return [*memory.features(config), *communication.features(config.communication, clip_norm)]
 
 
 def _check_trainable(params_shape: Any, model: Model) -> None:
@@ -332,12 +370,21 @@ def _check_trainable(params_shape: Any, model: Model) -> None:
                       "collection (Flax) or a non-Param variable (NNX).")
 
 
+def _check_layout(layout: Layout, cap: Capture) -> None:
+  used = set(cap.node_taskgraph)
+  for tg in cap.taskgraphs:
+    if tg.index not in used and not layout.colocated:
+      raise PlanError(
+          f"Task graph '{tg.name}' ({tg.strategy}({tg.device_count})) only defines variables "
+          "(they are used by code outside its scope, EPL's MoE pattern), which needs the task "
+          "graphs on the same devices: set cluster.colocate_split_and_replicate=True.")
+
+
 # Config keys accepted by epl.Config whose features this version does not run yet. A value
 # other than the default is refused rather than ignored.
 _NOT_YET = {
     "pipeline.strategy": None, "gradient_checkpoint.type": "", "zero.level": "",
     "offload.level": "", "amp.level": "", "optimizer.num_apply_group": 1,
-    "communication.fp16": False, "communication.clip_after_allreduce": False,
     "auto.auto_parallel": False,
 }
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 from flax import nnx
+from flax.core import meta
 
 from epljax.errors import PlanError
 
@@ -31,17 +32,23 @@ class Model:
   kind: str
   collections: tuple[str, ...] = ()   # Linen: the collection names, in init's order
   graphdef: Any = None                # NNX: the module's static structure
+  # Per leaf of (params, model_state), flattened: (axis names, local logical rules) from Flax
+  # partitioning metadata, or None.
+  metadata: tuple = ()
 
   @staticmethod
   def split(out: Any) -> tuple[Model, Any, Any]:
-    """``init_fn``'s result -> (Model, params, model_state)."""
+    """``init_fn``'s result -> (Model, params, model_state), Flax metadata boxes removed."""
     if isinstance(out, nnx.Module):
       graphdef, params, rest = nnx.split(out, nnx.Param, ...)
-      return Model(NNX, graphdef=graphdef), params, rest
+      return Model(NNX, graphdef=graphdef,
+                   metadata=_nnx_metadata(params) + _nnx_metadata(rest)), params, rest
     if isinstance(out, Mapping) and "params" in out:
       rest = {k: v for k, v in out.items() if k != "params"}
-      return Model(LINEN, collections=tuple(out.keys())), out["params"], rest
-    return Model(PYTREE), out, {}
+      metadata = _box_metadata(out["params"]) + _box_metadata(rest)
+      return (Model(LINEN, collections=tuple(out.keys()), metadata=metadata),
+              meta.unbox(out["params"]), meta.unbox(rest))
+    return Model(PYTREE, metadata=_box_metadata(out)), meta.unbox(out), {}
 
   def merge(self, params: Any, model_state: Any) -> Any:
     """(params, model_state) -> the variables in the structure ``init_fn`` returned."""
@@ -83,6 +90,23 @@ class Model:
       return loss, aux, new_state
 
     return call
+
+
+def _box_metadata(tree: Any) -> tuple:
+  """Linen ``nn.with_partitioning`` / ``with_logical_partitioning`` boxes -> per-leaf names."""
+  boxes = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))
+  return tuple((tuple(b.names), tuple(getattr(b, "rules", None) or ()))
+               if isinstance(b, meta.Partitioned) else None for b in boxes)
+
+
+def _nnx_metadata(state: Any) -> tuple:
+  """NNX ``out_sharding`` (``nnx.with_partitioning``) metadata -> per-leaf names."""
+  out = []
+  for v in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+    info = v.get_metadata() if isinstance(v, nnx.Variable) else {}
+    names = info.get("out_sharding") or info.get("sharding")
+    out.append((tuple(names), tuple(info.get("sharding_rules") or ())) if names else None)
+  return tuple(out)
 
 
 def _paths(tree: Any, prefix: str) -> list[str]:

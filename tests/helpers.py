@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax.core import meta
 
 import epljax as epl
 
@@ -67,7 +68,7 @@ def reference_run(init_fn, loss_fn, optimizer, rng, batch, steps, *, micro_batch
   mean loss equals the big-batch gradient.
   """
   first = jax.tree.map(lambda x: x[: len(x) // micro_batches], batch)
-  variables = jax.jit(init_fn)(rng, first)
+  variables = meta.unbox(jax.jit(init_fn)(rng, first))   # Flax partitioning boxes removed
   params = variables["params"]
   opt_state = optimizer.init(params)
 

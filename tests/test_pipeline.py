@@ -58,8 +58,12 @@ def test_skips_integer_activations_and_aux_are_routed_to_the_last_stage():
 
   def loss_fn(variables, b):
     logits, h0_mean = model.apply(variables, b["x"])
-    accuracy = jnp.mean((jnp.argmax(logits, -1) == b["y"]).astype(jnp.float32))
-    return cross_entropy(logits, b["y"]), {"accuracy": accuracy, "h0_mean": h0_mean}
+    correct = jnp.argmax(logits, -1) == b["y"]
+    return cross_entropy(logits, b["y"]), {
+        "accuracy": jnp.mean(correct.astype(jnp.float32)),   # float scalar: averaged
+        "correct": jnp.sum(correct.astype(jnp.int32)),        # integer scalar: summed
+        "predicted": jnp.argmax(logits, -1),                  # per row: concatenated
+        "h0_mean": h0_mean}
 
   trainer = epl.Trainer(init_fn, loss_fn, adamw(), has_aux=True)
   state = trainer.init(jax.random.key(0), batch)

@@ -10,9 +10,10 @@ import epljax as epl
 from epljax import train as train_lib
 from epljax.features import LOSS_SCALE, Feature
 from epljax.pipeline import make_schedule
+from epljax.pipeline.partition import Stage
 from epljax.pipeline.render import render_schedule, schedule_text
 from epljax.pipeline.schedules import check_schedule
-from helpers import classification_batch, linen_fns
+from helpers import assert_trees_close, classification_batch, linen_fns, reference_run
 from pipeline_helpers import Stack, TwoStages, check_matches_reference
 
 
@@ -103,11 +104,29 @@ class RematStages(Feature):
 
 def test_features_wrap_each_stage_and_scale_its_backward(monkeypatch):
   remat = RematStages()
-  monkeypatch.setattr(train_lib, "_features", lambda config: [FixedLossScale(), remat])
+  monkeypatch.setattr(train_lib, "_features", lambda config, clip_norm=None: [FixedLossScale(), remat])
   epl.init({"pipeline.num_micro_batch": 4})
   trainer, state = check_matches_reference(TwoStages(), classification_batch(32),
                                            optax.adamw(1e-2))
-  assert len(remat.wrapped) == 2      # one forward hook per stage, not one for the whole loss
+  # Each stage's forward is wrapped (and the whole loss once, for trainer.lower_loss).
+  assert sum(isinstance(fn, Stage) for fn in remat.wrapped) == 2
+  assert len(remat.wrapped) == 3
   assert state.feature_state[LOSS_SCALE] == 1024.0
   # Rematerialized stages keep only their inputs: no residuals are stashed.
   assert trainer.plan.pipeline.buffers.residuals == {}
+
+
+def test_trainer_clipping_after_the_all_reduce_and_lower_loss_work_with_stages():
+  """Trainer(clip_norm=...) with communication.clip_after_allreduce clips the reduced
+  gradients: optax.clip_by_global_norm ahead of the optimizer on one device."""
+  epl.init({"pipeline.num_micro_batch": 2, "communication.clip_after_allreduce": True})
+  init_fn, loss_fn = linen_fns(TwoStages())
+  batch = classification_batch(32)
+  trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.5), clip_norm=0.05)
+  state = trainer.init(jax.random.key(0), batch)
+  state, _ = trainer.train_step(state, batch)
+  _, expected = reference_run(init_fn, loss_fn, optax.chain(optax.clip_by_global_norm(0.05),
+                                                            optax.sgd(0.5)),
+                              jax.random.key(0), batch, 1)
+  assert_trees_close(trainer.variables(state), expected)
+  assert trainer.lower_loss(state, batch).compile() is not None

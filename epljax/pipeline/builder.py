@@ -162,9 +162,11 @@ class Pipeline:
 def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, state_shape: Any,
                   param_paths: Sequence[str], state_paths: Sequence[str], micro_shapes: Any,
                   global_capture: Capture, layout: Layout, batch_axes: tuple[str, ...],
-                  config: PipelineConfig, optimizer: Any, num_devices: int) -> Pipeline:
+                  config: PipelineConfig, optimizer: Any, num_devices: int,
+                  capture_options: dict | None = None) -> Pipeline:
   """Checks, local capture, stages, schedule (see the module doc). ``micro_shapes``: one
-  micro batch of all replicas, as ``Trainer`` traced it."""
+  micro batch of all replicas; ``capture_options``: as the Trainer's own capture had them, so
+  the per-replica trace finds the same task graphs."""
   if jax.tree.leaves(state_shape):
     raise PlanError(_MODEL_STATE.format(paths=", ".join(f"'{p}'" for p in state_paths[:3])
                                         + (" ..." if len(state_paths) > 3 else "")))
@@ -185,14 +187,14 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
     aux_leaves, found["aux_def"] = jax.tree.flatten(aux)
     return (loss, *aux_leaves)
 
-  cap = capture(flat_loss, p_leaves, b_leaves, input_paths=list(param_paths),
-                num_devices=num_devices)
+  # Traced outside any mesh: the stages replay these equations inside the pipeline's
+  # shard_map, and an equation replays in the abstract mesh it was traced in.
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+    cap = capture(flat_loss, p_leaves, b_leaves, input_paths=list(param_paths),
+                  num_devices=num_devices, **(capture_options or {}))
   if [t.name for t in cap.taskgraphs] != [t.name for t in global_capture.taskgraphs]:
     raise AssertionError("the per-replica trace found other task graphs than the global one")
   aux_avals = [v.aval for v in cap.program.closed_jaxpr.jaxpr.outvars[1:]]
-  for path, a in zip(_aux_paths(found["aux_def"]), aux_avals):
-    if not jnp.issubdtype(a.dtype, jnp.inexact):
-      raise PlanError(_AUX.format(path=path, dtype=a.dtype))
   stages = cut_stages(cap, layout.stage_of, len(p_leaves))
   schedule = make_schedule(config.strategy, layout.num_stages, config.num_micro_batch)
   if config.num_micro_batch < layout.num_stages:
@@ -226,11 +228,6 @@ def _unpack(packed, stages, layouts, count) -> list[Any]:
   return leaves
 
 
-def _aux_paths(aux_def) -> list[str]:
-  dummy = jax.tree.unflatten(aux_def, [0] * aux_def.num_leaves)
-  return [jax.tree_util.keystr(p) or "aux" for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
-
-
 def _kib(n: int) -> str:
   return f"{n} B" if n < 1024 else f"{n / 1024:.1f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
 
@@ -247,11 +244,6 @@ Task graph '{name}' is epl.split({count}) and, as its task graphs are not coloca
 pipeline stage; tensor parallelism inside pipeline stages is not supported yet. Use
 epl.replicate(...) scopes for the stages, or set cluster.colocate_split_and_replicate=True to
 run the task graphs on the same devices without a pipeline."""
-
-_AUX = """\
-loss_fn's aux '{path}' has dtype {dtype}. With pipeline stages aux values are averaged over
-the model replicas, which needs floating-point values: return jnp.mean(...) of a float (for
-example accuracy as a float) instead."""
 
 _FEW_MICRO = (
     "pipeline.num_micro_batch={m} is smaller than the {s} pipeline stages: at most {m} stages "

@@ -228,6 +228,15 @@ def _put(buffers: dict, index, values: dict) -> dict:
   return {k: lax.dynamic_update_index_in_dim(v, values[k], index, 0) for k, v in buffers.items()}
 
 
+def _gather_aux(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """One replica's aux, stacked over micro batches -> the global batch's, by the rule of the
+  data-parallel step: float scalars averaged, integer ones summed, arrays (one row per
+  example) concatenated along the batch axis."""
+  if x.ndim == 1:
+    return lax.pmean(x, axes) if jnp.issubdtype(x.dtype, jnp.inexact) else lax.psum(x, axes)
+  return lax.all_gather(x, axes, axis=1, tiled=True)
+
+
 def pipelined_gradients(branches: Sequence[Branch], branch_of: Sequence[int], aux_avals,
                         schedule: Schedule, mesh: Mesh, data_axes: tuple[str, ...],
                         batch_spec: P):
@@ -283,7 +292,7 @@ def pipelined_gradients(branches: Sequence[Branch], branch_of: Sequence[int], au
     c, _ = lax.scan(tick, carry, jnp.asarray(tables))
     grads = {k: lax.psum(g, data_axes)[None] / (n_micro * shards) for k, g in c["grads"].items()}
     loss = lax.pmean(lax.psum(jnp.sum(c["losses"]), STAGE) / n_micro, data_axes)
-    aux = [lax.pmean(lax.psum(a, STAGE), data_axes) for a in c["aux"]]
+    aux = [_gather_aux(lax.psum(a, STAGE), data_axes) for a in c["aux"]]  # made on the last
     return loss, aux, grads
 
   stage_spec = P(STAGE)

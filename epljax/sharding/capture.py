@@ -3,17 +3,20 @@ task graph of the equations that consume it.
 
 Rules, in order:
 1. An equation inside a ``with epl.replicate/split`` scope belongs to that scope's task graph.
-2. Outside scopes, it belongs to the default strategy in force when it was traced: the one set
-   by ``set_default_strategy`` before tracing, or by the last call made during the trace.
-3. Anything left (no default in force) joins a task graph by data flow: the latest task graph
+2. Else, inside a module matched by an ``epl.annotate`` module-path rule: that rule's.
+3. Else, the default strategy in force when it was traced: the one set by
+   ``set_default_strategy`` before tracing, or by the last call made during the trace.
+4. Anything left (no default in force) joins a task graph by data flow: the latest task graph
    among the producers of its inputs; failing that, the earliest among its consumers. So code
    before the first scope (an embedding lookup) joins the first task graph and code after the
    last (the loss) joins the last.
-4. A model with no annotation at all is one ``replicate(1)`` task graph: data parallelism.
+5. A model with no annotation at all is one ``replicate(1)`` task graph: data parallelism.
 
 A parameter belongs to the task graph of the equations that use it. A parameter used by two
 task graphs is an error: EPL places task graphs on different devices, so the choice matters
-and epljax will not guess.
+and epljax will not guess. One exception is EPL's MoE pattern: a variable *defined* under a
+``split`` scope (its initializer traced inside it) belongs to that split task graph even when
+the code using it is outside the scope.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ import jax
 
 from epljax import strategy as strategy_lib
 from epljax.errors import PlanError, ScopeError
+from epljax.sharding.annotations import ModuleRule, module_rule_for
 from epljax.sharding.program import Node, Program
-from epljax.strategy import Frame, TaskGraph
+from epljax.strategy import SPLIT, Frame, TaskGraph
 
-_DEFAULT_LABEL = "default"
+_DEFAULT = "default"
+_MARKER = "marker"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,31 +42,72 @@ class Capture:
   """The traced loss and what the annotations made of it."""
   program: Program
   taskgraphs: tuple[TaskGraph, ...]
-  node_taskgraph: tuple[int, ...]                 # per program node
+  node_taskgraph: tuple[int, ...]                 # per program node (-1: a marker)
+  node_explicit: tuple[bool, ...]                 # per node: tagged by rules 1-3, not data flow
   input_taskgraph: tuple[int | None, ...]         # per variable leaf; None when unused
+  input_explicit: tuple[bool, ...]                # per variable leaf: used by a tagged node
   input_paths: tuple[str, ...]                    # per variable leaf
 
   def nodes_of(self, taskgraph: int) -> list[Node]:
     return [n for n in self.program.nodes if self.node_taskgraph[n.index] == taskgraph]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+  kind: str
+  device_count: int | None
+  user_name: str | None
+  scope: str
+
+
 def capture(fn: Callable[..., Any], variables: Sequence[Any], extra: Sequence[Any], *,
-            input_paths: Sequence[str], num_devices: int) -> Capture:
+            input_paths: Sequence[str], num_devices: int,
+            module_rules: Sequence[ModuleRule] = (),
+            definitions: Sequence[Frame | None] = ()) -> Capture:
   """Traces ``fn(*variables, *extra)`` on abstract values and assigns task graphs.
 
   ``variables`` are flat leaves (parameters and model state) named by ``input_paths``;
-  ``extra`` (the batch) is traced too but never checked for being shared.
+  ``extra`` (the batch) is traced too but never checked for being shared. ``definitions``
+  gives, per variable leaf, the scope frame its initializer was traced in (``defining_frames``).
   """
   with strategy_lib.trace_session():
     closed = jax.make_jaxpr(fn)(*variables, *extra)
   program = Program(closed)
   top_default = _top_default(program)
-  labels, order = _assign_labels(program, top_default)
-  taskgraphs, by_label = _taskgraphs(program, labels, order, top_default, num_devices)
+  specs: dict[str, _Spec] = {}
+  labels, explicit, order = _assign_labels(program, top_default, module_rules, specs)
+  defined = _definition_labels(definitions, len(variables), specs)
+  for lab in defined:
+    if lab is not None and lab not in order:
+      order.append(lab)
+  taskgraphs, by_label = _taskgraphs(order, specs, num_devices)
   node_tg = tuple(by_label[labels[n.index]] for n in program.nodes)
-  input_tg = tuple(_input_taskgraph(program, node_tg, taskgraphs, i, path, variables[i])
-                   for i, path in enumerate(input_paths))
-  return Capture(program, taskgraphs, node_tg, input_tg, tuple(input_paths))
+  input_tg, input_explicit = [], []
+  for i, path in enumerate(input_paths):
+    used = {node_tg[n.index] for n, _ in program.uses_of_input(i)} - {-1}
+    tg = _input_taskgraph(used, by_label.get(defined[i]) if defined else None, taskgraphs,
+                          path, variables[i])
+    input_tg.append(tg)
+    input_explicit.append(any(explicit[n.index] for n, _ in program.uses_of_input(i))
+                          or (bool(defined) and defined[i] is not None))
+  return Capture(program, taskgraphs, node_tg, tuple(explicit), tuple(input_tg),
+                 tuple(input_explicit), tuple(input_paths))
+
+
+def defining_frames(closed_jaxpr) -> list[Frame | None]:
+  """Per output of a traced ``init_fn``: the ``with`` scope its value was computed in."""
+  program = Program(closed_jaxpr)
+  out = []
+  for bases in program.outputs:
+    frame = None
+    for b in bases:
+      node = program.producer.get(b)
+      found = _innermost_frame(node) if node is not None else None
+      if found is not None and not found.default:
+        frame = found
+        break
+    out.append(frame)
+  return out
 
 
 def _top_default(program: Program):
@@ -86,103 +132,125 @@ def _innermost_frame(node: Node) -> Frame | None:
   return None
 
 
-def _assign_labels(program: Program, top_default) -> tuple[list[str | None], list[str]]:
-  """Rules 1-3: the scope label of every node (None only where rule 4 applies), and the labels
-  in the order their first annotated equation was traced."""
+def _frame_spec(frame: Frame) -> _Spec:
+  return _Spec(frame.kind, frame.device_count, frame.user_name, frame.text)
+
+
+def _assign_labels(program: Program, top_default, module_rules: Sequence[ModuleRule],
+                   specs: dict[str, _Spec]) -> tuple[list, list[bool], list[str]]:
+  """Rules 1-4: the label of every node, whether rules 1-3 gave it, and the labels in the
+  order their first tagged equation was traced."""
   labels: list[str | None] = [None] * len(program.nodes)
-  current = _DEFAULT_LABEL if top_default is not None else None
+  current = None
+  if top_default is not None:
+    current = (f"name={top_default.name}" if top_default.name else _DEFAULT)
+    _register(specs, current, _Spec(top_default.kind, top_default.device_count,
+                                    top_default.name, f"epl.default.{top_default!r}"))
   for node in program.nodes:
     frame = _innermost_frame(node)
     if frame is not None and frame.default:
       current = frame.label
+      _register(specs, frame.label, _frame_spec(frame))
       if node.primitive == "iota":  # the marker itself does no work
-        labels[node.index] = "marker"
+        labels[node.index] = _MARKER
         continue
-    labels[node.index] = frame.label if frame is not None and not frame.default else current
-  # Rule 3, forwards: the latest task graph among producers. Scope order is first appearance.
-  order = {}
+    if frame is not None and not frame.default:
+      _register(specs, frame.label, _frame_spec(frame))
+      labels[node.index] = frame.label
+      continue
+    rule = module_rule_for(node.frames, module_rules)
+    if rule is not None:
+      s = rule.strategy
+      lab = f"name={s.name}" if s.name else f"rule={rule.pattern}"
+      _register(specs, lab, _Spec(s.kind, s.device_count, s.name, f"epl.annotate {rule.pattern}"))
+      labels[node.index] = lab
+      continue
+    labels[node.index] = current
+  explicit = [lab is not None for lab in labels]
+  order: dict[str, int] = {}
   for lab in labels:
-    if lab not in (None, "marker"):
+    if lab not in (None, _MARKER):
       order.setdefault(lab, len(order))
-  if not order:
-    return labels, []
+  if order:
+    _data_flow(program, labels, order)
+  else:
+    specs[_DEFAULT] = _Spec(strategy_lib.REPLICATE, 1, None, "")
+    order[_DEFAULT] = 0
+    labels = [_DEFAULT if lab is None else lab for lab in labels]
+  return labels, explicit, list(order)
+
+
+def _data_flow(program: Program, labels: list, order: dict[str, int]) -> None:
+  """Rule 4, in place: forwards from producers (latest), then backwards from consumers
+  (earliest), then the first task graph."""
+  def tagged(nodes):
+    return [labels[n.index] for n in nodes if labels[n.index] not in (None, _MARKER)]
+
   for node in program.nodes:
     if labels[node.index] is None:
-      found = [labels[p.index] for p in program.node_producers(node)
-               if labels[p.index] not in (None, "marker")]
+      found = tagged(program.node_producers(node))
       if found:
         labels[node.index] = max(found, key=order.__getitem__)
+  first = min(order, key=order.__getitem__)
   for node in reversed(program.nodes):
     if labels[node.index] is None:
-      found = [labels[c.index] for c in program.node_consumers(node)
-               if labels[c.index] not in (None, "marker")]
-      labels[node.index] = (min(found, key=order.__getitem__) if found
-                            else min(order, key=order.__getitem__))
-  return labels, list(order)
+      found = tagged(program.node_consumers(node))
+      labels[node.index] = min(found, key=order.__getitem__) if found else first
 
 
-def _taskgraphs(program: Program, labels: list[str | None], order: list[str], top_default,
+def _definition_labels(definitions: Sequence[Frame | None], n: int,
+                       specs: dict[str, _Spec]) -> list[str | None]:
+  """Labels of the split scopes variables were defined in (EPL's MoE pattern)."""
+  out: list[str | None] = []
+  for frame in list(definitions)[:n]:
+    if frame is None or frame.kind != SPLIT:
+      out.append(None)
+      continue
+    _register(specs, frame.label, _frame_spec(frame))
+    out.append(frame.label)
+  return out
+
+
+def _taskgraphs(order: list[str], specs: dict[str, _Spec],
                 num_devices: int) -> tuple[tuple[TaskGraph, ...], dict[str | None, int]]:
-  """Rule 4 and numbering: task graphs in the order their first annotated equation was traced
-  (not counting equations that joined them by data flow)."""
-  frames: dict[str, Frame] = {}
-  every: dict[str, Frame] = {}
-  for node in program.nodes:
-    frame = _innermost_frame(node)
-    if frame is not None:
-      frames.setdefault(frame.label, frame)
-      every.setdefault(frame.text.removeprefix("epl.default.").removeprefix("epl."), frame)
-  specs: dict[str | None, tuple[str, int | None, str | None, str]] = {}
-  for lab in order or [None]:
-    if lab is None:  # no annotation anywhere
-      specs[None] = (strategy_lib.REPLICATE, 1, None, "")
-    elif lab == _DEFAULT_LABEL:
-      specs[lab] = (top_default.kind, top_default.device_count, top_default.name,
-                    f"epl.default.{top_default!r}")
-    else:
-      f = frames[lab]
-      specs[lab] = (f.kind, f.device_count, f.user_name, f.text)
-  _check_consistent_names(every.values(), top_default)
-  taskgraphs, by_label = [], {"marker": -1}
-  for index, (lab, (kind, count, user_name, scope)) in enumerate(specs.items()):
+  taskgraphs, by_label = [], {_MARKER: -1}
+  for index, lab in enumerate(order):
+    s = specs[lab]
+    count = s.device_count
     if count is None:
-      count = 1 if kind == strategy_lib.REPLICATE else num_devices
-    taskgraphs.append(TaskGraph(index, user_name or f"taskgraph_{index}", kind, count, scope))
+      count = 1 if s.kind == strategy_lib.REPLICATE else num_devices
+    taskgraphs.append(TaskGraph(index, s.user_name or f"taskgraph_{index}", s.kind, count,
+                                s.scope))
     by_label[lab] = index
   return tuple(taskgraphs), by_label
 
 
-def _check_consistent_names(frames, top_default) -> None:
-  seen: dict[str, Frame] = {}
-  for f in frames:
-    if f.user_name is None:
-      continue
-    other = seen.get(f.user_name)
-    if other is not None and (other.kind, other.device_count) != (f.kind, f.device_count):
-      raise ScopeError(f"The name '{f.user_name}' is used by two different strategies: "
-                       f"{_show(other)} and {_show(f)}. One name is one task graph; give the "
-                       "other scope its own name.")
-    seen[f.user_name] = f
-  if top_default is not None and top_default.name in seen:
-    f = seen[top_default.name]
-    if (f.kind, f.device_count) != (top_default.kind, top_default.device_count):
-      raise ScopeError(f"The name '{top_default.name}' is used by the default strategy "
-                       f"{top_default!r} and by {_show(f)}; use different names.")
+def _register(specs: dict[str, _Spec], label: str, spec: _Spec) -> None:
+  """Records the strategy of a label; one name used for two strategies is an error."""
+  other = specs.setdefault(label, spec)
+  if (other.kind, other.device_count) != (spec.kind, spec.device_count):
+    raise ScopeError(f"The name '{spec.user_name}' is used by two different strategies: "
+                     f"{_show(other)} and {_show(spec)}. One name is one task graph; give the "
+                     "other scope its own name.")
 
 
-def _show(f: Frame) -> str:
-  count = "" if f.device_count is None else str(f.device_count)
-  return f"epl.{f.kind}({count})"
+def _show(s: _Spec) -> str:
+  return f"epl.{s.kind}({'' if s.device_count is None else s.device_count})"
 
 
-def _input_taskgraph(program: Program, node_tg: tuple[int, ...],
-                     taskgraphs: tuple[TaskGraph, ...], i: int, path: str, value) -> int | None:
-  used = sorted({node_tg[node.index] for node, _ in program.uses_of_input(i)} - {-1})
+def _input_taskgraph(used: set[int], defined: int | None, taskgraphs: tuple[TaskGraph, ...],
+                     path: str, value) -> int | None:
+  if defined is not None:
+    # EPL's MoE pattern: defined under split, used in one other task graph.
+    others = used - {defined}
+    if len(others) <= 1:
+      return defined
+    used = used | {defined}
   if len(used) > 1:
     names = " and ".join(f"'{taskgraphs[t].name}' ({taskgraphs[t].strategy}"
-                         f"({taskgraphs[t].device_count}))" for t in used)
+                         f"({taskgraphs[t].device_count}))" for t in sorted(used))
     raise PlanError(_SHARED_PARAM.format(path=path, shape=tuple(value.shape), names=names))
-  return used[0] if used else None
+  return next(iter(used)) if used else None
 
 
 _SHARED_PARAM = """\

@@ -1,44 +1,72 @@
 """Task graphs -> ``PartitionSpec`` of every variable leaf, and of the batch.
 
-A leaf of a ``replicate`` task graph is replicated on every device of the mesh: data
-parallelism keeps a full copy per device and GSPMD all-reduces its gradient over the batch axes.
+In order of precedence, a variable leaf gets:
+1. the spec the user gave (``epl.annotate`` parameter rule or Flax metadata; see
+   ``annotations.py``);
+2. in a ``split`` task graph, the split rule its uses decide (``split_rules.py``), over the
+   ``model`` axis;
+3. otherwise replication: a ``replicate`` task graph keeps a full copy per device and GSPMD
+   reduces its gradient over the batch axes.
+
+In a colocated layout only parameters used inside a split scope (or an annotated module, or
+under a split default strategy) are split: code outside every scope that joined the split task
+graph by data flow keeps its parameters replicated.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 
 from jax.sharding import PartitionSpec as P
 
 from epljax.errors import PlanError
 from epljax.mesh import DATA, MODEL, Layout
+from epljax.sharding.annotations import UserSpec
 from epljax.sharding.capture import Capture
-from epljax.strategy import REPLICATE
+from epljax.sharding.split_rules import split_decisions, spec_for
+from epljax.strategy import REPLICATE, SPLIT
 
 
-def variable_specs(capture: Capture, layout: Layout) -> list[P]:
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+  """A variable leaf's spec and why it has it (shown in the plan)."""
+  spec: P
+  rule: str = ""
+
+
+def variable_specs(capture: Capture, layout: Layout, shapes: Sequence[tuple[int, ...]],
+                   user: Mapping[int, UserSpec] | None = None) -> list[LeafSpec]:
   """One spec per variable leaf of the capture, in its order."""
-  specs = []
-  for tg_index, path in zip(capture.input_taskgraph, capture.input_paths):
-    if tg_index is None:
-      specs.append(P())
-      continue
-    tg = capture.taskgraphs[tg_index]
-    if tg.strategy == REPLICATE:
-      specs.append(P())
+  user = user or {}
+  candidates = {
+      i for i, tg in enumerate(capture.input_taskgraph)
+      if tg is not None and capture.taskgraphs[tg].strategy == SPLIT and i not in user
+      and (capture.input_explicit[i] or not layout.colocated)}
+  fixed = {i: dims[0] for i, u in user.items()
+           if len(dims := [d for d, e in enumerate(u.spec) if e == MODEL]) == 1}
+  decisions = split_decisions(capture.program, candidates, shapes, capture.input_paths,
+                              layout.devices_per_stage, fixed)
+  out = []
+  for i, shape in enumerate(shapes):
+    if i in user:
+      out.append(LeafSpec(user[i].spec, f"user: {user[i].source}"))
+    elif i in decisions:
+      out.append(LeafSpec(spec_for(len(shape), decisions[i].dim, MODEL), decisions[i].rule))
     else:
-      raise PlanError(f"Parameter '{path}' is in task graph '{tg.name}' ({tg.strategy}"
-                      f"({tg.device_count})), and split task graphs are not supported yet.")
-  return specs
+      out.append(LeafSpec(P()))
+  return out
 
 
 def batch_axes(capture: Capture, layout: Layout) -> tuple[str, ...]:
   """Mesh axes the batch dimension is split over.
 
   Replicas always take their own rows (``data``). Inside a replica, ``replicate(k)`` splits the
-  replica's micro batch over its k devices (EPL), so the batch is split over ``model`` too.
+  replica's micro batch over its k devices (EPL), so the batch is split over ``model`` too when
+  a replicate task graph spans the replica's devices. A split-only model keeps each replica's
+  batch whole on its devices (Megatron-style tensor parallelism).
   """
-  if layout.devices_per_stage > 1 and all(
+  if layout.devices_per_stage > 1 and layout.colocated and any(
       tg.strategy == REPLICATE for tg in capture.taskgraphs):
     return (DATA, MODEL)
   return (DATA,)

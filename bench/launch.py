@@ -1,0 +1,126 @@
+"""Multi-process start-up and step time: 2 processes x 4 CPU devices against 1 process x 8.
+
+    python bench/launch.py              # print the table
+    python bench/launch.py --record     # and append it to bench/RESULTS.md
+
+Each round launches the same data-parallel job twice through ``python -m epljax.launch``, once
+as 1 worker x 8 CPU devices and once as 2 workers x 4 (gloo over 127.0.0.1), in alternating
+order. A worker reports the time from the launcher's start to the end of its first step
+(start-up: interpreter, ``jax.distributed``, trace, compile, first step) and the median time of
+the following steps. The step-time ratio is taken per round, then its median over rounds.
+This file is also the worker (``--worker``).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def worker(out: str, started: float, width: int, depth: int, rows: int, steps: int) -> None:
+  import epljax as epl
+  epl.init()
+  import flax.linen as nn
+  import jax
+  import numpy as np
+  import optax
+
+  from epljax import io
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for _ in range(depth):
+        x = nn.relu(nn.Dense(width)(x))
+      return nn.Dense(10)(x)
+
+  model = MLP()
+  rng = np.random.default_rng(0)
+  batch = {"x": rng.normal(size=(rows, width)).astype(np.float32),
+           "y": rng.integers(0, 10, rows).astype(np.int32)}
+
+  def loss_fn(variables, b):
+    logits = model.apply(variables, b["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  epl.set_default_strategy(epl.replicate(1))
+  trainer = epl.Trainer(lambda k, b: model.init(k, b["x"]), loss_fn, optax.adamw(1e-3))
+  mine = io.process_slice(batch)
+  state = trainer.init(jax.random.key(0), mine)
+  state, metrics = trainer.train_step(state, mine)
+  jax.block_until_ready(metrics["loss"])
+  first = time.time() - started
+  local = trainer.shard_batch(mine)
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    state, metrics = trainer.train_step(state, local)
+    jax.block_until_ready(metrics["loss"])
+    times.append(time.perf_counter() - start)
+  if jax.process_index() == 0:
+    with open(out, "w") as f:
+      json.dump({"first_step_s": first, "step_s": statistics.median(times)}, f)
+
+
+def launch(workers: int, devices: int, args: argparse.Namespace) -> dict:
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "result.json")
+    started = time.time()
+    cmd = [sys.executable, "-m", "epljax.launch", "--num_workers", str(workers),
+           "--gpu_per_worker", str(devices), "--platform", "cpu", os.path.abspath(__file__),
+           "--worker", out, str(started), str(args.width), str(args.depth), str(args.rows),
+           str(args.steps)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("EPL_")})
+    if done.returncode:
+      raise SystemExit(f"launch failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    with open(out) as f:
+      return json.load(f)
+
+
+def main() -> None:
+  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # machine()
+  p = argparse.ArgumentParser()
+  p.add_argument("--record", action="store_true")
+  p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--width", type=int, default=512)
+  p.add_argument("--depth", type=int, default=2)
+  p.add_argument("--rows", type=int, default=512)
+  p.add_argument("--steps", type=int, default=30)
+  args = p.parse_args()
+  runs = {"1x8": [], "2x4": []}
+  for r in range(args.rounds):
+    order = [("1x8", 1, 8), ("2x4", 2, 4)]
+    for name, workers, devices in order if r % 2 == 0 else order[::-1]:
+      runs[name].append(launch(workers, devices, args))
+  ratios = [b["step_s"] / a["step_s"] for a, b in zip(runs["1x8"], runs["2x4"])]
+  med = lambda xs: statistics.median(xs)  # noqa: E731
+  from common import table
+  rows = [[name, f"{med([x['first_step_s'] for x in rs]):.2f}",
+           f"{1e3 * med([x['step_s'] for x in rs]):.2f}",
+           "1.00" if name == "1x8" else f"**{med(ratios):.2f}** ({min(ratios):.2f}-"
+           f"{max(ratios):.2f})"] for name, rs in runs.items()]
+  body = table(["processes x CPU devices", "launch to first step s", "step ms",
+                "step-time ratio vs 1x8 (min-max)"], rows)
+  body += (f"\n\nMLP {args.depth}x{args.width}, global batch {args.rows}, adamw, 8 replicas; "
+           f"{args.rounds} rounds of one launch each, alternating; step time: median of "
+           f"{args.steps} steps after the first. 2x4 runs gloo collectives over 127.0.0.1.")
+  print(body)
+  if args.record:
+    from common import record
+    record("Multi-process launch (bench/launch.py)", "python bench/launch.py --record", body)
+
+
+if __name__ == "__main__":
+  if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+    out, started, width, depth, rows, steps = sys.argv[2:8]
+    worker(out, float(started), int(width), int(depth), int(rows), int(steps))
+  else:
+    main()

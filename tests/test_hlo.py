@@ -1,0 +1,23 @@
+from epljax import hlo
+
+HLO = """
+  %all-reduce.3 = (f32[1,256,1024]{2,1,0}, f32[1,1024,256]{2,1,0}) all-reduce(%a, %b), channel_id=1, replica_groups={{0},{1},{2},{3}}, use_global_device_ids=true, to_apply=%region
+  %all-reduce.2 = (f32[8,256]{1,0}, f32[]) all-reduce(%c, %d), channel_id=2, replica_groups=mesh['axis_0'=8,'axis_1'=1,'axis_2'=1] {'axis_0'}, use_global_device_ids=true, to_apply=%add
+  ROOT %ag = bf16[16,32]{1,0} all-gather(bf16[4,32]{1,0} %x), channel_id=3, replica_groups={{0,1,2,3}}, dimensions={0}
+  %ags = (f32[4,32]{1,0}, f32[16,32]{1,0}) all-gather-start(f32[4,32]{1,0} %y), channel_id=4, replica_groups={{0,1,2,3}}
+  %agd = f32[16,32]{1,0} all-gather-done(%ags)
+  %rs = s32[2]{0} reduce-scatter(s32[8]{0} %z), replica_groups={{0,1,2,3}}, dimensions={0}
+"""
+
+
+def test_collectives_are_read_with_their_bytes_and_groups():
+  found = hlo.collectives(HLO)
+  assert [(c.kind, c.shapes, c.bytes, c.group_size) for c in found] == [
+      ("all-reduce", ("f32[8,256]", "f32[]"), 8 * 256 * 4 + 4, 8),
+      ("all-gather", ("bf16[16,32]",), 16 * 32 * 2, 4),
+      ("all-gather", ("f32[16,32]",), 16 * 32 * 4, 4),       # async: counted once, by result
+      ("reduce-scatter", ("s32[2]",), 8, 4),
+  ]
+  assert len(hlo.collectives(HLO, include_trivial=True)) == 5   # + the one-device groups
+  assert hlo.summarize(found) == {"all-reduce": (1, 8196), "all-gather": (2, 3072),
+                                  "reduce-scatter": (1, 8)}
