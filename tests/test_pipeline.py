@@ -1,5 +1,7 @@
 """Pipeline parallelism against the single-device reference on the same global batch."""
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -25,6 +27,11 @@ def test_matches_single_device_reference(case):
   assert len(plan.pipeline.branches) == distinct
   # Activations and gradients move between stages; gradients are reduced over replicas.
   assert {c.kind for c in plan.collectives} == {"collective-permute", "all-reduce"}
+  # One conditional for the forward slot and one for the backward slot of a tick, each with a
+  # branch per distinct stage and an empty one for idle (bubble) slots.
+  branches = re.findall(r"conditional\(.*?branch_computations=\{([^}]*)\}",
+                        plan.compiled.as_text())
+  assert [len(b.split(",")) for b in branches] == [distinct + 1] * 2
 
 
 class Routed(nn.Module):

@@ -10,7 +10,8 @@ def test_bert_pipeline_example_loss_goes_down(capsys):
   spec = importlib.util.spec_from_file_location("bert_pipeline", EXAMPLE)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  losses = module.main(["--steps", "6", "--micro_batch", "4", "--layers", "1", "--width", "32", "--plan"])
+  losses = module.main(["--steps", "6", "--micro_batch", "4", "--layers", "1", "--width", "32",
+                        "--plan"])
   out = capsys.readouterr().out
   assert "stages 2" in out and "PreferBackward (1F1B)" in out
   assert "held-out loss" in out

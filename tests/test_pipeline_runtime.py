@@ -104,7 +104,8 @@ class RematStages(Feature):
 
 def test_features_wrap_each_stage_and_scale_its_backward(monkeypatch):
   remat = RematStages()
-  monkeypatch.setattr(train_lib, "_features", lambda config, clip_norm=None: [FixedLossScale(), remat])
+  monkeypatch.setattr(train_lib, "_features",
+                      lambda config, clip_norm=None: [FixedLossScale(), remat])
   epl.init({"pipeline.num_micro_batch": 4})
   trainer, state = check_matches_reference(TwoStages(), classification_batch(32),
                                            optax.adamw(1e-2))

@@ -229,7 +229,9 @@ def _unpack(packed, stages, layouts, count) -> list[Any]:
 
 
 def _kib(n: int) -> str:
-  return f"{n} B" if n < 1024 else f"{n / 1024:.1f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
+  if n < 1024:
+    return f"{n} B"
+  return f"{n / 1024:.1f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
 
 
 _MODEL_STATE = """\

@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -56,7 +55,8 @@ def check_optimizer(optimizer: optax.GradientTransformation, params_shape: Any,
 
   # Eagerly, op by op: the probe is tiny, and op-by-op executables are cached for the process,
   # where a jit would compile anew for every Trainer.
-  expected = run(jax.tree.unflatten(treedef, small), [jax.tree.unflatten(treedef, g) for g in grads])
+  expected = run(jax.tree.unflatten(treedef, small),
+                 [jax.tree.unflatten(treedef, g) for g in grads])
   try:
     packed = [unpack(u) for u in run(pack(small), [pack(g) for g in grads])]
   except Exception as e:  # the optimizer cannot even run on the packed buffers

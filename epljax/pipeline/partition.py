@@ -24,7 +24,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import numpy as np
 from jax.extend import core as jcore
 from jax.extend import source_info_util

@@ -308,7 +308,9 @@ def branch_flops(branches: Sequence[Branch], aux_avals, batch_avals) -> list[tup
   costliest branch, so the executed FLOPs are these times the busy slots of the schedule.)"""
   sizes = buffer_sizes(branches)
   sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
-  bufs = lambda d, lead=(): {k: jax.ShapeDtypeStruct((*lead, n), k) for k, n in d.items()}  # noqa: E731
+  def bufs(d, lead=()):
+    return {k: jax.ShapeDtypeStruct((*lead, n), k) for k, n in d.items()}
+
   batch = [sds(a) for a in batch_avals]
   out = []
   for b in branches:

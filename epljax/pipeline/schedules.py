@@ -73,10 +73,14 @@ def make_schedule(strategy: str, num_stages: int, num_micro_batch: int) -> Sched
   s_count, m_count = num_stages, num_micro_batch
   if strategy == PREFER_BACKWARD:
     ticks = m_count + 2 * s_count - 2
-    backward_tick = lambda m, s: m + 2 * (s_count - 1) - s  # noqa: E731
+
+    def backward_tick(m, s):   # right after its forward left the last stage, one stage a tick
+      return m + 2 * (s_count - 1) - s
   else:
     ticks = 2 * m_count + 2 * s_count - 3
-    backward_tick = lambda m, s: (m_count + s_count - 2) + (m_count - 1 - m) + (s_count - 1 - s)  # noqa: E731
+
+    def backward_tick(m, s):   # after the last forward, last micro batch first
+      return (m_count + s_count - 2) + (m_count - 1 - m) + (s_count - 1 - s)
   forward = np.full((ticks, s_count), IDLE, np.int32)
   backward = np.full((ticks, s_count), IDLE, np.int32)
   for m in range(m_count):
