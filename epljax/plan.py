@@ -53,8 +53,8 @@ class Plan:
                num_micro_batch: int, global_rows: int, batch_axes: Sequence[str],
                optimizer_bytes: int, schedule: str,
                features: Sequence[str | Callable[[], str]] = (),
-               compile_step: Callable[[], Any], grads_bytes: int | None = None,
-               placement: dict[str, str] | None = None,
+               compile_step: Callable[[], Any], pipeline: Any = None,
+               grads_bytes: int | None = None, placement: dict[str, str] | None = None,
                compile_grads: Callable[[], Any] | None = None):
     self.mesh = mesh
     self.num_replicas = num_replicas
@@ -68,6 +68,7 @@ class Plan:
     self.optimizer_bytes = optimizer_bytes
     self.schedule = schedule
     self._features = list(features)
+    self.pipeline = pipeline   # epljax.pipeline.Pipeline when the model has stages
     self._compile_step = compile_step
     self._compiled = None
     self.grads_bytes = grads_bytes
@@ -113,6 +114,8 @@ class Plan:
   # -- derived -----------------------------------------------------------------------------
   @property
   def param_bytes(self) -> int:
+    if self.pipeline is not None:   # each device holds its stage's packed buffer
+      return self.pipeline.param_bytes_per_device
     return sum(leaf.bytes_per_device for leaf in self.leaves if leaf.trainable)
 
   @property
@@ -146,6 +149,13 @@ class Plan:
         ["index", "name", "strategy", "devices", "params", "bytes/device"],
         [[tg.index, tg.name, tg.strategy, tg.device_count, len(per_tg[tg.name]),
           _bytes(sum(x.bytes_per_device for x in per_tg[tg.name]))] for tg in self.taskgraphs])
+    if self.pipeline is not None:
+      lines += ["", "pipeline stages"]
+      lines += _table(
+          ["stage", "task graph", "params", "bytes/device", "activations in", "kept/micro batch"],
+          [[i.index, i.name, i.num_params, _bytes(i.param_bytes), _bytes(i.incoming_bytes),
+            _bytes(i.kept_bytes)] for i in self.pipeline.stage_info()])
+      lines += [f"  {line}" for line in self.pipeline.describe()]
     lines += ["", "variables"]
     lines += _table(
         ["path", "shape", "dtype", "spec", "bytes/device", "task graph", "why"],

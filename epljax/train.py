@@ -16,7 +16,9 @@
 traced loss (``sharding.capture``), builds the mesh (``mesh.build_mesh``), gives every variable
 its ``PartitionSpec`` (``sharding.specs``) and compiles the step pieces of ``step.py`` into one
 ``jax.jit`` with those shardings. Parameters and optimizer state are created by a jitted init
-directly in their shardings.
+directly in their shardings. When the task graphs are pipeline stages, ``epljax.pipeline`` gives
+the parameter storage (packed per stage) and the gradient function (a ``shard_map`` loop over
+micro batches) instead of ``step.accumulate_gradients``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from epljax import batch as batch_lib
 from epljax import communication, memory
+from epljax import pipeline as pipeline_lib
 from epljax import step as step_lib
 from epljax import strategy as strategy_lib
 from epljax.env import Env
@@ -61,6 +64,7 @@ class _Built:
   grads_jit: Any
   loss_jit: Any
   plan: Plan
+  user_params: Callable[[Any], Any]   # TrainState.params -> the user's tree (pipeline: unpack)
   first_step_checks: list = dataclasses.field(default_factory=list)
 
 
@@ -130,7 +134,8 @@ class Trainer:
 
   def variables(self, state: TrainState) -> Any:
     """The variables in the structure ``init_fn`` returned (an ``nnx.Module`` for NNX)."""
-    return self._require().model.merge(state.params, state.model_state)
+    built = self._require()
+    return built.model.merge(built.user_params(state.params), state.model_state)
 
   def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
     """The lowered step: ``.compile().memory_analysis()``, ``.cost_analysis()``, ``.as_text()``."""
@@ -218,13 +223,22 @@ class Trainer:
     bplan = batch_lib.BatchPlan(layout.num_replicas, num_micro,
                                 layout.devices_per_stage if MODEL in axes else 1, axes)
     bplan.check(rows)
+    # Pipeline stages: parameters packed per stage, a shard_map gradient (epljax.pipeline).
+    pipe = None if layout.num_stages == 1 else pipeline_lib.plan_pipeline(
+        loss_call=loss_call, has_aux=self.has_aux, params_shape=params_shape,
+        state_shape=state_shape, param_paths=p_paths, state_paths=s_paths,
+        micro_shapes=micro_shapes, global_capture=cap, layout=layout, batch_axes=axes,
+        config=config.pipeline, optimizer=self.optimizer, num_devices=len(cluster.devices),
+        capture_options=dict(module_rules=annotations.module_rules(),
+                             definitions=defining_frames(init_jaxpr)))
     shapes = [tuple(x.shape) for x in p_leaves + s_leaves]
     user = annotations.user_specs(p_paths + s_paths, shapes, model.metadata, dict(mesh.shape))
     leaf_specs = specs_lib.variable_specs(cap, layout, shapes, user)
     named = [NamedSharding(mesh, s.spec) for s in leaf_specs]
     replicated = NamedSharding(mesh, P())
-    param_sh = jax.tree.unflatten(p_def, named[:n_p])
-    opt_shape = jax.eval_shape(self.optimizer.init, params_shape)
+    param_sh = jax.tree.unflatten(p_def, named[:n_p]) if pipe is None else pipe.param_shardings
+    trained_shape = params_shape if pipe is None else pipe.packed_shape
+    opt_shape = jax.eval_shape(self.optimizer.init, trained_shape)
     base = StateShardings(
         params=param_sh,
         opt_state=optax.tree_map_params(self.optimizer, lambda _, s: s, opt_shape, param_sh,
@@ -233,7 +247,7 @@ class Trainer:
 
     # 4. Features (memory, communication), chained around the step's pieces.
     ctx = BuildContext(mesh=mesh, num_replicas=layout.num_replicas, num_micro_batch=num_micro,
-                       capture=cap, params_shape=params_shape, optimizer=self.optimizer)
+                       capture=cap, params_shape=trained_shape, optimizer=self.optimizer)
     features = _features(config, self.clip_norm)
     for f in features:
       base = f.shardings(base, ctx)
@@ -248,10 +262,15 @@ class Trainer:
       return loss_call(params, model_state, b)
 
     # communication.fp16 / local clipping need each replica's own gradients (communication.py).
+    # Pipeline stages compute their gradients in their own shard_map (epljax.pipeline).
     make_gradients = (communication.replica_gradients(features, ctx)
                       or (lambda fwd: step_lib.accumulate_gradients(fwd, num_micro)))
+    if pipe is not None:
+      make_gradients = lambda _: pipe.gradients(features, ctx)  # noqa: E731
     forward, gradients, update = step_lib.build(forward, make_gradients, self.optimizer,
                                                 features, ctx)
+    user_params = (lambda p: p) if pipe is None else jax.jit(
+        pipe.unpack, out_shardings=jax.tree.map(lambda _: replicated, params_shape))
 
     def prepare(global_batch):
       return batch_lib.micro_batches(global_batch, bplan, mesh)
@@ -262,6 +281,7 @@ class Trainer:
     def init_state(r, global_batch):
       first = jax.tree.map(lambda x: x[:rows // num_micro], global_batch)
       _, params, model_state = Model.split(self.init_fn(r, first))
+      params = params if pipe is None else pipe.pack(params)
       return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                         opt_state=optimizer.init(params), model_state=model_state,
                         feature_state=fstate_init)
@@ -277,14 +297,17 @@ class Trainer:
     def loss_and_grads(state, global_batch):
       loss, _, grads, _ = gradients(state.params, state.model_state, prepare(global_batch),
                                     state.feature_state)
-      return loss, grads
+      return loss, grads if pipe is None else pipe.unpack(grads)
 
     grads_jit = jax.jit(traced(loss_and_grads), in_shardings=(shardings, batch_sh),
-                        out_shardings=(replicated, base.params), compiler_options=xla_options)
+                        out_shardings=(replicated, base.params if pipe is None else
+                                       jax.tree.map(lambda _: replicated, params_shape)),
+                        compiler_options=xla_options)
 
     def first_loss(state, global_batch):
       micro = jax.tree.map(lambda x: x[0], prepare(global_batch))
-      return forward(state.params, state.model_state, micro, state.feature_state)[0]
+      params = state.params if pipe is None else pipe.unpack(state.params)
+      return forward(params, state.model_state, micro, state.feature_state)[0]
 
     loss_jit = jax.jit(traced(first_loss), in_shardings=(shardings, batch_sh),
                        out_shardings=replicated, compiler_options=xla_options)
@@ -294,11 +317,12 @@ class Trainer:
     abstract_state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
         jax.eval_shape(lambda: TrainState(
-            step=jnp.zeros((), jnp.int32), params=params_shape, opt_state=opt_shape,
+            step=jnp.zeros((), jnp.int32), params=trained_shape, opt_state=opt_shape,
             model_state=state_shape, feature_state=fstate_init)), shardings)
     abstract_batch = batch_lib.global_shapes(
         batch, lambda nd: NamedSharding(mesh, specs_lib.batch_spec(axes, nd)))
-    final_named = jax.tree.leaves(base.params) + jax.tree.leaves(base.model_state)
+    final_named = (jax.tree.leaves(base.params) if pipe is None else named[:n_p]) + \
+        jax.tree.leaves(base.model_state)
     leaves = [
         Leaf(path, tuple(x.shape), str(x.dtype), sh.spec,
              leaf_bytes_per_device(x.shape, x.dtype, sh),
@@ -315,16 +339,17 @@ class Trainer:
                                     jax.tree.unflatten(s_def, spec_leaves[n_p:])),
         leaves=leaves, num_micro_batch=num_micro, global_rows=rows, batch_axes=axes,
         optimizer_bytes=tree_bytes_per_device(opt_shape, base.opt_state),
-        schedule="gradient accumulation" if num_micro > 1 else "-",
-        features=[f.describe for f in features],
+        schedule=(pipe.schedule.strategy if pipe is not None else
+                  "gradient accumulation" if num_micro > 1 else "-"),
+        features=[f.describe for f in features], pipeline=pipe,
         compile_step=lambda: step_jit.lower(abstract_state, abstract_batch).compile(),
-        grads_bytes=tree_bytes_per_device(params_shape, grads_sh),
+        grads_bytes=tree_bytes_per_device(trained_shape, grads_sh),
         placement={"parameters": where(base.params), "gradients": where(grads_sh),
                    "optimizer state": where(base.opt_state),
                    "model state": where(base.model_state)},
         compile_grads=lambda: grads_jit.lower(abstract_state, abstract_batch).compile())
     self._built = _Built(model, cap, layout, bplan, shardings, init_jit, step_jit, grads_jit,
-                         loss_jit, plan, [f.after_first_step for f in features])
+                         loss_jit, plan, user_params, [f.after_first_step for f in features])
     return self._built
 
 
@@ -373,9 +398,6 @@ def _check_layout(layout: Layout, cap: Capture) -> None:
           f"Task graph '{tg.name}' ({tg.strategy}({tg.device_count})) only defines variables "
           "(they are used by code outside its scope, EPL's MoE pattern), which needs the task "
           "graphs on the same devices: set cluster.colocate_split_and_replicate=True.")
-  if layout.num_stages > 1:
-    raise PlanError(f"Task graphs {[tg.name for tg in cap.taskgraphs]} are pipeline stages; "
-                    "pipeline parallelism is not available in this version of epljax.")
 
 
 # Config keys accepted by epl.Config whose features this version does not run yet. A value

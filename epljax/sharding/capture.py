@@ -257,8 +257,9 @@ _SHARED_PARAM = """\
 Parameter '{path}' (shape {shape}) is used by two task graphs: {names}.
 A parameter belongs to the one task graph whose operations use it, and different task graphs
 may live on different devices, so epljax will not pick one. Either
-  - use the parameter inside one scope only (for tied weights across pipeline stages, keep two
-    parameters and tie them in the loss), or
+  - use the parameter inside one scope only. Pipeline stages each hold and train their own
+    parameters, so a weight tied across stages (input and output embeddings) must become two
+    parameters, one per stage; or
   - if an unnamed scope was entered twice (a loop, or the model called twice in the loss),
     give it a name, e.g. `with epl.replicate(1, name="encoder"):`, so every entry is one task
     graph."""

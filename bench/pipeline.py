@@ -1,0 +1,169 @@
+"""Pipeline stages: memory, executed FLOPs and step time of GPipe and 1F1B against the
+unpipelined model.
+
+    python bench/pipeline.py            # print the tables
+    python bench/pipeline.py --record   # and append them to bench/RESULTS.md
+
+A residual MLP of 8 blocks cut into S=4 stages of 2 blocks (``set_default_strategy`` between
+them, EPL's BERT style) on 8 devices: 2 pipeline replicas. For M in {4, 8, 16, 32} micro
+batches of 64 rows per replica:
+
+- temp bytes per device: ``memory_analysis()`` of the compiled step, for GPipe and 1F1B, and
+  for both stash modes (``residuals``: keep the ``jax.vjp`` residuals; ``inputs``: keep the
+  stage inputs and run the forward again in the backward);
+- executed FLOPs over the unpipelined FLOPs: each stage branch compiled alone
+  (``cost_analysis()``) times the busy slots of the schedule (idle slots run no compute),
+  over ``cost_analysis()`` of the unpipelined loss-and-gradient on the same rows;
+- step time over the unpipelined model's (the same model without the stage cuts, data
+  parallel over the same 8 devices with the same M micro batches), timed alternately.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import argparse  # noqa: E402
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import epljax as epl  # noqa: E402
+from common import paired_ratio, record, table  # noqa: E402
+from epljax.pipeline import builder, runtime  # noqa: E402
+
+STAGES, BLOCKS, WIDTH, ROWS = 4, 2, 256, 64
+
+
+class Block(nn.Module):
+  @nn.compact
+  def __call__(self, h):
+    return h + nn.Dense(WIDTH)(nn.gelu(nn.Dense(WIDTH)(nn.LayerNorm()(h))))
+
+
+class Net(nn.Module):
+  cut: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(WIDTH)(x)
+    for _ in range(STAGES):
+      if self.cut:
+        epl.set_default_strategy(epl.replicate(1))
+      for _ in range(BLOCKS):
+        h = Block()(h)
+    return nn.Dense(10)(h)
+
+
+def batch_of(rows: int) -> dict:
+  rng = np.random.default_rng(0)
+  return {"x": rng.normal(size=(rows, 32)).astype(np.float32),
+          "y": rng.integers(0, 10, rows).astype(np.int32)}
+
+
+def trainer_for(model: nn.Module, config: dict, batch: dict, stash: str = "residuals"):
+  epl.init(config)
+  builder.STASH = stash
+
+  def loss_fn(variables, b):
+    logits = model.apply(variables, b["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  trainer = epl.Trainer(lambda key, b: model.init(key, b["x"]), loss_fn, optax.adamw(1e-3))
+  state = trainer.init(jax.random.key(0), batch)
+  builder.STASH = "residuals"
+  return trainer, state, loss_fn
+
+
+def unpipelined_flops(loss_fn, rows: int) -> float:
+  """FLOPs of loss and gradient of the unpipelined model on ``rows`` rows, on one device."""
+  model = Net(cut=False)
+  b = batch_of(rows)
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), b["x"]))
+  grad = jax.jit(jax.value_and_grad(lambda v: loss_fn(v, b)))
+  return grad.lower(params).compile().cost_analysis()["flops"]
+
+
+def executed_flops(trainer) -> float:
+  """All devices of one replica together: every busy slot of the schedule runs its branch."""
+  pipe = trainer.plan.pipeline
+  costs = runtime.branch_flops(pipe.branches, pipe.aux_avals, pipe.batch_avals)
+  sched = pipe.schedule
+  total = 0.0
+  for s in range(sched.num_stages):
+    fwd, bwd = costs[pipe.branch_of[s]]
+    total += (sched.forward[:, s] >= 0).sum() * fwd + (sched.backward[:, s] >= 0).sum() * bwd
+  return total
+
+
+def measure(micro: int, pairs: int) -> tuple[list, list]:
+  rows = 2 * micro * ROWS            # 2 replicas x M micro batches x ROWS rows
+  batch = batch_of(rows)
+  flat_trainer, flat_state, loss_fn = trainer_for(
+      Net(cut=False), {"pipeline.num_micro_batch": micro}, batch)
+  reference = unpipelined_flops(loss_fn, micro * ROWS)    # one replica's rows per step
+  memory, timing = [], []
+  flat = {"state": flat_state}     # train_step donates its state: keep the latest here
+  flat_temp = flat_trainer.plan.memory.temp_size_in_bytes
+  for strategy in ("PreferForward", "PreferBackward"):
+    for stash in ("residuals", "inputs"):
+      config = {"pipeline.num_micro_batch": micro, "pipeline.strategy": strategy}
+      trainer, state, _ = trainer_for(Net(), config, batch, stash)
+      pipe = trainer.plan.pipeline
+      temp = trainer.plan.memory.temp_size_in_bytes
+      memory.append([micro, f"{strategy} ({'GPipe' if strategy == 'PreferForward' else '1F1B'})",
+                     stash, pipe.schedule.num_slots, f"{temp / 2**20:.2f}",
+                     f"{flat_temp / 2**20:.2f}", f"{executed_flops(trainer) / reference:.3f}"])
+      if stash == "residuals" or strategy == "PreferBackward":
+        box = {"state": state}
+        p_batch, f_batch = trainer.shard_batch(batch), flat_trainer.shard_batch(batch)
+
+        def run_p(box=box, trainer=trainer, p_batch=p_batch):
+          box["state"], m = trainer.train_step(box["state"], p_batch)
+          return m["loss"]
+
+        def run_f(f_batch=f_batch):
+          flat["state"], m = flat_trainer.train_step(flat["state"], f_batch)
+          return m["loss"]
+
+        r = paired_ratio(run_p, run_f, pairs=pairs)
+        timing.append([micro, strategy, stash, f"{r['first_s'] * 1e3:.1f}",
+                       f"{r['second_s'] * 1e3:.1f}",
+                       f"**{r['ratio']:.2f}** ({r['ratio_q1']:.2f}-{r['ratio_q3']:.2f})", pairs])
+  return memory, timing
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--micro", type=int, nargs="+", default=[4, 8, 16, 32])
+  parser.add_argument("--pairs", type=int, default=10)
+  parser.add_argument("--record", action="store_true")
+  args = parser.parse_args(argv)
+  memory, timing = [], []
+  for micro in args.micro:
+    m, t = measure(micro, args.pairs)
+    memory += m
+    timing += t
+    print(f"M={micro} done", flush=True)
+  mem_table = table(["M", "schedule", "stash", "kept slots", "temp MiB/dev",
+                     "unpipelined temp MiB/dev", "executed FLOPs / unpipelined"], memory)
+  time_table = table(["M", "schedule", "stash", "pipeline ms", "unpipelined ms",
+                      "ratio (quartiles)", "pairs"], timing)
+  notes = (f"S={STAGES} stages x {BLOCKS} residual blocks of width {WIDTH}, {ROWS} rows per "
+           "micro batch and replica, 2 pipeline replicas on 8 devices; unpipelined: the same "
+           "model without stage cuts, data parallel on the 8 devices with the same micro "
+           "batches. Executed FLOPs: busy slots x per-branch cost_analysis, over the "
+           "unpipelined loss-and-gradient cost_analysis on the same rows. Step-time ratio: "
+           "median over pairs of pipelined / unpipelined step time, timed alternately.")
+  body = f"{mem_table}\n\n{time_table}\n\n{notes}"
+  print(body)
+  if args.record:
+    record("Pipeline stages: memory, FLOPs, step time (bench/pipeline.py)",
+           "python bench/pipeline.py --record", body)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,15 @@
+"""Pipeline parallelism: stages cut from the captured program, GPipe and 1F1B tick tables, and
+the ``shard_map`` loop that runs them in one SPMD program.
+
+- ``partition.py``: the traced loss -> one ``ClosedJaxpr`` per stage;
+- ``schedules.py``: ``PreferForward`` (GPipe) and ``PreferBackward`` (1F1B) as tick tables;
+- ``packing.py``: stage parameters, activations and residuals as flat per-dtype buffers;
+- ``runtime.py``: the loop over ticks (``jax.vjp`` per micro batch, ``ppermute`` between stages);
+- ``optimizers.py``: which optax optimizers train packed parameters exactly;
+- ``builder.py``: what ``epl.Trainer`` calls; ``render.py``: the schedule as a picture.
+"""
+
+from epljax.pipeline.builder import Pipeline, PipelineWarning, plan_pipeline
+from epljax.pipeline.schedules import Schedule, make_schedule
+
+__all__ = ["Pipeline", "PipelineWarning", "Schedule", "make_schedule", "plan_pipeline"]

@@ -1,0 +1,328 @@
+"""Stage functions cut from the captured program.
+
+The capture (``sharding.capture``) gives every innermost equation its task graph; consecutive
+task graphs that are not colocated are pipeline stages. This module walks the top-level
+equations of the traced loss and gives each to the stage of its equations. A call-like
+equation (``pjit``, ``custom_jvp_call``, ``checkpoint`` ...) whose body spans stages is inlined
+and cut inside; a loop or branch that spans stages is an error (its iterations cannot run on
+two devices). Each stage becomes one ``ClosedJaxpr``:
+
+    stage s: (its parameters..., incoming activations..., batch leaves...)
+             -> (outgoing activations...)            for s < S - 1
+             -> (loss, aux leaves...)                for the last stage
+
+The outgoing activations of stage ``s`` are the values computed on stages ``<= s`` and used
+after it (a value used two stages later passes through the stage in between). Every stage
+reads the batch itself, so labels reach the last stage without travelling; values computed
+from the batch alone (masks, one-hot labels) are recomputed where they are used rather than
+sent. A value flowing from a later stage to an earlier one is an error naming both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from jax.extend import core as jcore
+from jax.extend import source_info_util
+
+from epljax.errors import PlanError
+from epljax.sharding.capture import Capture
+from epljax.sharding.program import _sub_calls
+
+# Call-like primitives whose body may be cut between stages (inlined). Inlining a custom
+# derivative rule or a checkpoint that straddles two stages falls back to differentiating its
+# body, which gives the same gradients (up to the rule's numerical tricks) without remat.
+_INLINABLE = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
+                        "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint", "remat"})
+
+
+class _Key:
+  """One value of the flattened program: a program input, a constant or an equation output."""
+  __slots__ = ("aval", "kind", "index", "value")
+
+  def __init__(self, aval, kind: str, index: int = -1, value: Any = None):
+    self.aval, self.kind, self.index, self.value = aval, kind, index, value
+
+
+@dataclasses.dataclass(eq=False)
+class _Item:
+  eqn: jcore.JaxprEqn
+  inputs: list[Any]            # _Key or jcore.Literal per operand
+  outputs: list[_Key | None]   # None for a dropped output
+  stage: int | None
+  prefix: Any                  # name stack of the calls this equation was inlined from
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """One pipeline stage: ``fn(params, incoming, batch) -> (outgoing, loss, aux)``."""
+  index: int
+  name: str
+  jaxpr: jcore.ClosedJaxpr
+  params: tuple[int, ...]        # variable leaf indices, in the order the jaxpr takes them
+  incoming: tuple[Any, ...]      # avals
+  outgoing: tuple[Any, ...]      # avals
+  last: bool
+
+  def __call__(self, params: Sequence[Any], incoming: Sequence[Any], batch: Sequence[Any]):
+    outs = jcore.jaxpr_as_fun(self.jaxpr)(*params, *incoming, *batch)
+    n = len(self.outgoing)
+    if not self.last:
+      return tuple(outs[:n]), None, ()
+    return (), outs[n], tuple(outs[n + 1:])
+
+
+def cut_stages(cap: Capture, stage_of: Sequence[int], num_params: int) -> tuple[Stage, ...]:
+  """The stages of the captured program ``(params..., batch...) -> (loss, aux...)``.
+
+  ``stage_of`` maps task graph index -> stage; the first ``num_params`` program inputs are
+  parameters (the rest are batch leaves, read by every stage).
+  """
+  cutter = _Cutter(cap, stage_of, num_params)
+  cutter.run()
+  return cutter.build()
+
+
+class _Cutter:
+
+  def __init__(self, cap: Capture, stage_of: Sequence[int], num_params: int):
+    self.cap = cap
+    self.node_tg = cap.node_taskgraph
+    self.stage_of = list(stage_of)
+    self.num_stages = max(self.stage_of) + 1
+    self.names = [""] * self.num_stages
+    for tg in cap.taskgraphs:
+      self.names[self.stage_of[tg.index]] = self.names[self.stage_of[tg.index]] or tg.name
+    closed = cap.program.closed_jaxpr
+    self.inputs = [_Key(v.aval, "param" if i < num_params else "batch", i)
+                   for i, v in enumerate(closed.jaxpr.invars)]
+    self.num_params = num_params
+    self.param_stage = [
+        self.stage_of[tg] if tg is not None else 0 for tg in cap.input_taskgraph[:num_params]]
+    self.items: list[_Item] = []
+    self.producer: dict[_Key, int] = {}   # key -> item index
+    self.cursor = 0
+    self.outputs: list[Any] = []
+    self.batch_only: set[_Key] = set()
+
+  # -- walking ------------------------------------------------------------------------------
+  def run(self) -> None:
+    closed = self.cap.program.closed_jaxpr
+    alias: dict[Any, Any] = dict(zip(closed.jaxpr.invars, self.inputs))
+    alias.update({v: _Key(v.aval, "const", value=c)
+                  for v, c in zip(closed.jaxpr.constvars, closed.consts)})
+    self._walk(closed.jaxpr, alias, source_info_util.new_name_stack())
+    self.outputs = [_resolve(alias, v) for v in closed.jaxpr.outvars]
+    if self.cursor != len(self.cap.program.nodes):  # internal invariant
+      raise AssertionError("stage cutting lost track of the capture's equations")
+    self._assign_untagged()
+    self.batch_only = self._find_batch_only()
+    self._check_order()
+
+  def _walk(self, jaxpr: jcore.Jaxpr, alias: dict, prefix) -> None:
+    for eqn in jaxpr.eqns:
+      count = _count_nodes(eqn)
+      tgs = {t for t in self.node_tg[self.cursor:self.cursor + count] if t >= 0}
+      stages = sorted({self.stage_of[t] for t in tgs})
+      if len(stages) > 1:
+        self._inline(eqn, alias, prefix, stages)
+        continue
+      self.cursor += count
+      outs = [None if isinstance(v, jcore.DropVar) else _Key(v.aval, "node", len(self.items))
+              for v in eqn.outvars]
+      for v, k in zip(eqn.outvars, outs):
+        if k is not None:
+          alias[v] = k
+          self.producer[k] = len(self.items)
+      self.items.append(_Item(eqn, [_resolve(alias, v) for v in eqn.invars], outs,
+                              stages[0] if stages else None, prefix))
+
+  def _inline(self, eqn, alias, prefix, stages) -> None:
+    body = _inline_body(eqn)
+    if body is None:
+      names = ", ".join(f"'{self.names[s]}'" for s in stages)
+      raise PlanError(_SPANS.format(prim=eqn.primitive.name, where=_where(eqn), names=names))
+    inner, consts = body
+    inner_alias = {v: _resolve(alias, o) for v, o in zip(inner.invars, eqn.invars)}
+    inner_alias.update({v: _Key(v.aval, "const", value=c)
+                        for v, c in zip(inner.constvars, consts)})
+    self._walk(inner, inner_alias, prefix + eqn.source_info.name_stack)
+    for v, o in zip(eqn.outvars, inner.outvars):
+      if not isinstance(v, jcore.DropVar):
+        alias[v] = _resolve(inner_alias, o)
+
+  # -- stages of untagged equations, and the order check -------------------------------------
+  def _stage_of_key(self, key: Any) -> int:
+    if not isinstance(key, _Key) or key.kind in ("batch", "const"):
+      return 0
+    if key.kind == "param":
+      return self.param_stage[key.index]
+    return self.items[self.producer[key]].stage
+
+  def _assign_untagged(self) -> None:
+    """Equations without a task graph (no work of their own) follow their inputs."""
+    for item in self.items:
+      if item.stage is None:
+        item.stage = max([self._stage_of_key(k) for k in item.inputs], default=0)
+
+  def _check_order(self) -> None:
+    for item in self.items:
+      for key in item.inputs:
+        if isinstance(key, _Key) and key.kind == "node" and key not in self.batch_only:
+          producer = self.items[self.producer[key]]
+          if producer.stage > item.stage:
+            order = " -> ".join(f"'{n}'" for n in self.names)
+            raise PlanError(_BACKWARDS.format(
+                consumer=self.names[item.stage], producer=self.names[producer.stage],
+                prim=item.eqn.primitive.name, where=_where(item.eqn),
+                made=producer.eqn.primitive.name, made_where=_where(producer.eqn), order=order))
+
+  # -- stage jaxprs -------------------------------------------------------------------------
+  def _find_batch_only(self) -> set[_Key]:
+    """Keys computed from batch leaves and constants alone (cheap to recompute anywhere)."""
+    only: set[_Key] = set()
+    for item in self.items:
+      if item.eqn.effects:
+        continue
+      if all(not isinstance(k, _Key) or k.kind in ("batch", "const") or k in only
+             for k in item.inputs):
+        only.update(k for k in item.outputs if k is not None)
+    return only
+
+  def build(self) -> tuple[Stage, ...]:
+    n_stages = self.num_stages
+    members: list[set[int]] = [set() for _ in range(n_stages)]
+    for i, item in enumerate(self.items):
+      members[item.stage].add(i)
+    # Where each value is read. A stage that reads a batch-only value made elsewhere takes the
+    # equations that make it instead (their inputs are batch-only too, so they follow).
+    used_at: dict[_Key, set[int]] = {}
+    for s in range(n_stages):
+      pending = sorted(members[s])
+
+      def read(k: Any, s=s, pending=pending) -> None:
+        if not isinstance(k, _Key) or k.kind in ("batch", "const"):
+          return
+        used_at.setdefault(k, set()).add(s)
+        if k in self.batch_only and self.producer[k] not in members[s]:
+          members[s].add(self.producer[k])
+          pending.append(self.producer[k])
+
+      if s == n_stages - 1:
+        for k in self.outputs:
+          read(k)
+      while pending:
+        for k in self.items[pending.pop()].inputs:
+          read(k)
+    # Boundary b carries the values made on stages <= b and read after b.
+    boundary: list[list[_Key]] = [[] for _ in range(n_stages - 1)]
+    made = [(k, self.param_stage[k.index]) for k in self.inputs[:self.num_params]]
+    made += [(k, item.stage) for item in self.items for k in item.outputs if k is not None]
+    for k, p in made:
+      if k not in self.batch_only:
+        for b in range(p, max(used_at.get(k, {p}))):
+          boundary[b].append(k)
+    return tuple(self._stage(s, sorted(members[s]), boundary) for s in range(n_stages))
+
+  def _stage(self, s: int, member: list[int], boundary: list[list[_Key]]) -> Stage:
+    last = s == self.num_stages - 1
+    var: dict[_Key, jcore.Var] = {}
+    constvars, consts = [], []
+
+    def new(k: _Key) -> jcore.Var:
+      var[k] = jcore.Var(k.aval)
+      return var[k]
+
+    def use(k: Any) -> Any:
+      if not isinstance(k, _Key):
+        return k   # a Literal
+      if k not in var:
+        if k.kind != "const":   # internal invariant: routing must have provided it
+          raise AssertionError(f"stage {s} reads a value it was not given ({k.kind})")
+        constvars.append(new(k))
+        consts.append(k.value)
+      return var[k]
+
+    order = []
+    for i in member:
+      for k in self.items[i].inputs:
+        if isinstance(k, _Key) and k.kind == "param" and self.param_stage[k.index] == s:
+          if k.index not in order:
+            order.append(k.index)
+    order += [i for i in range(self.num_params) if self.param_stage[i] == s and i not in order]
+    incoming = boundary[s - 1] if s > 0 else []
+    invars = [new(self.inputs[i]) for i in order] + [new(k) for k in incoming]
+    invars += [new(k) for k in self.inputs[self.num_params:]]
+    eqns = []
+    for i in member:
+      item = self.items[i]
+      ins = [use(k) for k in item.inputs]
+      outs = [jcore.DropVar(v.aval) if k is None else new(k)
+              for v, k in zip(item.eqn.outvars, item.outputs)]
+      info = item.eqn.source_info.replace(name_stack=item.prefix + item.eqn.source_info.name_stack)
+      eqns.append(jcore.new_jaxpr_eqn(ins, outs, item.eqn.primitive, item.eqn.params,
+                                      item.eqn.effects, info, item.eqn.ctx))
+    outgoing = [] if last else boundary[s]
+    outvars = [use(k) for k in outgoing]
+    if last:
+      outvars += [use(k) for k in self.outputs]
+    effects = set().union(*(e.effects for e in eqns)) if eqns else jcore.no_effects
+    info = jcore.DebugInfo("epljax pipeline", f"stage {self.names[s]}",
+                           tuple(f"in{i}" for i in range(len(invars))),
+                           tuple(f"out{i}" for i in range(len(outvars))))
+    jaxpr = jcore.Jaxpr(constvars, invars, outvars, eqns, effects, info)
+    return Stage(s, self.names[s], jcore.ClosedJaxpr(jaxpr, consts), tuple(order),
+                 tuple(k.aval for k in incoming), tuple(k.aval for k in outgoing), last)
+
+
+def _resolve(alias: dict, v: Any) -> Any:
+  return v if isinstance(v, jcore.Literal) else alias[v]
+
+
+def _count_nodes(eqn: jcore.JaxprEqn) -> int:
+  """How many capture nodes ``eqn`` stands for (mirrors ``Program``'s walk)."""
+  calls = _sub_calls(eqn)
+  if calls is None:
+    return 1
+  return sum(_count_nodes(e) for inner, _, _ in calls for e in inner.eqns)
+
+
+def _inline_body(eqn: jcore.JaxprEqn):
+  """(inner jaxpr, its consts) of a call-like equation, or None when it cannot be inlined."""
+  if eqn.primitive.name not in _INLINABLE:
+    return None
+  calls = _sub_calls(eqn)
+  if calls is None or len(calls) != 1:
+    return None
+  for v in eqn.params.values():
+    if isinstance(v, jcore.ClosedJaxpr) and v.jaxpr is calls[0][0]:
+      return v.jaxpr, list(v.consts)
+    if isinstance(v, jcore.Jaxpr) and v is calls[0][0] and not v.constvars:
+      return v, []
+  return None
+
+
+def _where(eqn: jcore.JaxprEqn) -> str:
+  return source_info_util.summarize(eqn.source_info)
+
+
+def same_consts(a: Sequence[Any], b: Sequence[Any]) -> bool:
+  return len(a) == len(b) and all(
+      np.shape(x) == np.shape(y) and np.asarray(x).dtype == np.asarray(y).dtype
+      and np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))
+
+
+_SPANS = """\
+The operation `{prim}` at {where} contains work of pipeline stages {names}; a stage
+boundary cannot fall inside a loop or a branch, whose iterations run on one device. Keep
+each loop inside one stage: scan over the layers of one stage only, or put the
+`with epl.replicate(1, name=...)` scope (or the `epl.set_default_strategy` call) outside it."""
+
+_BACKWARDS = """\
+Pipeline stage '{consumer}' uses a value computed in stage '{producer}', which runs after it:
+`{prim}` at {where} reads the result of `{made}` at {made_where}.
+Stages run in the order their first operation was traced ({order}), and a stage can only use
+values of the stages before it. Compute the value inside the earlier stage's scope."""

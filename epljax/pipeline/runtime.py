@@ -1,0 +1,324 @@
+"""The pipelined gradient: one ``shard_map`` over the mesh, a ``lax.scan`` over ticks.
+
+Every device runs the same loop (``schedules.py`` says what each tick holds). In a tick, a
+stage
+
+1. runs the forward of its micro batch (if any) with ``jax.vjp``, keeps the residuals the
+   backward needs in a stash slot, and hands its outgoing activations to the next stage;
+2. runs the backward of its micro batch (if any) from the stashed residuals and the gradient
+   received from the next stage (the loss scale on the last stage), adds the parameter
+   gradient to its accumulator and hands the activation gradient to the previous stage;
+3. moves both with one ``ppermute`` each along the ``stage`` axis.
+
+The backward is written out per micro batch (not left to autodiff of the loop), which is what
+lets 1F1B free a micro batch's residuals as soon as its backward ran. Stages that differ are
+branches of a ``lax.switch`` on the stage index, over packed buffers (``packing.py``); an idle
+slot takes an extra branch that does nothing, so bubble ticks cost no compute.
+
+What is stashed: the *residuals* of ``jax.vjp`` (no recomputation; the forward runs once),
+minus the parameters, incoming activations and batch leaves they contain, which are read
+again at backward time instead of being copied per micro batch. ``stash="inputs"`` stashes
+only the stage inputs and recomputes the forward in the backward (``jax.checkpoint`` of the
+stage), trading one more forward for the residual memory; gradient checkpointing features
+(their ``forward`` hook) give the policies in between.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from epljax.errors import PlanError
+from epljax.mesh import STAGE
+from epljax.pipeline import packing
+from epljax.pipeline.partition import Stage, same_consts
+from epljax.pipeline.schedules import Schedule
+
+StageFn = Callable[[Sequence[Any], Sequence[Any], Sequence[Any]], tuple[Any, Any, Any]]
+STASH_MODES = ("residuals", "inputs")
+
+
+@dataclasses.dataclass
+class _Residuals:
+  """How to rebuild a stage's ``jax.vjp`` pullback from the stash (found by a trial trace)."""
+  treedef: Any
+  kinds: tuple[tuple[str, Any], ...]   # per pullback leaf: (param|act|batch|res, index) or static
+  layout: packing.Layout               # the stashed leaves
+
+
+class Branch:
+  """One distinct stage function and the layouts of its buffers."""
+
+  def __init__(self, stage: Stage, fn: StageFn, param_avals: Sequence[Any], stash: str):
+    self.stage = stage
+    self.fn = jax.checkpoint(fn) if stash == "inputs" else fn
+    self.params = packing.Layout.of([param_avals[i] for i in stage.params])
+    self.incoming = packing.Layout.of(stage.incoming)
+    self.outgoing = packing.Layout.of(stage.outgoing)
+    self.residuals: _Residuals | None = None
+    self.loss_dtype: Any = jnp.float32   # of the (feature-wrapped) stage's loss output
+
+  # -- forward: outputs and pullback -------------------------------------------------------
+  def pullback(self, params, acts, batch):
+    def f(p, a):
+      outs, loss, aux = self.fn(p, a, batch)
+      loss = jnp.zeros((), jnp.float32) if loss is None else loss
+      return (tuple(outs), loss), tuple(aux)
+
+    (outs, loss), pull, aux = jax.vjp(f, tuple(params), tuple(acts), has_aux=True)
+    return outs, loss, aux, pull
+
+  def split(self, pull, params, acts, batch) -> tuple[Any, tuple, list]:
+    """Pullback -> (treedef, kinds, leaves to stash). Inputs are referenced, not stashed."""
+    leaves, treedef = jax.tree.flatten(pull)
+    known = {id(x): ("param", i) for i, x in enumerate(params)}
+    known.update({id(x): ("act", i) for i, x in enumerate(acts)})
+    known.update({id(x): ("batch", i) for i, x in enumerate(batch)})
+    kinds, stash = [], []
+    for leaf in leaves:
+      if id(leaf) in known:
+        kinds.append(known[id(leaf)])
+      elif not hasattr(leaf, "shape"):
+        kinds.append(("static", leaf))
+      else:
+        kinds.append(("res", len(stash)))
+        stash.append(leaf)
+    return treedef, tuple(kinds), stash
+
+  def trace_residuals(self, param_avals, batch_avals) -> None:
+    """A trial trace: which pullback leaves must be stashed, and their shapes."""
+    found = {}
+
+    def trial(params, acts, batch):
+      _, loss, _, pull = self.pullback(params, acts, batch)
+      found["treedef"], found["kinds"], stash = self.split(pull, params, acts, batch)
+      return loss, stash
+
+    loss, stash = jax.eval_shape(trial, *self._abstract_args(param_avals, batch_avals))
+    for leaf in stash:
+      if not jnp.issubdtype(leaf.dtype, np.number) and leaf.dtype != np.bool_:
+        raise PlanError(f"Stage '{self.stage.name}' keeps a value of dtype {leaf.dtype} for its "
+                        "backward pass; pipeline stages can keep numeric and boolean values "
+                        "only. Pass PRNG keys as raw key data (jax.random.key_data).")
+    self.loss_dtype = loss.dtype
+    self.residuals = _Residuals(found["treedef"], found["kinds"], packing.Layout.of(stash))
+
+  def _abstract_args(self, param_avals, batch_avals):
+    sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+    return ([sds(param_avals[i]) for i in self.stage.params],
+            [sds(a) for a in self.stage.incoming], [sds(a) for a in batch_avals])
+
+  @property
+  def needs_inputs(self) -> bool:
+    return any(kind == "act" for kind, _ in self.residuals.kinds)
+
+  def signature(self, param_avals, batch_avals) -> tuple:
+    """Equal for stages that compute the same thing on buffers laid out the same way."""
+    closed = jax.make_jaxpr(lambda p, a, b: self.fn(p, a, b))(
+        *self._abstract_args(param_avals, batch_avals))
+    return (str(closed), self.params, self.incoming, self.outgoing, self.stage.last), closed.consts
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffers:
+  """Sizes (per dtype) of every buffer the loop carries."""
+  params: dict[str, int]
+  payload: dict[str, int]
+  grad_payload: dict[str, int]
+  residuals: dict[str, int]
+  keep_inputs: bool
+
+
+def distinct_branches(stages: Sequence[Stage], fns: Sequence[StageFn], param_avals,
+                      batch_avals, stash: str) -> tuple[list[Branch], list[int]]:
+  """One ``Branch`` per distinct stage function, and the branch of every stage."""
+  if stash not in STASH_MODES:
+    raise ValueError(f"stash must be one of {STASH_MODES}, got {stash!r}")
+  branches: list[Branch] = []
+  seen: list[tuple[tuple, list]] = []
+  branch_of = []
+  for stage, fn in zip(stages, fns):
+    branch = Branch(stage, fn, param_avals, stash)
+    sig, consts = branch.signature(param_avals, batch_avals)
+    match = [i for i, (s, c) in enumerate(seen) if s == sig and same_consts(c, consts)]
+    if match:
+      branch_of.append(match[0])
+      continue
+    branch.trace_residuals(param_avals, batch_avals)
+    branches.append(branch)
+    seen.append((sig, consts))
+    branch_of.append(len(branches) - 1)
+  return branches, branch_of
+
+
+def buffer_sizes(branches: Sequence[Branch]) -> Buffers:
+  edges = [b.incoming for b in branches] + [b.outgoing for b in branches]
+  return Buffers(
+      params=packing.padded_sizes([b.params for b in branches]),
+      payload=packing.padded_sizes(edges),
+      grad_payload=packing.padded_sizes(edges, inexact_only=True),
+      residuals=packing.padded_sizes([b.residuals.layout for b in branches]),
+      keep_inputs=any(b.needs_inputs for b in branches))
+
+
+def _forward_branch(branch: Branch, sizes: Buffers, aux_avals):
+  def run(params, incoming, batch):
+    leaves = branch.params.unpack(params)
+    acts = branch.incoming.unpack(incoming)
+    outs, loss, aux, pull = branch.pullback(leaves, acts, batch)
+    treedef, kinds, stash = branch.split(pull, leaves, acts, batch)
+    expected = branch.residuals
+    if [k for k, _ in kinds] != [k for k, _ in expected.kinds] or treedef.num_leaves != \
+        expected.treedef.num_leaves:   # internal invariant: same function, same residuals
+      raise AssertionError(f"stage '{branch.stage.name}' traced to different residuals")
+    if not branch.stage.last:
+      aux = [jnp.zeros(a.shape, a.dtype) for a in aux_avals]
+    return (branch.outgoing.pack(outs, sizes.payload), loss.astype(jnp.float32), list(aux),
+            expected.layout.pack(stash, sizes.residuals))
+
+  return run
+
+
+def _backward_branch(branch: Branch, sizes: Buffers):
+  # The stash comes in whole and is sliced here, where the slices fuse into their consumers,
+  # rather than copying a slot out before the switch.
+  def run(params, stash_x, stash_r, slot, batch, grad_out, seed):
+    leaves = branch.params.unpack(params)
+    acts = branch.incoming.unpack(_take(stash_x, slot)) if branch.needs_inputs else [
+        jnp.zeros(a.shape, a.dtype) for a in branch.stage.incoming]
+    stashed = branch.residuals.layout.unpack(_take(stash_r, slot))
+    source = {"param": leaves, "act": acts, "batch": batch, "res": stashed}
+    pull_leaves = [value if kind == "static" else source[kind][value]
+                   for kind, value in branch.residuals.kinds]
+    pull = jax.tree.unflatten(branch.residuals.treedef, pull_leaves)
+    g_outs = branch.outgoing.unpack_cotangents(grad_out)
+    g_params, g_acts = pull((tuple(g_outs), seed.astype(branch.loss_dtype)))
+    return (branch.params.pack(g_params, sizes.params),
+            branch.incoming.pack(g_acts, sizes.grad_payload, skip_missing=True))
+
+  return run
+
+
+def _idle_forward(sizes: Buffers, aux_avals):
+  def run(params, incoming, batch):
+    return (packing.zeros(sizes.payload), jnp.zeros((), jnp.float32),
+            [jnp.zeros(a.shape, a.dtype) for a in aux_avals], packing.zeros(sizes.residuals))
+  return run
+
+
+def _idle_backward(sizes: Buffers):
+  def run(params, stash_x, stash_r, slot, batch, grad_out, seed):
+    return packing.zeros(sizes.params), packing.zeros(sizes.grad_payload)
+  return run
+
+
+def _take(buffers: dict, index) -> dict:
+  return {k: lax.dynamic_index_in_dim(v, index, keepdims=False) for k, v in buffers.items()}
+
+
+def _put(buffers: dict, index, values: dict) -> dict:
+  return {k: lax.dynamic_update_index_in_dim(v, values[k], index, 0) for k, v in buffers.items()}
+
+
+def _gather_aux(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """One replica's aux, stacked over micro batches -> the global batch's, by the rule of the
+  data-parallel step: float scalars averaged, integer ones summed, arrays (one row per
+  example) concatenated along the batch axis."""
+  if x.ndim == 1:
+    return lax.pmean(x, axes) if jnp.issubdtype(x.dtype, jnp.inexact) else lax.psum(x, axes)
+  return lax.all_gather(x, axes, axis=1, tiled=True)
+
+
+def pipelined_gradients(branches: Sequence[Branch], branch_of: Sequence[int], aux_avals,
+                        schedule: Schedule, mesh: Mesh, data_axes: tuple[str, ...],
+                        batch_spec: P):
+  """``(params {dtype: (S, size)}, micro batch leaves (M, rows, ...), seed) -> (mean loss,
+  aux (M, ...), summed-over-data mean gradients {dtype: (S, size)})``, as one shard_map."""
+  sizes = buffer_sizes(branches)
+  fwd = [_forward_branch(b, sizes, aux_avals) for b in branches] + [
+      _idle_forward(sizes, aux_avals)]
+  bwd = [_backward_branch(b, sizes) for b in branches] + [_idle_backward(sizes)]
+  idle = len(branches)
+  n_stages, n_micro = schedule.num_stages, schedule.num_micro_batch
+  slots = schedule.num_slots
+  shards = int(np.prod([mesh.shape[a] for a in data_axes]))
+  tables = np.stack([schedule.forward, schedule.forward_slot, schedule.backward,
+                     schedule.backward_slot], axis=-1).astype(np.int32)   # (T, S, 4)
+  down = [(i, i + 1) for i in range(n_stages - 1)]
+  up = [(i + 1, i) for i in range(n_stages - 1)]
+
+  def local(params, micro, seed):
+    stage = lax.axis_index(STAGE)
+    params = {k: v[0] for k, v in params.items()}
+    branch = jnp.asarray(np.asarray(branch_of, np.int32))[stage]
+    carry = dict(
+        fwd=packing.zeros(sizes.payload), bwd=packing.zeros(sizes.grad_payload),
+        # One slot more than the schedule keeps: idle forwards write there, so a write needs
+        # no read of the old slot and updates the loop's buffer in place.
+        stash_x=packing.zeros(sizes.payload if sizes.keep_inputs else {}, (slots + 1,)),
+        stash_r=packing.zeros(sizes.residuals, (slots + 1,)),
+        grads=packing.zeros(sizes.params), losses=jnp.zeros((n_micro,), jnp.float32),
+        aux=[jnp.zeros((n_micro, *a.shape), a.dtype) for a in aux_avals])
+
+    def tick(c, row):
+      f_m, f_slot, b_m, b_slot = (row[stage, i] for i in range(4))
+      f_ok, b_ok = f_m >= 0, b_m >= 0
+      f_m, b_m = jnp.maximum(f_m, 0), jnp.maximum(b_m, 0)
+      batch = [lax.dynamic_index_in_dim(x, f_m, keepdims=False) for x in micro]
+      out, loss, aux, res = lax.switch(jnp.where(f_ok, branch, idle), fwd, params, c["fwd"],
+                                       batch)
+      write = jnp.where(f_ok, f_slot, slots)
+      stash_x = _put(c["stash_x"], write, c["fwd"])
+      stash_r = _put(c["stash_r"], write, res)
+      losses = c["losses"].at[f_m].add(loss)
+      auxes = [acc.at[f_m].add(a) for acc, a in zip(c["aux"], aux)]
+      batch = [lax.dynamic_index_in_dim(x, b_m, keepdims=False) for x in micro]
+      g_params, g_in = lax.switch(
+          jnp.where(b_ok, branch, idle), bwd, params,
+          stash_x, stash_r, b_slot, batch, c["bwd"], seed)
+      grads = {k: c["grads"][k] + g_params[k] for k in c["grads"]}
+      return dict(fwd=lax.ppermute(out, STAGE, down), bwd=lax.ppermute(g_in, STAGE, up),
+                  stash_x=stash_x, stash_r=stash_r, grads=grads, losses=losses,
+                  aux=auxes), None
+
+    c, _ = lax.scan(tick, carry, jnp.asarray(tables))
+    grads = {k: lax.psum(g, data_axes)[None] / (n_micro * shards) for k, g in c["grads"].items()}
+    loss = lax.pmean(lax.psum(jnp.sum(c["losses"]), STAGE) / n_micro, data_axes)
+    aux = [_gather_aux(lax.psum(a, STAGE), data_axes) for a in c["aux"]]  # made on the last
+    return loss, aux, grads
+
+  stage_spec = P(STAGE)
+  # check_vma=False: the stages replay equations captured outside any shard_map (their
+  # calls, scans and custom rules carry no varying-axes types); every reduction is explicit.
+  return jax.shard_map(local, mesh=mesh, in_specs=(stage_spec, batch_spec, P()),
+                       out_specs=(P(), P(), stage_spec), check_vma=False)
+
+
+def branch_flops(branches: Sequence[Branch], aux_avals, batch_avals) -> list[tuple[float, float]]:
+  """``(forward, backward)`` FLOPs of one tick of each branch, from ``cost_analysis`` of the
+  branch compiled alone. (The compiled step counts a loop body once and a switch as its
+  costliest branch, so the executed FLOPs are these times the busy slots of the schedule.)"""
+  sizes = buffer_sizes(branches)
+  sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+  def bufs(d, lead=()):
+    return {k: jax.ShapeDtypeStruct((*lead, n), k) for k, n in d.items()}
+
+  batch = [sds(a) for a in batch_avals]
+  out = []
+  for b in branches:
+    fwd = jax.jit(_forward_branch(b, sizes, aux_avals)).lower(
+        bufs(sizes.params), bufs(sizes.payload), batch).compile()
+    bwd = jax.jit(_backward_branch(b, sizes)).lower(
+        bufs(sizes.params), bufs(sizes.payload if sizes.keep_inputs else {}, (2,)),
+        bufs(sizes.residuals, (2,)), jax.ShapeDtypeStruct((), jnp.int32), batch,
+        bufs(sizes.grad_payload), jax.ShapeDtypeStruct((), jnp.float32)).compile()
+    out.append((fwd.cost_analysis().get("flops", 0.0), bwd.cost_analysis().get("flops", 0.0)))
+  return out

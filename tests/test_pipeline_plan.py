@@ -1,0 +1,208 @@
+"""Pipeline plans and what pipelines refuse, with the texts users read."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import epljax as epl
+from epljax.pipeline import PipelineWarning
+from helpers import (TOL, assert_trees_close, classification_batch, cross_entropy, linen_fns,
+                     reference_run)
+from pipeline_helpers import TwoStages, run_case
+
+
+def trainer_for(model, optimizer=None, **kwargs):
+  init_fn, loss_fn = linen_fns(model)
+  return epl.Trainer(init_fn, loss_fn, optimizer or optax.sgd(0.1), **kwargs)
+
+
+def test_plan_shows_stages_schedule_and_bubble():
+  trainer, _ = run_case("scopes_2_stages_1f1b")
+  plan = trainer.plan
+  assert (plan.num_stages, plan.num_replicas) == (2, 4)
+  assert [tg.name for tg in plan.taskgraphs] == ["stage_0", "stage_1"]
+  assert plan.batch_axes == ("data",)
+  assert plan.micro_batch_per_replica == 4
+  text = str(plan)
+  assert "schedule PreferBackward" in text
+  assert "PreferBackward (1F1B): 6 ticks, bubble (S-1)/(M+S-1) = 1/5 = 20%" in text
+  assert "keeps at most 3 micro batches per stage" in text
+  lines = text.splitlines()
+  table = lines[lines.index("pipeline stages") + 1:][:3]
+  assert table[0].split() == ["stage", "task", "graph", "params", "bytes/device",
+                              "activations", "in", "kept/micro", "batch"]
+  assert [row.split()[:4] for row in table[1:]] == [["0", "stage_0", "2", "2.6"],
+                                                     ["1", "stage_1", "4", "4.1"]]
+  # Each device holds one stage's packed parameters: the larger stage, (24*32+24+10*24+10)*4.
+  assert plan.param_bytes == (32 * 24 + 24 + 24 * 10 + 10) * 4
+  # The user's structure, whatever the packing.
+  assert jax.tree.structure(plan.param_specs) == jax.tree.structure(
+      jax.eval_shape(linen_fns(TwoStages())[0], jax.random.key(0), classification_batch(16)))
+
+
+def test_bert_style_default_strategy_calls_name_stages_in_order():
+  trainer, _ = run_case("stack_4_stages_1f1b")
+  assert [tg.name for tg in trainer.plan.taskgraphs] == [f"taskgraph_{i}" for i in range(4)]
+  by_layer = {leaf.path.split("/")[1]: leaf.taskgraph for leaf in trainer.plan.leaves}
+  assert by_layer == {"Dense_0": "taskgraph_0", "Block_0": "taskgraph_0",
+                      "Block_1": "taskgraph_1", "Block_2": "taskgraph_2",
+                      "Block_3": "taskgraph_3", "Dense_1": "taskgraph_3"}
+
+
+def test_fewer_micro_batches_than_stages_warns_and_stays_exact():
+  epl.init({"pipeline.num_micro_batch": 1})
+  trainer = trainer_for(TwoStages())
+  batch = classification_batch(16)
+  with pytest.warns(PipelineWarning, match=r"pipeline.num_micro_batch=1 is smaller than the 2 "
+                    r"pipeline stages: at most 1 stages work at any time, and 50% of each step "
+                    r"is pipeline bubble\. Use num_micro_batch >= 2"):
+    state = trainer.init(jax.random.key(0), batch)
+  init_fn, loss_fn = linen_fns(TwoStages())
+  history, _ = reference_run(init_fn, loss_fn, optax.sgd(0.1), jax.random.key(0), batch, 1)
+  loss, grads = trainer.loss_and_grads(state, batch)
+  np.testing.assert_allclose(loss, history[0][0], **TOL)
+  assert_trees_close(grads, history[0][1])
+
+
+def test_batch_that_does_not_divide_into_replicas_and_micro_batches():
+  epl.init({"pipeline.num_micro_batch": 4})
+  trainer = trainer_for(TwoStages())
+  with pytest.raises(epl.PlanError, match=r"The global batch of 40 rows does not divide into 4 "
+                     r"replicas x 4 micro batches \(= 16\)\. Use a global batch that is a "
+                     r"multiple of 16, for example 32 or 48"):
+    trainer.init(jax.random.key(0), classification_batch(40))
+
+
+class Mixed(nn.Module):
+  counts: tuple = (1, 2)
+
+  @nn.compact
+  def __call__(self, x):
+    with epl.replicate(self.counts[0], name="stage_0"):
+      h = nn.Dense(8)(x)
+    with epl.replicate(self.counts[1], name="stage_1"):
+      return nn.Dense(10)(h)
+
+
+def test_stages_with_different_device_counts():
+  trainer = trainer_for(Mixed())
+  with pytest.raises(epl.PlanError, match=r"Task graphs 'stage_0' replicate\(1\), 'stage_1' "
+                     r"replicate\(2\) use different device counts, but task graphs that are not "
+                     r"colocated are pipeline stages, and every stage must use the same number "
+                     r"of devices\. Give them the same device_count"):
+    trainer.init(jax.random.key(0), classification_batch(16))
+
+
+class Tied(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    embed = self.param("embed", nn.initializers.normal(), (20, 8))
+    with epl.replicate(1, name="stage_0"):
+      h = x @ embed
+    with epl.replicate(1, name="stage_1"):
+      return (h @ embed.T)[:, :10]
+
+
+def test_parameter_used_by_two_stages():
+  trainer = trainer_for(Tied())
+  with pytest.raises(epl.PlanError, match=r"(?s)Parameter 'params/embed' \(shape \(20, 8\)\) is "
+                     r"used by two task graphs: 'stage_0' \(replicate\(1\)\) and 'stage_1' "
+                     r"\(replicate\(1\)\).*Pipeline stages each hold and train their own\s+"
+                     r"parameters, so a weight tied across stages"):
+    trainer.init(jax.random.key(0), classification_batch(16))
+
+
+class WithBatchNorm(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    with epl.replicate(1, name="stage_0"):
+      h = nn.BatchNorm(use_running_average=False)(nn.Dense(8)(x))
+    with epl.replicate(1, name="stage_1"):
+      return nn.Dense(10)(h)
+
+
+def test_model_state_is_refused():
+  model = WithBatchNorm()
+
+  def loss_fn(variables, batch):
+    logits, updates = model.apply(variables, batch["x"], mutable=["batch_stats"])
+    return cross_entropy(logits, batch["y"]), updates
+
+  trainer = epl.Trainer(lambda r, b: model.init(r, b["x"]), loss_fn, optax.sgd(0.1),
+                        mutable=["batch_stats"])
+  with pytest.raises(epl.PlanError, match=r"(?s)The pipelined model has model state \("
+                     r"'batch_stats/BatchNorm_0/mean', 'batch_stats/BatchNorm_0/var'\).*"
+                     r"Pipeline stages do not\s+carry model state"):
+    trainer.init(jax.random.key(0), classification_batch(16))
+
+
+class SplitStage(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    with epl.replicate(1, name="body"):
+      h = nn.Dense(8)(x)
+    with epl.split(1, name="head"):
+      return nn.Dense(10)(h)
+
+
+def test_split_stage_is_refused():
+  with pytest.raises(epl.PlanError, match=r"Task graph 'head' is epl.split\(1\) and, as its task "
+                     r"graphs are not colocated, a\s+pipeline stage; tensor parallelism inside "
+                     r"pipeline stages is not supported yet"):
+    trainer_for(SplitStage()).init(jax.random.key(0), classification_batch(16))
+
+
+@pytest.mark.parametrize("optimizer, why", [
+    (optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+     r"a probe update of parameter 'params/Dense_0/bias' differs"),
+    (optax.adafactor(1e-3, min_dim_size_to_factor=2),
+     r"its state keeps a leaf of shape \(1,\) for a parameter of shape \(32,\)"),
+    (optax.lamb(1e-3), r"a probe update of parameter"),
+])
+def test_optimizers_that_are_not_elementwise_are_refused(optimizer, why):
+  epl.init({"pipeline.num_micro_batch": 2})
+  trainer = trainer_for(TwoStages(), optimizer)
+  with pytest.raises(epl.PlanError, match=r"This optimizer cannot train pipeline stages: " + why):
+    trainer.init(jax.random.key(0), classification_batch(16))
+
+
+def test_a_loop_across_stages_is_refused():
+  def init_fn(rng, batch):
+    return {"w": jnp.ones((20, 20)) * 0.1}
+
+  def loss_fn(params, batch):
+    def body(h, _):
+      with epl.replicate(1, name="stage_0"):
+        h = jnp.tanh(h @ params["w"])
+      with epl.replicate(1, name="stage_1"):
+        h = h * 2.0
+      return h, None
+    h, _ = jax.lax.scan(body, batch["x"], None, length=2)
+    return jnp.mean(h)
+
+  trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))
+  with pytest.raises(epl.PlanError, match=r"The operation `scan` at .* contains work of pipeline "
+                     r"stages 'stage_0', 'stage_1'; a stage\s+boundary cannot fall inside a loop"):
+    trainer.init(jax.random.key(0), classification_batch(16))
+
+
+def test_a_value_flowing_back_to_an_earlier_stage_is_refused():
+  def init_fn(rng, batch):
+    return {"w0": jnp.ones((20, 8)), "w1": jnp.ones((8, 8)), "w2": jnp.ones((8, 10))}
+
+  def loss_fn(p, batch):
+    with epl.replicate(1, name="stage_0"):
+      h = batch["x"] @ p["w0"]
+    with epl.replicate(1, name="stage_1"):
+      g = jnp.tanh(h @ p["w1"])
+    with epl.replicate(1, name="stage_0"):
+      out = g @ p["w2"]
+    return jnp.mean(out ** 2)
+
+  trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))
+  with pytest.raises(epl.PlanError, match=r"(?s)Pipeline stage 'stage_0' uses a value computed in "
+                     r"stage 'stage_1', which runs after it.*reads the result of `tanh`"):
+    trainer.init(jax.random.key(0), classification_batch(16))
