@@ -49,6 +49,7 @@ def check(run, reference):
   assert_close_in_bf16(jax.tree.map(np.asarray, trainer.variables(state)), expected)
 
 
+@pytest.mark.slow
 def test_gc_zero_amp_matches_the_reference_with_far_less_memory(deep):
   reference, runs = deep
   check(runs["combo"], reference)

@@ -14,6 +14,7 @@ from jax.experimental import io_callback
 import epljax as epl
 from epljax.memory import blocks, interpret
 from helpers import TOL, assert_trees_close, classification_batch, reference_run
+from helpers import linen_fns as linen_fns_of
 from memory_models import Deep, TaggedDeep, TwoGraphs, deep_fns, plain_mlp_fns
 
 ROWS = 1024
@@ -245,3 +246,23 @@ def test_forward_hooks_wrap_any_stage_function():
   scale = max(np.max(np.abs(e)) for e in g_ref)
   assert max(np.max(np.abs(a - e)) for a, e in zip(g, g_ref)) <= 2 ** -5 * scale
   assert mixed.memory_analysis().temp_size_in_bytes < 0.5 * expected_temp
+
+
+@pytest.mark.slow
+def test_auto_inside_pipeline_stages():
+  """Each stage's forward is checkpointed per block: the stash keeps (almost) no residuals."""
+  from pipeline_helpers import Stack
+  init_fn, loss_fn = linen_fns_of(Stack(stages=2, layers=4, width=32))
+  batch = classification_batch(128)
+  history, expected = reference_run(init_fn, loss_fn, optax.sgd(0.1), jax.random.key(0),
+                                    batch, 1)
+  stash = {}
+  for name, config in [("none", {}), ("auto", {"gradient_checkpoint.type": "auto"})]:
+    trainer, state, _, losses = train({"pipeline.num_micro_batch": 4, **config}, init_fn,
+                                      loss_fn, batch)
+    assert trainer.plan.num_stages == 2
+    np.testing.assert_allclose(losses[0], history[0][0], **TOL)
+    assert_trees_close(trainer.variables(state), expected)
+    stash[name] = sum(trainer.plan.pipeline.buffers.residuals.values())
+  assert any("auto: 4 repeated blocks Stack/Block_*" in f for f in trainer.plan.features)
+  assert stash["auto"] < 0.2 * stash["none"]

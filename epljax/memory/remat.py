@@ -94,6 +94,7 @@ class GradientCheckpoint(Feature):
       self._found = f"collection: {count} tagged tensors -> {len(ranges)} segments"
       if count == 0:
         ranges = []
+        self._found = "collection: no tagged tensor, nothing rematerialized"
         if not self._warned:
           self._warned = True
           warnings.warn("gradient_checkpoint.type='collection' but no tensor is tagged with "

@@ -152,12 +152,13 @@ class _Run:
       value = _reshard_cotangent(full if self.zero.level == "v3" else None, sharded)(value)
     return value
 
-  def _gradient_back(self, i, g, reduced: bool):
-    """The gradient of a matmul's weight, in the layout and memory of the parameter."""
+  def _gradient_back(self, i, g, reduced: bool, space):
+    """The gradient of a matmul's weight, in the layout and memory (``space``) of the
+    parameter."""
     if self.zero is not None and not reduced:
       g = jax.lax.with_sharding_constraint(g, self.zero.layouts(i)[1])
-    if self.stream:
-      g = jax.device_put(g, jax.memory.Space.Host)
+    if space != jax.memory.Space.Device:
+      g = jax.device_put(g, space)
     return g
 
   # -- per equation ----------------------------------------------------------------------
@@ -178,6 +179,7 @@ class _Run:
     low = policy.low if policy is not None else None
     changes = policy.low_params(step) if policy is not None else {}
     index = [self._index(step, j) if direct[j] else None for j in range(2)]
+    spaces = [_memory_space(v) for v in raw]
     scatter = [self._scatter_plan(step, raw, j) if direct[j] else None for j in range(2)]
     if low is None and (not any(direct) or (not self.stream and self.zero is None)):
       return interpret.bind_here(step, raw)
@@ -208,8 +210,8 @@ class _Run:
         if scatter[j] is not None:
           grads[j] = self._reduce_scattered(step, ops, ct, j, scatter[j])
       grads = [amp_lib.cast(g, v.dtype) for g, v in zip(grads, raw)]
-      return tuple(self._gradient_back(index[j], g, scatter[j] is not None) if direct[j] else g
-                   for j, g in enumerate(grads))
+      return tuple(self._gradient_back(index[j], g, scatter[j] is not None, spaces[j])
+                   if direct[j] else g for j, g in enumerate(grads))
 
     unit.defvjp(fwd, bwd)
     return [unit(*raw)]
@@ -270,6 +272,10 @@ def _reshard_cotangent(forward_sharding, backward_sharding):
   f.defvjp(lambda x: (f(x), None),
            lambda _, ct: (jax.lax.with_sharding_constraint(ct, backward_sharding),))
   return f
+
+
+def _memory_space(x):
+  return getattr(jax.typeof(x), "memory_space", jax.memory.Space.Device)
 
 
 def _lit(a) -> bool:
