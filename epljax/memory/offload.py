@@ -1,11 +1,12 @@
 """Host offload (``offload.level``): keep state in host memory, move it in when used.
 
 - ``"v0"`` (EPL's): parameters live in host memory (``memory_kind="pinned_host"``). Inside the
-  step each one is copied to the device right before its use (``uses.ParamUses``); with
-  gradient checkpointing the copy is redone in the backward pass, so weights are never
-  resident between uses. Their gradients come back in host memory (in JAX a value's memory
-  space is part of its type, so the gradient of a host value is a host value); the update runs
-  on the device with the optimizer state there, and the new parameters go back to the host.
+  step each one is copied to the device at its use (``uses.ParamUses``); a matmul keeps the
+  host copy for its backward pass and copies it in again there, so a weight is not resident
+  on the device between its forward and backward use. Gradients come back in host memory (in
+  JAX a value's memory space is part of its type, so the gradient of a host value is a host
+  value); the update runs on the device with the optimizer state there, and the new
+  parameters go back to the host.
 - ``"v1"`` (beyond EPL, ZeRO-Offload style): the optimizer state lives in host memory too, and
   the update runs on the host (``compute_on("device_host")``): neither the state nor the
   update's temporaries take device memory.

@@ -1,20 +1,23 @@
 """ZeRO (``zero.level``): shard what data parallelism replicates over the ``data`` axis.
 
-- ``"v1"`` (EPL's): optimizer state sharded. Gradients are constrained to the same sharding
-  after they are accumulated, so GSPMD reduce-scatters them instead of all-reducing; each
-  device updates its shard of the parameters, and the new parameters are all-gathered into
-  their replicated layout. A ring all-reduce is a reduce-scatter plus an all-gather, so the
-  bytes on the wire are those of plain data parallelism.
-- ``"v2"``: gradients kept sharded from the moment they are produced: each micro batch's
-  gradient is reduce-scattered as it leaves the backward pass, so gradient accumulation keeps a
-  1/N accumulator (v1 accumulates whole gradients, all-reducing each micro batch as plain data
-  parallelism does). Without accumulation v1 and v2 compile to the same program.
-- ``"v3"``: parameters sharded too (FSDP). Each is all-gathered right before its first use in
-  the forward pass and its gradient reduce-scattered in the backward pass; with gradient
-  checkpointing the gather sits inside the recomputed block and is redone there.
+- ``"v1"`` (EPL's): optimizer state sharded. Each weight gradient is reduce-scattered where
+  the backward pass produces it (``uses.py``: an explicit ``psum_scatter``; GSPMD alone writes
+  all-reduce + slice on CPU), each device updates its shard of the parameters, and the new
+  parameters are all-gathered into their replicated layout. A ring all-reduce is a
+  reduce-scatter plus an all-gather, so the bytes on the wire are those of plain data
+  parallelism. With gradient accumulation v1 accumulates whole gradients as data parallelism
+  does and keeps its shard of the sum.
+- ``"v2"``: gradients kept sharded from the moment they are produced, also under gradient
+  accumulation: each micro batch's gradient is reduce-scattered and the accumulator is 1/N.
+  Without accumulation v1 and v2 compile to the same program.
+- ``"v3"``: parameters sharded too (FSDP). Each is all-gathered at each use; a matmul keeps
+  only the shard for its backward pass and gathers it again there, and its gradient is
+  reduce-scattered.
 
 A leaf is sharded on its largest dimension that the data axis divides and that no other mesh
-axis uses; leaves with no such dimension stay as they are (``describe`` counts them).
+axis uses; leaves with no such dimension stay as they are (``describe`` lists them). This
+file gives the shardings, the gradient constraint and the sharded update; the per-use part of
+the forward pass is ``uses.ParamUses``.
 """
 
 from __future__ import annotations
