@@ -105,3 +105,46 @@ def plain_mlp_fns(depth: int = 9, width: int = 32, classes: int = 16):
     return optax.softmax_cross_entropy_with_integer_labels(x @ params["head"], batch["y"]).mean()
 
   return init_fn, loss_fn
+
+
+# -- trained once per test session, shared by the test modules --------------------------------
+
+DEEP_ROWS = 1024
+_CACHE: dict = {}
+
+
+def deep_batch():
+  from helpers import classification_batch
+  return classification_batch(DEEP_ROWS, features=32, classes=16)
+
+
+def deep_optimizer():
+  return optax.sgd(0.1, momentum=0.9)
+
+
+def deep_reference():
+  """The single-device reference of ``Deep(depth=6)`` on ``deep_batch()``: 2 steps."""
+  if "reference" not in _CACHE:
+    from helpers import reference_run
+    init_fn, loss_fn = deep_fns(Deep(depth=6))
+    _CACHE["reference"] = reference_run(init_fn, loss_fn, deep_optimizer(), jax.random.key(0),
+                                        deep_batch(), 2)
+  return _CACHE["reference"]
+
+
+def deep_run(name: str, config: dict):
+  """``Deep(depth=6)`` trained 2 steps with ``config``: (trainer, state, (loss, grads) before
+  the first step, step losses)."""
+  if name not in _CACHE:
+    epl.init(config)
+    init_fn, loss_fn = deep_fns(Deep(depth=6))
+    batch = deep_batch()
+    trainer = epl.Trainer(init_fn, loss_fn, deep_optimizer())
+    state = trainer.init(jax.random.key(0), batch)
+    first = trainer.loss_and_grads(state, batch)
+    losses = []
+    for _ in range(2):
+      state, metrics = trainer.train_step(state, batch)
+      losses.append(metrics["loss"])
+    _CACHE[name] = (trainer, state, first, losses)
+  return _CACHE[name]

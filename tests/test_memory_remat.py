@@ -15,7 +15,8 @@ import epljax as epl
 from epljax.memory import blocks, interpret
 from helpers import TOL, assert_trees_close, classification_batch, reference_run
 from helpers import linen_fns as linen_fns_of
-from memory_models import Deep, TaggedDeep, TwoGraphs, deep_fns, plain_mlp_fns
+from memory_models import (Deep, TaggedDeep, TwoGraphs, deep_batch, deep_fns, deep_optimizer,
+                           deep_reference, deep_run, plain_mlp_fns)
 
 ROWS = 1024
 
@@ -35,21 +36,18 @@ def train(config, init_fn, loss_fn, batch, *, grads=False, steps=1, optimizer=No
 
 @pytest.fixture(scope="module")
 def deep():
-  """Reference, and the deep model trained without GC and with "auto"."""
-  epl.init()
-  init_fn, loss_fn = deep_fns(Deep(depth=6))
-  batch = classification_batch(ROWS, features=32, classes=16)
-  history, expected = reference_run(init_fn, loss_fn, optax.sgd(0.1), jax.random.key(0),
-                                    batch, 1)
-  runs = {"none": train({}, init_fn, loss_fn, batch),
-          "auto": train({"gradient_checkpoint.type": "auto"}, init_fn, loss_fn, batch,
-                        grads=True)}
-  return batch, history, expected, runs
+  """Reference, and the deep model trained without GC and with "auto" (shared with
+  test_memory_combo through memory_models' session cache)."""
+  history, expected = deep_reference()
+  runs = {"none": deep_run("none", {}),
+          "auto": deep_run("auto", {"gradient_checkpoint.type": "auto"})}
+  return deep_batch(), history, expected, runs
 
 
 def check_reference(run, history, expected, grads=True):
   trainer, state, first, losses = run
-  np.testing.assert_allclose(losses[0], history[0][0], **TOL)
+  for step, loss in enumerate(losses):
+    np.testing.assert_allclose(loss, history[step][0], **TOL)
   if grads:
     np.testing.assert_allclose(first[0], history[0][0], **TOL)
     assert_trees_close(first[1], history[0][1])
@@ -77,7 +75,8 @@ def test_auto_finds_the_repeated_layers_and_halves_temp_memory(deep):
 def test_collection_keeps_only_tagged_tensors(deep, style):
   batch, history, expected, runs = deep
   init_fn, loss_fn = deep_fns(TaggedDeep(depth=6, style=style))
-  run = train({"gradient_checkpoint.type": "collection"}, init_fn, loss_fn, batch)
+  run = train({"gradient_checkpoint.type": "collection"}, init_fn, loss_fn, batch, steps=2,
+              optimizer=deep_optimizer())
   check_reference(run, history, expected, grads=False)
   plan = run[0].plan
   assert any("collection: 2 tagged tensors -> 3 segments" in f for f in plan.features)
@@ -88,7 +87,8 @@ def test_end_taskgraph_limits_checkpointing_to_the_first_task_graphs(deep):
   batch, history, expected, runs = deep
   init_fn, loss_fn = deep_fns(TwoGraphs(depth=6))
   run = train({"cluster.colocate_split_and_replicate": True, "gradient_checkpoint.type": "auto",
-               "gradient_checkpoint.end_taskgraph": 0}, init_fn, loss_fn, batch)
+               "gradient_checkpoint.end_taskgraph": 0}, init_fn, loss_fn, batch, steps=2,
+              optimizer=deep_optimizer())
   check_reference(run, history, expected, grads=False)
   plan = run[0].plan
   assert [t.name for t in plan.taskgraphs] == ["low", "high"]
@@ -250,19 +250,17 @@ def test_forward_hooks_wrap_any_stage_function():
 
 @pytest.mark.slow
 def test_auto_inside_pipeline_stages():
-  """Each stage's forward is checkpointed per block: the stash keeps (almost) no residuals."""
+  """Each stage's forward is checkpointed per block: the stash keeps (almost) no residuals,
+  and the numbers are those of the plain pipeline (itself tested against the reference)."""
   from pipeline_helpers import Stack
   init_fn, loss_fn = linen_fns_of(Stack(stages=2, layers=4, width=32))
   batch = classification_batch(128)
-  history, expected = reference_run(init_fn, loss_fn, optax.sgd(0.1), jax.random.key(0),
-                                    batch, 1)
-  stash = {}
-  for name, config in [("none", {}), ("auto", {"gradient_checkpoint.type": "auto"})]:
-    trainer, state, _, losses = train({"pipeline.num_micro_batch": 4, **config}, init_fn,
-                                      loss_fn, batch)
-    assert trainer.plan.num_stages == 2
-    np.testing.assert_allclose(losses[0], history[0][0], **TOL)
-    assert_trees_close(trainer.variables(state), expected)
-    stash[name] = sum(trainer.plan.pipeline.buffers.residuals.values())
-  assert any("auto: 4 repeated blocks Stack/Block_*" in f for f in trainer.plan.features)
-  assert stash["auto"] < 0.2 * stash["none"]
+  runs = {name: train({"pipeline.num_micro_batch": 4, **config}, init_fn, loss_fn, batch)
+          for name, config in [("none", {}), ("auto", {"gradient_checkpoint.type": "auto"})]}
+  (plain, plain_state, _, plain_losses), (remat, state, _, losses) = runs["none"], runs["auto"]
+  assert remat.plan.num_stages == 2
+  np.testing.assert_allclose(losses[0], plain_losses[0], **TOL)
+  assert_trees_close(remat.variables(state), plain.variables(plain_state))
+  assert any("auto: 4 repeated blocks Stack/Block_*" in f for f in remat.plan.features)
+  stash = lambda t: sum(t.plan.pipeline.buffers.residuals.values())  # noqa: E731
+  assert stash(remat) < 0.2 * stash(plain)
