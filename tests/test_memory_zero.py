@@ -118,3 +118,33 @@ def test_invalid_level_lists_the_valid_ones():
   with pytest.raises(epl.ConfigError, match=r"'zero.level' .* must be one of '', 'v1', 'v2', "
                      r"'v3'; got 'v4'"):
     epl.Config({"zero.level": "v4"})
+
+
+@pytest.mark.slow
+def test_two_workers_of_two_devices_with_zero_and_checkpointing(tmp_path):
+  """EPL ran ZeRO with one GPU per worker only: here 2 processes x 2 devices, with
+  gradient checkpointing, train like one device (launcher, CPU collectives over gloo)."""
+  import json
+  import os
+  import subprocess
+  import sys
+
+  here = os.path.dirname(__file__)
+  out_file = tmp_path / "zero.json"
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("EPL_", "XLA_FLAGS"))}
+  env.update(EPL_ZERO_LEVEL="v2", EPL_GRADIENT_CHECKPOINT_TYPE="auto")
+  done = subprocess.run(
+      [sys.executable, "-m", "epljax.launch", "--num_workers", "2", "--gpu_per_worker", "2",
+       os.path.join(here, "launch_scripts", "train_dp.py"), str(out_file)],
+      cwd=os.path.dirname(here), env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stdout + done.stderr
+  result = json.loads(out_file.read_text())
+  assert result["cluster"] == [2, 0, 4, 2] and result["replicas"] == 4
+  init_fn, loss_fn = linen_fns(MLP())
+  history, expected = reference_run(init_fn, loss_fn, optax.adamw(1e-2), jax.random.key(0),
+                                    classification_batch(32), 3)
+  np.testing.assert_allclose(result["losses"], [h[0] for h in history], **TOL)
+  trained = jax.tree.map(np.asarray, result["params"], is_leaf=lambda x: isinstance(x, list))
+  assert_trees_close(trained, expected["params"])
+  config = epl.Config(environ={k: v for k, v in env.items() if k.startswith("EPL_")})
+  assert (config.zero.level, config.gradient_checkpoint.type) == ("v2", "auto")
