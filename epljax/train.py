@@ -344,16 +344,16 @@ class Trainer:
         features=[f.describe for f in features], pipeline=pipe,
         compile_step=lambda: step_jit.lower(abstract_state, abstract_batch).compile(),
         grads_bytes=tree_bytes_per_device(trained_shape, grads_sh),
-        placement={"parameters": where(base.params), "gradients": where(grads_sh),
-                   "optimizer state": where(base.opt_state),
-                   "model state": where(base.model_state)},
+        placement={"parameters": _where(base.params), "gradients": _where(grads_sh),
+                   "optimizer state": _where(base.opt_state),
+                   "model state": _where(base.model_state)},
         compile_grads=lambda: grads_jit.lower(abstract_state, abstract_batch).compile())
     self._built = _Built(model, cap, layout, bplan, shardings, init_jit, step_jit, grads_jit,
                          loss_jit, plan, user_params, [f.after_first_step for f in features])
     return self._built
 
 
-def where(shardings: Any) -> str:
+def _where(shardings: Any) -> str:
   """Where a tree of shardings puts its bytes: "device", "host (pinned_host)" or both."""
   kinds = sorted({s.memory_kind or "device" for s in jax.tree.leaves(
       shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))})
