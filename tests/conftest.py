@@ -27,3 +27,12 @@ def fresh_epl():
   epl.init()
   yield
   epl.init()
+
+
+def pytest_configure(config):
+  # Many tests compile the same small programs (references, shared models): a per-session
+  # compilation cache saves the repeats.
+  cache = os.path.join(str(config.rootpath), ".pytest_cache", "jax_compilation_cache")
+  jax.config.update("jax_compilation_cache_dir", cache)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
