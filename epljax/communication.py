@@ -77,8 +77,9 @@ class ReplicaFeature(Feature):
     """Transforms one replica's gradients (``scale``: the loss scale they carry, or None)."""
     return grads
 
-  def reduce(self, grads: Any, replicas: int) -> Any | None:
-    """The mean over the ``data`` axis, or None to leave it to the float32 default."""
+  def reduce(self, grads: Any, replicas: int, scale: Any) -> Any | None:
+    """The mean over the ``data`` axis, or None to leave it to the float32 default
+    (``scale``: the loss scale the gradients carry, or None)."""
     return None
 
 
@@ -91,10 +92,15 @@ class HalfPrecisionReduce(ReplicaFeature):
     self.scale = scale
     self.dtype = jnp.dtype(dtype)
 
-  def reduce(self, grads: Any, replicas: int) -> Any:
+  def reduce(self, grads: Any, replicas: int, scale: Any) -> Any:
+    # Gradients that already carry a loss scale (mixed precision, up to 2**15) would overflow
+    # float16 if multiplied by fp16_scale too: bring them to fp16_scale x the true gradient,
+    # reduce, and give them back their loss scale for the feature that removes it.
+    factor = self.scale if scale is None else self.scale / scale
+
     def one(g):
-      half = jax.lax.psum((g * self.scale).astype(self.dtype), DATA)
-      return half.astype(g.dtype) / (self.scale * replicas)
+      half = jax.lax.psum((g * factor).astype(self.dtype), DATA)
+      return (half.astype(jnp.float32) / (factor * replicas)).astype(g.dtype)
 
     return jax.tree.map(one, grads)
 
@@ -246,7 +252,7 @@ def replica_gradients(feats: Sequence[Feature], ctx: BuildContext
       loss, aux, grads, new_state = local_grads(mine, model_state, micro, fstate)
       for f in local:
         grads = f.before_reduce(grads, loss_scale(fstate))
-      grads = (reducer.reduce(grads, replicas) if reducer is not None else
+      grads = (reducer.reduce(grads, replicas, loss_scale(fstate)) if reducer is not None else
                jax.tree.map(lambda g: jax.lax.psum(g, DATA) / replicas, grads))
       return (jax.lax.pmean(loss, DATA), jax.tree.map(lambda x: _gather_aux(x, stacked), aux),
               grads, jax.tree.map(_agree, new_state))

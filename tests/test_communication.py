@@ -179,3 +179,19 @@ def test_local_clipping_measures_the_norm_without_the_loss_scale():
   got = communication.clip_by_global_norm(jax.tree.map(lambda g: g * scale, grads), 6.5, scale)
   assert_trees_close(jax.tree.map(lambda g: g / scale, got), _clip(grads, 6.5))
   assert_trees_close(communication.clip_by_global_norm(grads, 20.0), grads)
+
+
+def test_fp16_allreduce_under_a_dynamic_loss_scale_does_not_overflow():
+  """Mixed precision's loss scale (2**15) is taken out before the float16 all-reduce: no step
+  is skipped and the gradients are float32's within half precision."""
+  trainer, state, batch, variables, loss_fn = _setup(
+      {"communication.fp16": True, "amp.level": "O1", "amp.loss_scale": "dynamic"})
+  _, expected = _grads(loss_fn, variables, batch)
+  _, grads = trainer.loss_and_grads(state, batch)
+  for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
+    # bfloat16 compute (AMP) and a float16 reduction: within bfloat16's precision.
+    np.testing.assert_allclose(g, e, rtol=0.05, atol=0.02 * float(np.abs(e).max()) + 1e-6)
+  for _ in range(3):
+    state, metrics = trainer.train_step(state, batch)
+  assert int(metrics["amp_skipped_steps"]) == 0
+  assert float(metrics["loss_scale"]) == 2.0 ** 15
