@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import epljax as epl
-from epljax import train as train_lib
+from epljax import build as build_lib
 from epljax.features import LOSS_SCALE, Feature
 from epljax.pipeline import make_schedule
 from epljax.pipeline.partition import Stage
@@ -104,7 +104,7 @@ class RematStages(Feature):
 
 def test_features_wrap_each_stage_and_scale_its_backward(monkeypatch):
   remat = RematStages()
-  monkeypatch.setattr(train_lib, "_features",
+  monkeypatch.setattr(build_lib, "features_for",
                       lambda config, clip_norm=None: [FixedLossScale(), remat])
   epl.init({"pipeline.num_micro_batch": 4})
   trainer, state = check_matches_reference(TwoStages(), classification_batch(32),

@@ -1,0 +1,371 @@
+"""What ``Trainer.init`` works out: from ``init_fn``, ``loss_fn`` and a batch to the jitted
+step and its plan, in six steps, each a function below.
+
+1. ``trace_variables``: ``init_fn`` on abstract values -> the variables' structure.
+2. ``capture_loss``: ``loss_fn`` traced -> the task graph of every equation and variable.
+3. ``place``: the mesh, the batch layout, every variable's spec (split rules, user specs) and,
+   for pipeline stages, the packed parameter storage.
+4. the features (memory, communication) change the shardings and wrap the step's pieces.
+5. ``compile_functions``: the jitted init, step, gradient and forward functions, with explicit
+   shardings.
+6. ``make_plan``: the printable plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from epljax import batch as batch_lib
+from epljax import communication, memory
+from epljax import pipeline as pipeline_lib
+from epljax import step as step_lib
+from epljax import strategy as strategy_lib
+from epljax.errors import PlanError
+from epljax.features import BuildContext, Feature, StateShardings
+from epljax.mesh import AXES, MODEL, Layout, build_mesh
+from epljax.plan import Leaf, Plan, leaf_bytes_per_device, tree_bytes_per_device
+from epljax.sharding import annotations
+from epljax.sharding import specs as specs_lib
+from epljax.sharding.capture import Capture, capture, defining_frames
+from epljax.step import TrainState
+from epljax.variables import Model
+
+
+@dataclasses.dataclass(frozen=True)
+class UserFns:
+  """What the user gave the Trainer."""
+  init_fn: Callable[[Any, Any], Any]
+  loss_fn: Callable[[Any, Any], Any]
+  optimizer: optax.GradientTransformation
+  has_aux: bool
+  mutable: tuple[str, ...]
+  clip_norm: float | None
+
+
+@dataclasses.dataclass
+class Built:
+  """What ``Trainer.init`` worked out; fixed for the Trainer's life."""
+  model: Model
+  capture: Capture
+  layout: Layout
+  batch_plan: batch_lib.BatchPlan
+  state_shardings: TrainState
+  init_jit: Any
+  step_jit: Any
+  grads_jit: Any
+  loss_jit: Any
+  plan: Plan
+  user_params: Callable[[Any], Any]   # TrainState.params -> the user's tree (pipeline: unpack)
+  first_step_checks: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variables:
+  """Step 1: the variables' structure, and the loss as a function of (params, model state)."""
+  model: Model
+  init_jaxpr: Any
+  params_shape: Any
+  state_shape: Any
+  loss_call: Callable
+  paths: tuple[str, ...]   # params' leaves, then the model state's
+
+  @property
+  def num_params(self) -> int:
+    return len(jax.tree.leaves(self.params_shape))
+
+  @property
+  def leaves(self) -> list[Any]:
+    return jax.tree.leaves(self.params_shape) + jax.tree.leaves(self.state_shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Step 3: where everything lives."""
+  layout: Layout
+  batch_plan: batch_lib.BatchPlan
+  leaf_specs: list[specs_lib.LeafSpec]    # per variable leaf, in the user's structure
+  pipe: Any                               # epljax.pipeline.Pipeline, or None
+  trained_shape: Any                      # what the optimizer updates (pipeline: packed)
+  opt_shape: Any
+  shardings: StateShardings
+
+
+# The mesh is not known before the capture; a provisional one with the same axis names lets
+# model code that asks for the mesh (NNX eager sharding) trace.
+_PROVISIONAL = jax.sharding.AbstractMesh((1,) * len(AXES), AXES)
+
+
+def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
+  """The six steps of the module doc."""
+  num_micro = config.pipeline.num_micro_batch
+  rows = batch_lib.leading_rows(batch) * jax.process_count()
+  if rows % num_micro:
+    raise PlanError(f"The global batch of {rows} rows does not divide into "
+                    f"pipeline.num_micro_batch={num_micro} micro batches. Use a multiple of "
+                    f"{num_micro} rows.")
+  micro_shapes = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct((rows // num_micro, *jnp.shape(x)[1:]),
+                                     batch_lib._dtype(x)), batch)
+  var = trace_variables(fns, rng, micro_shapes)
+  cap = capture_loss(var, micro_shapes, len(cluster.devices))
+  where = place(fns, var, cap, micro_shapes, rows, config, cluster)
+  mesh = where.layout.mesh
+  ctx = BuildContext(mesh=mesh, num_replicas=where.layout.num_replicas,
+                     num_micro_batch=num_micro, capture=cap, params_shape=where.trained_shape,
+                     optimizer=fns.optimizer)
+  features = features_for(config, fns.clip_norm)
+  shardings = where.shardings
+  for f in features:
+    shardings = f.shardings(shardings, ctx)
+  where = dataclasses.replace(where, shardings=shardings)
+  fstate = {f.name: f.init_state(ctx) for f in features}
+  jits, user_params = compile_functions(fns, var, where, features, fstate, ctx, rows)
+  plan = make_plan(var, cap, where, features, fstate, jits, batch, rows)
+  state_shardings = jits.pop("state_shardings")
+  return Built(var.model, cap, where.layout, where.batch_plan, state_shardings, plan=plan,
+               user_params=user_params, first_step_checks=[f.after_first_step for f in features],
+               **jits)
+
+
+def features_for(config, clip_norm: float | None = None) -> list[Feature]:
+  """Every feature the configuration asks for, in the order they wrap the step."""
+  return [*memory.features(config), *communication.features(config.communication, clip_norm)]
+
+
+def trace_variables(fns: UserFns, rng: jax.Array, micro_shapes: Any) -> Variables:
+  """Step 1: ``init_fn`` traced on abstract values."""
+  found: dict[str, Model] = {}
+
+  def init_split(r, b):
+    model, params, model_state = Model.split(fns.init_fn(r, b))
+    found["model"] = model
+    return params, model_state
+
+  with strategy_lib.trace_session(), jax.sharding.use_abstract_mesh(_PROVISIONAL):
+    init_jaxpr, (params_shape, state_shape) = jax.make_jaxpr(
+        init_split, return_shape=True)(rng, micro_shapes)
+  model = found["model"]
+  _check_trainable(params_shape, model)
+  p_paths, s_paths = model.leaf_paths(params_shape, state_shape)
+  return Variables(model, init_jaxpr, params_shape, state_shape,
+                   model.loss_call(fns.loss_fn, fns.has_aux, fns.mutable),
+                   tuple(p_paths + s_paths))
+
+
+def capture_loss(var: Variables, micro_shapes: Any, num_devices: int, **options) -> Capture:
+  """Step 2: the task graphs, from the loss traced on abstract values (and from where
+  ``init_fn`` defined each variable, for EPL's "variables defined under split" MoE pattern)."""
+  p_def = jax.tree.structure(var.params_shape)
+  s_def = jax.tree.structure(var.state_shape)
+  b_leaves, b_def = jax.tree.flatten(micro_shapes)
+  n_p, n_v = var.num_params, len(var.paths)
+
+  def flat_loss(*flat):
+    params = jax.tree.unflatten(p_def, flat[:n_p])
+    model_state = jax.tree.unflatten(s_def, flat[n_p:n_v])
+    return var.loss_call(params, model_state, jax.tree.unflatten(b_def, flat[n_v:]))[0]
+
+  with jax.sharding.use_abstract_mesh(_PROVISIONAL):
+    return capture(flat_loss, var.leaves, b_leaves, input_paths=var.paths,
+                   num_devices=num_devices, **(options or capture_options(var)))
+
+
+def capture_options(var: Variables) -> dict[str, Any]:
+  return dict(module_rules=annotations.module_rules(),
+              definitions=defining_frames(var.init_jaxpr))
+
+
+def place(fns: UserFns, var: Variables, cap: Capture, micro_shapes: Any, rows: int, config,
+          cluster) -> Placement:
+  """Step 3: mesh, batch layout, variable specs, pipeline packing, base shardings."""
+  layout = build_mesh(cap.taskgraphs, cluster.devices, config.cluster)
+  _check_layout(layout, cap)
+  mesh = layout.mesh
+  axes = specs_lib.batch_axes(cap, layout)
+  bplan = batch_lib.BatchPlan(layout.num_replicas, config.pipeline.num_micro_batch,
+                              layout.devices_per_stage if MODEL in axes else 1, axes)
+  bplan.check(rows)
+  # Pipeline stages: parameters packed per stage, a shard_map gradient (epljax.pipeline).
+  pipe = None if layout.num_stages == 1 else pipeline_lib.plan_pipeline(
+      loss_call=var.loss_call, has_aux=fns.has_aux, params_shape=var.params_shape,
+      state_shape=var.state_shape, param_paths=list(var.paths[:var.num_params]),
+      state_paths=list(var.paths[var.num_params:]), micro_shapes=micro_shapes,
+      global_capture=cap, layout=layout, batch_axes=axes, config=config.pipeline,
+      optimizer=fns.optimizer, num_devices=len(cluster.devices),
+      capture_options=capture_options(var))
+  shapes = [tuple(x.shape) for x in var.leaves]
+  user = annotations.user_specs(list(var.paths), shapes, var.model.metadata, dict(mesh.shape))
+  leaf_specs = specs_lib.variable_specs(cap, layout, shapes, user)
+  named = [NamedSharding(mesh, s.spec) for s in leaf_specs]
+  n_p = var.num_params
+  replicated = NamedSharding(mesh, P())
+  param_sh = (jax.tree.unflatten(jax.tree.structure(var.params_shape), named[:n_p])
+              if pipe is None else pipe.param_shardings)
+  trained_shape = var.params_shape if pipe is None else pipe.packed_shape
+  opt_shape = jax.eval_shape(fns.optimizer.init, trained_shape)
+  shardings = StateShardings(
+      params=param_sh,
+      opt_state=optax.tree_map_params(fns.optimizer, lambda _, s: s, opt_shape, param_sh,
+                                      transform_non_params=lambda _: replicated),
+      model_state=jax.tree.unflatten(jax.tree.structure(var.state_shape), named[n_p:]))
+  return Placement(layout, bplan, leaf_specs, pipe, trained_shape, opt_shape, shardings)
+
+
+def compile_functions(fns: UserFns, var: Variables, where: Placement,
+                      features: Sequence[Feature], fstate: dict, ctx: BuildContext,
+                      rows: int) -> tuple[dict[str, Any], Callable]:
+  """Step 5: the jitted functions (and how to show the trained params in the user's tree)."""
+  mesh, pipe, base = where.layout.mesh, where.pipe, where.shardings
+  num_micro = ctx.num_micro_batch
+  replicated = NamedSharding(mesh, P())
+  axes = where.batch_plan.axes
+  state_sh = TrainState(step=replicated, params=base.params, opt_state=base.opt_state,
+                        model_state=base.model_state,
+                        feature_state=jax.tree.map(lambda _: replicated, fstate))
+  def forward(params, model_state, b, fs):
+    return var.loss_call(params, model_state, b)
+
+  # communication.fp16 / local clipping need each replica's own gradients (communication.py);
+  # pipeline stages compute their gradients in their own shard_map (epljax.pipeline).
+  make_gradients = (communication.replica_gradients(features, ctx)
+                    or (lambda fwd: step_lib.accumulate_gradients(fwd, num_micro)))
+  if pipe is not None:
+    make_gradients = lambda _: pipe.gradients(features, ctx)  # noqa: E731
+  forward, gradients, update = step_lib.build(forward, make_gradients, fns.optimizer,
+                                              features, ctx)
+  user_tree_sh = jax.tree.map(lambda _: replicated, var.params_shape)
+  user_params = (lambda p: p) if pipe is None else jax.jit(pipe.unpack,
+                                                           out_shardings=user_tree_sh)
+
+  def prepare(global_batch):
+    return batch_lib.micro_batches(global_batch, where.batch_plan, mesh)
+
+  def init_state(r, global_batch):
+    first = jax.tree.map(lambda x: x[:rows // num_micro], global_batch)
+    _, params, model_state = Model.split(fns.init_fn(r, first))
+    params = params if pipe is None else pipe.pack(params)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=fns.optimizer.init(params), model_state=model_state,
+                      feature_state=fstate)
+
+  def loss_and_grads(state, global_batch):
+    loss, _, grads, _ = gradients(state.params, state.model_state, prepare(global_batch),
+                                  state.feature_state)
+    return loss, grads if pipe is None else pipe.unpack(grads)
+
+  def first_loss(state, global_batch):
+    micro = jax.tree.map(lambda x: x[0], prepare(global_batch))
+    params = state.params if pipe is None else pipe.unpack(state.params)
+    return forward(params, state.model_state, micro, state.feature_state)[0]
+
+  step = step_lib.train_step(gradients, update, features, prepare, fns.has_aux)
+  traced = functools.partial(_traced_in_session, mesh=mesh)
+  options = communication.compiler_options(features, var.params_shape) or None
+  batch_sh = NamedSharding(mesh, P(axes))   # every batch leaf: rows over the batch axes
+  jit = functools.partial(jax.jit, compiler_options=options)
+  return dict(
+      state_shardings=state_sh,
+      init_jit=jax.jit(traced(init_state), out_shardings=state_sh),
+      step_jit=jit(traced(step), in_shardings=(state_sh, batch_sh),
+                   out_shardings=(state_sh, None), donate_argnums=0),
+      grads_jit=jit(traced(loss_and_grads), in_shardings=(state_sh, batch_sh),
+                    out_shardings=(replicated, base.params if pipe is None else user_tree_sh)),
+      loss_jit=jit(traced(first_loss), in_shardings=(state_sh, batch_sh),
+                   out_shardings=replicated),
+  ), user_params
+
+
+def make_plan(var: Variables, cap: Capture, where: Placement, features: Sequence[Feature],
+              fstate: dict, jits: dict[str, Any], batch: Any, rows: int) -> Plan:
+  """Step 6: the plan, with the compiled facts computed lazily from the same executables."""
+  layout, pipe, base = where.layout, where.pipe, where.shardings
+  mesh, axes = layout.mesh, where.batch_plan.axes
+  abstract_state = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      jax.eval_shape(lambda: TrainState(
+          step=jnp.zeros((), jnp.int32), params=where.trained_shape, opt_state=where.opt_shape,
+          model_state=var.state_shape, feature_state=fstate)), jits["state_shardings"])
+  abstract_batch = batch_lib.global_shapes(
+      batch, lambda nd: NamedSharding(mesh, specs_lib.batch_spec(axes, nd)))
+  n_p = var.num_params
+  named = [NamedSharding(mesh, s.spec) for s in where.leaf_specs]
+  final = ((jax.tree.leaves(base.params) if pipe is None else named[:n_p])
+           + jax.tree.leaves(base.model_state))
+  leaves = [
+      Leaf(path, tuple(x.shape), str(x.dtype), sh.spec,
+           leaf_bytes_per_device(x.shape, x.dtype, sh),
+           cap.taskgraphs[tg].name if tg is not None else "-", i < n_p, ls.rule)
+      for i, (path, x, sh, tg, ls) in enumerate(zip(
+          var.paths, var.leaves, final, cap.input_taskgraph, where.leaf_specs))]
+  specs = [sh.spec for sh in final]
+  grads_sh = base.grads if base.grads is not None else base.params
+  step_jit, grads_jit = jits["step_jit"], jits["grads_jit"]
+  num_micro = where.batch_plan.num_micro_batch
+  return Plan(
+      mesh=mesh, num_replicas=layout.num_replicas, num_stages=layout.num_stages,
+      taskgraphs=cap.taskgraphs,
+      param_specs=var.model.user_tree(
+          jax.tree.unflatten(jax.tree.structure(var.params_shape), specs[:n_p]),
+          jax.tree.unflatten(jax.tree.structure(var.state_shape), specs[n_p:])),
+      leaves=leaves, num_micro_batch=num_micro, global_rows=rows, batch_axes=axes,
+      optimizer_bytes=tree_bytes_per_device(where.opt_shape, base.opt_state),
+      schedule=(pipe.schedule.strategy if pipe is not None else
+                "gradient accumulation" if num_micro > 1 else "-"),
+      features=[f.describe for f in features], pipeline=pipe,
+      compile_step=lambda: step_jit.lower(abstract_state, abstract_batch).compile(),
+      grads_bytes=tree_bytes_per_device(where.trained_shape, grads_sh),
+      placement={"parameters": _where(base.params), "gradients": _where(grads_sh),
+                 "optimizer state": _where(base.opt_state),
+                 "model state": _where(base.model_state)},
+      compile_grads=lambda: grads_jit.lower(abstract_state, abstract_batch).compile())
+
+
+def _where(shardings: Any) -> str:
+  """Where a tree of shardings puts its bytes: "device", "host (pinned_host)" or both."""
+  kinds = sorted({s.memory_kind or "device" for s in jax.tree.leaves(
+      shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))})
+  named = ["device" if k == "device" else f"host ({k})" for k in kinds]
+  return " + ".join(named) if named else "device"
+
+
+def _traced_in_session(fn: Callable, mesh) -> Callable:
+  """Traces ``fn`` inside a strategy trace session, so unnamed scopes get the same labels as in
+  the capture, and with the mesh as the abstract mesh, so model code can ask
+  ``jax.sharding.get_abstract_mesh()`` (the MoE layer does) or use bare ``PartitionSpec``s."""
+
+  def wrapped(*args):
+    with strategy_lib.trace_session(), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return fn(*args)
+
+  wrapped.__name__ = f"epl_{fn.__name__}"
+  return wrapped
+
+
+def _check_trainable(params_shape: Any, model: Model) -> None:
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params_shape)[0]:
+    if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+      where = jax.tree_util.keystr(path, simple=True, separator="/")
+      what = {"flax": "variables['params']", "nnx": "the nnx.Param variables",
+              "pytree": "the variables"}[model.kind]
+      raise PlanError(f"Trainable leaf '{where}' of {what} has dtype {leaf.dtype}; only "
+                      "floating-point leaves can be trained. Keep integer state in another "
+                      "collection (Flax) or a non-Param variable (NNX).")
+
+
+def _check_layout(layout: Layout, cap: Capture) -> None:
+  used = set(cap.node_taskgraph)
+  for tg in cap.taskgraphs:
+    if tg.index not in used and not layout.colocated:
+      raise PlanError(
+          f"Task graph '{tg.name}' ({tg.strategy}({tg.device_count})) only defines variables "
+          "(they are used by code outside its scope, EPL's MoE pattern), which needs the task "
+          "graphs on the same devices: set cluster.colocate_split_and_replicate=True.")
