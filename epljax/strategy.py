@@ -67,12 +67,6 @@ class Strategy:
     self.name = name
     self._frames: list[contextlib.AbstractContextManager] = []
 
-  def resolved_device_count(self) -> int:
-    """``device_count``, with ``None`` read as EPL would: 1 for replicate, every device for split."""
-    if self.device_count is not None:
-      return self.device_count
-    return 1 if self.kind == REPLICATE else jax.device_count()
-
   def __repr__(self) -> str:
     args = [repr(self.device_count)] if self.device_count is not None else []
     if self.name is not None:

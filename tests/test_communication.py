@@ -118,7 +118,8 @@ def test_fp16_allreduce_is_float32_within_half_precision(fp16_run):
   for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(grads)):
     scale = float(np.abs(e).max())
     np.testing.assert_allclose(g, e, rtol=0, atol=2 * eps * scale)
-  errors = [float(np.abs(g - e).max()) for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(grads))]
+  errors = [float(np.abs(g - e).max())
+            for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(grads))]
   assert max(errors) > 0, "bit-identical to float32: the reduction did not run in float16"
 
 
@@ -157,7 +158,8 @@ def test_collective_options_map_to_xla_options_that_reach_the_compiler(monkeypat
   trainer, state, batch, *_ = _setup({"communication.num_communicators": 4,
                                       "communication.max_splits": 2})
   trainer.train_step(state, batch)
-  assert "xla_gpu_experimental_parallel_collective_overlap_limit=4" in "\n".join(trainer.plan.features)
+  features = "\n".join(trainer.plan.features)
+  assert "xla_gpu_experimental_parallel_collective_overlap_limit=4" in features
   monkeypatch.setattr(communication, "compiler_options", lambda *a: {"xla_not_an_option": 1})
   trainer, state, batch, *_ = _setup({})
   with pytest.raises(Exception, match="No such compile option: 'xla_not_an_option'"):

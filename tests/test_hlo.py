@@ -1,3 +1,4 @@
+# ruff: noqa: E501  (HLO lines are long)
 from epljax import hlo
 
 HLO = """

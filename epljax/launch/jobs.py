@@ -50,7 +50,8 @@ class Job:
         raise LaunchError("--machine_rank needs --machine_list host:port,... (one entry per "
                           "worker; run the launcher on each host with its own --machine_rank).")
       if not 0 <= self.machine_rank < self.num_workers:
-        raise LaunchError(f"--machine_rank {self.machine_rank} must be in 0..{self.num_workers - 1}.")
+        raise LaunchError(f"--machine_rank {self.machine_rank} must be in "
+                          f"0..{self.num_workers - 1}.")
     if self.platform not in ("auto", "gpu", "cpu"):
       raise LaunchError(f"--platform {self.platform!r} must be auto, gpu or cpu.")
     if not self.init_timeout > 0:
