@@ -32,6 +32,7 @@ from epljax import strategy as strategy_lib
 from epljax.errors import PlanError
 from epljax.features import BuildContext, Feature, StateShardings
 from epljax.mesh import AXES, MODEL, Layout, build_mesh
+from epljax.pipeline.auto import auto_stage_cuts, check_auto
 from epljax.plan import Leaf, Plan, leaf_bytes_per_device, tree_bytes_per_device
 from epljax.sharding import annotations
 from epljax.sharding import specs as specs_lib
@@ -117,7 +118,12 @@ def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
                                      batch_lib._dtype(x)), batch)
   var = trace_variables(fns, rng, micro_shapes)
   cap = capture_loss(var, micro_shapes, len(cluster.devices))
-  where = place(fns, var, cap, micro_shapes, rows, config, cluster)
+  options = capture_options(var)
+  if config.auto.auto_parallel:   # EPL's automatic pipeline partitioning
+    check_auto(cap, config.pipeline.num_stages)
+    options["stage_cuts"] = auto_stage_cuts(cap, config.pipeline.num_stages)
+    cap = capture_loss(var, micro_shapes, len(cluster.devices), **options)
+  where = place(fns, var, cap, micro_shapes, rows, config, cluster, options)
   mesh = where.layout.mesh
   ctx = BuildContext(mesh=mesh, num_replicas=where.layout.num_replicas,
                      num_micro_batch=num_micro, capture=cap, params_shape=where.trained_shape,
@@ -185,10 +191,10 @@ def capture_options(var: Variables) -> dict[str, Any]:
 
 
 def place(fns: UserFns, var: Variables, cap: Capture, micro_shapes: Any, rows: int, config,
-          cluster) -> Placement:
+          cluster, options: dict[str, Any]) -> Placement:
   """Step 3: mesh, batch layout, variable specs, pipeline packing, base shardings."""
   layout = build_mesh(cap.taskgraphs, cluster.devices, config.cluster)
-  _check_layout(layout, cap)
+  _check_layout(layout, cap, config.pipeline.num_stages)
   mesh = layout.mesh
   axes = specs_lib.batch_axes(cap, layout)
   bplan = batch_lib.BatchPlan(layout.num_replicas, config.pipeline.num_micro_batch,
@@ -200,8 +206,7 @@ def place(fns: UserFns, var: Variables, cap: Capture, micro_shapes: Any, rows: i
       state_shape=var.state_shape, param_paths=list(var.paths[:var.num_params]),
       state_paths=list(var.paths[var.num_params:]), micro_shapes=micro_shapes,
       global_capture=cap, layout=layout, batch_axes=axes, config=config.pipeline,
-      optimizer=fns.optimizer, num_devices=len(cluster.devices),
-      capture_options=capture_options(var))
+      optimizer=fns.optimizer, num_devices=len(cluster.devices), capture_options=options)
   shapes = [tuple(x.shape) for x in var.leaves]
   user = annotations.user_specs(list(var.paths), shapes, var.model.metadata, dict(mesh.shape))
   leaf_specs = specs_lib.variable_specs(cap, layout, shapes, user)
@@ -361,7 +366,12 @@ def _check_trainable(params_shape: Any, model: Model) -> None:
                       "collection (Flax) or a non-Param variable (NNX).")
 
 
-def _check_layout(layout: Layout, cap: Capture) -> None:
+def _check_layout(layout: Layout, cap: Capture, num_stages: int | None) -> None:
+  if num_stages is not None and num_stages != layout.num_stages:
+    raise PlanError(f"pipeline.num_stages={num_stages}, but the model's task graphs make "
+                    f"{layout.num_stages} stage(s) ({[t.name for t in cap.taskgraphs]}). "
+                    "pipeline.num_stages chooses the stages only with auto.auto_parallel=True; "
+                    "otherwise the scopes do. Unset it, or set auto.auto_parallel.")
   used = set(cap.node_taskgraph)
   for tg in cap.taskgraphs:
     if tg.index not in used and not layout.colocated:

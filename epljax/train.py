@@ -76,7 +76,6 @@ class Trainer:
     self.clip_norm = clip_norm
     self._config = env.config
     self._cluster = env.cluster
-    _check_supported(self._config)
     self._built: Built | None = None
 
   # -- public API --------------------------------------------------------------------------
@@ -141,19 +140,3 @@ class Trainer:
                   self.clip_norm)
     self._built = build(fns, self._config, self._cluster, rng, batch)
     return self._built
-
-
-# Config keys accepted by epl.Config whose features this version does not run yet. A value
-# other than the default is refused rather than ignored.
-_NOT_YET = {
-    "pipeline.strategy": None,
-    "auto.auto_parallel": False,
-}
-
-
-def _check_supported(config) -> None:
-  changed = config.changed()
-  refused = [k for k, default in _NOT_YET.items() if default is not None and k in changed]
-  if refused:
-    raise EPLError(f"Config keys {refused} are set, but this version of epljax does not "
-                   "implement them yet; unset them.")

@@ -63,12 +63,15 @@ class _Spec:
 def capture(fn: Callable[..., Any], variables: Sequence[Any], extra: Sequence[Any], *,
             input_paths: Sequence[str], num_devices: int,
             module_rules: Sequence[ModuleRule] = (),
-            definitions: Sequence[Frame | None] = ()) -> Capture:
+            definitions: Sequence[Frame | None] = (),
+            stage_cuts: Sequence[int] | None = None) -> Capture:
   """Traces ``fn(*variables, *extra)`` on abstract values and assigns task graphs.
 
   ``variables`` are flat leaves (parameters and model state) named by ``input_paths``;
   ``extra`` (the batch) is traced too but never checked for being shared. ``definitions``
   gives, per variable leaf, the scope frame its initializer was traced in (``defining_frames``).
+  ``stage_cuts`` (``auto.auto_parallel``): the node indices where stages 1.. start; the nodes
+  are cut into ``stage_<i>`` task graphs of the model's one strategy.
   """
   with strategy_lib.trace_session():
     closed = jax.make_jaxpr(fn)(*variables, *extra)
@@ -76,6 +79,8 @@ def capture(fn: Callable[..., Any], variables: Sequence[Any], extra: Sequence[An
   top_default = _top_default(program)
   specs: dict[str, _Spec] = {}
   labels, explicit, order = _assign_labels(program, top_default, module_rules, specs)
+  if stage_cuts is not None:
+    labels, explicit, order = _cut_into_stages(program, labels, order, specs, stage_cuts)
   defined = _definition_labels(definitions, len(variables), specs)
   for lab in defined:
     if lab is not None and lab not in order:
@@ -178,6 +183,25 @@ def _assign_labels(program: Program, top_default, module_rules: Sequence[ModuleR
     order[_DEFAULT] = 0
     labels = [_DEFAULT if lab is None else lab for lab in labels]
   return labels, explicit, list(order)
+
+
+def _cut_into_stages(program: Program, labels: list, order: list[str],
+                     specs: dict[str, _Spec], cuts: Sequence[int]):
+  """``auto.auto_parallel``: one task graph, cut by node position into stages of its kind."""
+  only = specs[order[0]]
+  if only.kind != strategy_lib.REPLICATE:
+    raise PlanError(f"auto.auto_parallel cuts a model into replicate stages, but the model's "
+                    f"strategy is {_show(only)}.")
+  bounds = [0, *cuts, len(program.nodes)]
+  new_order = []
+  for i in range(len(bounds) - 1):
+    lab = f"auto={i}"
+    specs[lab] = _Spec(only.kind, only.device_count, f"stage_{i}", "epl.auto_parallel")
+    new_order.append(lab)
+    for n in range(bounds[i], bounds[i + 1]):
+      if labels[n] != _MARKER:
+        labels[n] = lab
+  return labels, [True] * len(labels), new_order
 
 
 def _data_flow(program: Program, labels: list, order: dict[str, int]) -> None:

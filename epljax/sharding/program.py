@@ -27,6 +27,7 @@ class Node:
   frames: tuple[str, ...]                  # name-stack entries, outermost first
   inputs: tuple[tuple[Base, ...], ...]     # per operand: the base values it may carry
   enclosing: tuple[str, ...]               # primitives this node sits inside, outermost first
+  enclosing_ids: tuple[int, ...] = ()      # and which equations those are (ids)
 
   @property
   def primitive(self) -> str:
@@ -45,7 +46,7 @@ class Program:
     self.invars: tuple[jcore.Var, ...] = tuple(jaxpr.invars)
     self.nodes: list[Node] = []
     self._alias: dict[jcore.Var, tuple[Base, ...]] = {}
-    self._walk(jaxpr, (), ())
+    self._walk(jaxpr, (), (), ())
     self.outputs = tuple(self._resolve(v) for v in jaxpr.outvars)
     self.producer: dict[Base, Node] = {}
     self.consumers: dict[Base, list[tuple[Node, int]]] = defaultdict(list)
@@ -73,20 +74,23 @@ class Program:
       return ()
     return self._alias.get(v, (v,))
 
-  def _walk(self, jaxpr: jcore.Jaxpr, frames: tuple[str, ...], enclosing: tuple[str, ...]):
+  def _walk(self, jaxpr: jcore.Jaxpr, frames: tuple[str, ...], enclosing: tuple[str, ...],
+            enclosing_ids: tuple[int, ...] = ()):
     for eqn in jaxpr.eqns:
       eqn_frames = frames + tuple(
           getattr(s, "name", str(s)) for s in eqn.source_info.name_stack.stack)
       calls = _sub_calls(eqn)
       if calls is None:
         self.nodes.append(Node(len(self.nodes), eqn, eqn_frames,
-                               tuple(self._resolve(v) for v in eqn.invars), enclosing))
+                               tuple(self._resolve(v) for v in eqn.invars), enclosing,
+                               enclosing_ids))
         continue
       outer_outs: dict[jcore.Var, list[Base]] = defaultdict(list)
       for inner, in_map, out_map in calls:
         for inner_v, outer_v in in_map:
           self._alias[inner_v] = self._resolve(outer_v)
-        self._walk(inner, eqn_frames, enclosing + (eqn.primitive.name,))
+        self._walk(inner, eqn_frames, enclosing + (eqn.primitive.name,),
+                   enclosing_ids + (id(eqn),))
         for outer_o, inner_o in out_map:
           outer_outs[outer_o].extend(self._resolve(inner_o))
       for outer_o, bases in outer_outs.items():

@@ -1,0 +1,95 @@
+"""auto.auto_parallel with pipeline.num_stages: stages cut automatically, balanced by FLOPs."""
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+
+import epljax as epl
+from epljax.pipeline.auto import auto_stage_cuts, node_flops
+from helpers import classification_batch, linen_fns
+from pipeline_helpers import Block, check_matches_reference
+
+AUTO = {"auto.auto_parallel": True, "pipeline.num_micro_batch": 4}
+
+
+class Plain(nn.Module):
+  """No annotation at all: a stem, four identical blocks and a head."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(16)(x)
+    for _ in range(4):
+      h = Block(16)(h)
+    return nn.Dense(10)(h)
+
+
+def test_an_unannotated_model_is_cut_into_balanced_stages_and_matches_single_device():
+  epl.init({**AUTO, "pipeline.num_stages": 2})
+  trainer, _ = check_matches_reference(Plain(), classification_batch(32), optax.adamw(1e-2))
+  plan = trainer.plan
+  assert (plan.num_stages, plan.num_replicas) == (2, 4)
+  assert [(t.name, t.strategy, t.device_count) for t in plan.taskgraphs] == [
+      ("stage_0", "replicate", 1), ("stage_1", "replicate", 1)]
+  stage_of = {leaf.path: leaf.taskgraph for leaf in plan.leaves}
+  # Parameters are owned in model order: the stem in the first stage, the head in the last.
+  assert stage_of["params/Dense_0/kernel"] == "stage_0"
+  assert stage_of["params/Dense_1/kernel"] == "stage_1"
+  blocks = [stage_of[f"params/Block_{i}/Dense_0/kernel"] for i in range(4)]
+  assert blocks == sorted(blocks) and set(blocks) == {"stage_0", "stage_1"}
+
+
+def test_cuts_balance_the_estimated_flops():
+  epl.init({**AUTO, "pipeline.num_stages": 4})
+  init_fn, loss_fn = linen_fns(Plain())
+  trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))
+  trainer.init(jax.random.key(0), classification_batch(32))
+  cap = trainer._built.capture
+  nodes = cap.program.nodes
+  cost = np.zeros(len(cap.taskgraphs))
+  for n in nodes:
+    if cap.node_taskgraph[n.index] >= 0:
+      cost[cap.node_taskgraph[n.index]] += node_flops(n)
+  assert cost.max() < 1.6 * cost.mean(), cost
+  assert trainer.plan.num_stages == 4
+
+
+@pytest.mark.parametrize("config, model, message", [
+    ({"auto.auto_parallel": True}, Plain(), r"auto.auto_parallel=True needs pipeline.num_stages"),
+    ({**AUTO, "pipeline.num_stages": 2}, None,
+     r"auto.auto_parallel cuts a model into stages by itself, but this model already has task "
+     r"graphs \['stage_0', 'stage_1'\]"),
+    ({"pipeline.num_stages": 3}, Plain(),
+     r"pipeline.num_stages=3, but the model's task graphs make 1 stage\(s\)"),
+    ({**AUTO, "pipeline.num_stages": 500}, Plain(), r"only \d+ equations to divide"),
+])
+def test_auto_parallel_errors(config, model, message):
+  from pipeline_helpers import TwoStages
+  epl.init(config)
+  init_fn, loss_fn = linen_fns(model or TwoStages())
+  trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))
+  with pytest.raises(epl.PlanError, match=message):
+    trainer.init(jax.random.key(0), classification_batch(32))
+
+
+def test_no_cut_splits_a_parameter_or_a_loop():
+  class Tied(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      w = self.param("w", nn.initializers.lecun_normal(), (20, 20))
+      h = jax.nn.relu(x @ w)
+      h = jax.lax.fori_loop(0, 3, lambda i, v: jax.nn.tanh(v) * 0.9, h)
+      return nn.Dense(10)(h @ w)       # w used at both ends: no cut can separate its uses
+
+  epl.init({**AUTO, "pipeline.num_stages": 2})
+  init_fn, loss_fn = linen_fns(Tied())
+  trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))
+  state = trainer.init(jax.random.key(0), classification_batch(32))
+  cap = trainer._built.capture
+  cuts = auto_stage_cuts(cap, 2)
+  uses = sorted({n.index for n, _ in cap.program.uses_of_input(
+      list(cap.input_paths).index("params/w"))})
+  assert cuts[0] > uses[-1] or cuts[0] <= uses[0]
+  assert trainer.plan.num_stages == 2
+  trainer.train_step(state, classification_batch(32))
