@@ -81,7 +81,7 @@ class Plan:
     """One line per active feature (some learn what they do while the step is traced, so
     this compiles the step first)."""
     if self._features:
-      self.compiled
+      _ = self.compiled
     lines = [f() if callable(f) else f for f in self._features]
     return [line for line in lines if line]
 
@@ -127,7 +127,7 @@ class Plan:
     return self.global_rows // (self.num_replicas * self.num_micro_batch)
 
   def __str__(self) -> str:
-    self.compiled   # compile first: some features describe what they found while tracing
+    _ = self.compiled   # compile first: some features describe what they found while tracing
     axes = " x ".join(f"{n}={s}" for n, s in self.mesh.shape.items())
     devices = self.mesh.devices.flat
     first = next(iter(devices))

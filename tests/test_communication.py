@@ -35,9 +35,9 @@ def _grads(loss_fn, variables, batch):
 
 def _replica_grads(loss_fn, variables, batch):
   """Each replica's gradient on its own contiguous block of rows."""
-  rows = ROWS // REPLICAS
-  return [_grads(loss_fn, variables, jax.tree.map(lambda x: x[r * rows:(r + 1) * rows], batch))[1]
-          for r in range(REPLICAS)]
+  blocks = np.split(np.arange(ROWS), REPLICAS)
+  return [_grads(loss_fn, variables, jax.tree.map(lambda x, b=b: x[b], batch))[1]
+          for b in blocks]
 
 
 def _clip(grads, max_norm):

@@ -89,8 +89,8 @@ def test_skips_integer_activations_and_aux_are_routed_to_the_last_stage():
   # Micro batch m: chunk m of each of the 2 replicas' 16 rows; aux is the mean over both.
   for m in range(4):
     rows = np.concatenate([np.arange(r * 16 + m * 4, r * 16 + m * 4 + 4) for r in range(2)])
-    expected = loss_fn(variables, jax.tree.map(lambda x: x[rows], batch))[1]
-    assert_trees_close(jax.tree.map(lambda a: a[m], metrics["aux"]), expected)
+    expected = loss_fn(variables, jax.tree.map(lambda x, rows=rows: x[rows], batch))[1]
+    assert_trees_close(jax.tree.map(lambda a, m=m: a[m], metrics["aux"]), expected)
 
 
 class NNXStages(nnx.Module):

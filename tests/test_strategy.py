@@ -26,7 +26,7 @@ def test_set_default_strategy_inside_a_scope_is_nesting():
 def test_scope_state_is_restored_after_an_exception():
   with pytest.raises(ZeroDivisionError):
     with epl.replicate(1):
-      1 / 0
+      _ = 1 / 0
   with epl.split(2):   # not refused as nested
     pass
   assert jax.extend.source_info_util.current_name_stack().stack == ()

@@ -237,7 +237,7 @@ def test_calls_before_init_and_bad_optimizer():
   init_fn, loss_fn = linen_fns(MLP())
   trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))
   with pytest.raises(epl.StateError, match=r"Call trainer.init\(rng, batch\) first"):
-    trainer.plan
+    _ = trainer.plan
   with pytest.raises(epl.EPLError, match="optimizer must be an optax.GradientTransformation"):
     epl.Trainer(init_fn, loss_fn, "sgd")
 
