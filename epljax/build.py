@@ -244,7 +244,11 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
   make_gradients = (communication.replica_gradients(features, ctx)
                     or (lambda fwd: step_lib.accumulate_gradients(fwd, num_micro)))
   if pipe is not None:
-    make_gradients = lambda _: pipe.gradients(features, ctx)  # noqa: E731
+    kinds = {s.memory_kind for s in jax.tree.leaves(
+        base.params, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))}
+    on_host = bool(kinds) and all(k is not None and "host" in k for k in kinds)
+    space = jax.memory.Space.Host if on_host else None
+    make_gradients = lambda _: pipe.gradients(features, ctx, space)  # noqa: E731
   forward, gradients, update = step_lib.build(forward, make_gradients, fns.optimizer,
                                               features, ctx)
   user_tree_sh = jax.tree.map(lambda _: replicated, var.params_shape)

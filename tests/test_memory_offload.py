@@ -12,7 +12,8 @@ import pytest
 
 import epljax as epl
 from epljax.memory import offload
-from helpers import MLP, TOL, assert_trees_close, classification_batch, linen_fns, reference_run
+from helpers import (DEEP_TOL, MLP, TOL, assert_trees_close, classification_batch, linen_fns,
+                     reference_run)
 
 MODEL = MLP(hidden=64, classes=16)
 
@@ -79,3 +80,25 @@ def test_invalid_level_lists_the_valid_ones():
   with pytest.raises(epl.ConfigError, match=r"'offload.level' .* must be one of '', 'v0', "
                      r"'v1'; got 'v2'"):
     epl.Config({"offload.level": "v2"})
+
+
+@pytest.mark.parametrize("strategy", ["PreferBackward", "PreferForward"])
+def test_with_checkpointing_inside_pipeline_stages(strategy):
+  """Offloaded stage parameters under rematerialized blocks: the pipeline's trial trace sees
+  the parameters in host memory, as the step does, and the numbers are the reference's."""
+  from pipeline_helpers import Stack
+  init_fn, loss_fn = linen_fns(Stack(stages=2, layers=2))
+  batch = classification_batch(32, features=16)
+  history, expected = reference_run(init_fn, loss_fn, optax.adam(1e-2), jax.random.key(0),
+                                    batch, 2, micro_batches=4)
+  epl.init({"pipeline.num_micro_batch": 4, "pipeline.strategy": strategy,
+            "offload.level": "v1", "gradient_checkpoint.type": "auto"})
+  trainer = epl.Trainer(init_fn, loss_fn, optax.adam(1e-2))
+  state = trainer.init(jax.random.key(0), batch)
+  for step in range(2):
+    state, metrics = trainer.train_step(state, batch)
+    np.testing.assert_allclose(metrics["loss"], history[step][0], **TOL)
+  assert_trees_close(trainer.variables(state), expected, DEEP_TOL)
+  assert kinds(state.params) == kinds(state.opt_state) == {"pinned_host"}
+  assert trainer.plan.num_stages == 2
+  assert any(f.startswith("gradient checkpointing (auto:") for f in trainer.plan.features)

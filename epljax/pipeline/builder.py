@@ -105,7 +105,9 @@ class Pipeline:
     return packing.nbytes(self.sizes)
 
   # -- the step -----------------------------------------------------------------------------
-  def gradients(self, features: Sequence[Feature], ctx: BuildContext) -> GradientFn:
+  def gradients(self, features: Sequence[Feature], ctx: BuildContext,
+                param_space=None) -> GradientFn:
+    """``param_space``: the packed parameters' ``jax.memory.Space`` if not device memory."""
     fns = []
     for stage in self.stages:
       fn = stage
@@ -113,7 +115,7 @@ class Pipeline:
         fn = f.forward(fn, ctx)
       fns.append(fn)
     self.branches, self.branch_of = runtime.distinct_branches(
-        self.stages, fns, self.param_avals, self.batch_avals, self.stash)
+        self.stages, fns, self.param_avals, self.batch_avals, self.stash, param_space)
     self.buffers = runtime.buffer_sizes(self.branches)
     run = runtime.pipelined_gradients(
         self.branches, self.branch_of, self.aux_avals, self.schedule, self.mesh,

@@ -57,8 +57,10 @@ class _Residuals:
 class Branch:
   """One distinct stage function and the layouts of its buffers."""
 
-  def __init__(self, stage: Stage, fn: StageFn, param_avals: Sequence[Any], stash: str):
+  def __init__(self, stage: Stage, fn: StageFn, param_avals: Sequence[Any], stash: str,
+               param_space: Any = None):
     self.stage = stage
+    self.param_space = param_space   # a jax.memory.Space other than device memory, or None
     self.fn = jax.checkpoint(fn) if stash == "inputs" else fn
     self.params = packing.Layout.of([param_avals[i] for i in stage.params])
     self.incoming = packing.Layout.of(stage.incoming)
@@ -98,6 +100,7 @@ class Branch:
     found = {}
 
     def trial(params, acts, batch):
+      params = self._in_memory(params)
       _, loss, _, pull = self.pullback(params, acts, batch)
       found["treedef"], found["kinds"], stash = self.split(pull, params, acts, batch)
       return loss, stash
@@ -111,6 +114,13 @@ class Branch:
     self.loss_dtype = loss.dtype
     self.residuals = _Residuals(found["treedef"], found["kinds"], packing.Layout.of(stash))
 
+  def _in_memory(self, params):
+    """The parameters of a trial trace in the memory the step's parameters live in (host, with
+    offload): the pullback's static parts, which the step reuses, depend on it."""
+    if self.param_space is None:
+      return params
+    return [jax.device_put(p, self.param_space) for p in params]
+
   def _abstract_args(self, param_avals, batch_avals):
     sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
     return ([sds(param_avals[i]) for i in self.stage.params],
@@ -122,7 +132,7 @@ class Branch:
 
   def signature(self, param_avals, batch_avals) -> tuple:
     """Equal for stages that compute the same thing on buffers laid out the same way."""
-    closed = jax.make_jaxpr(lambda p, a, b: self.fn(p, a, b))(
+    closed = jax.make_jaxpr(lambda p, a, b: self.fn(self._in_memory(p), a, b))(
         *self._abstract_args(param_avals, batch_avals))
     return (str(closed), self.params, self.incoming, self.outgoing, self.stage.last), closed.consts
 
@@ -138,15 +148,17 @@ class Buffers:
 
 
 def distinct_branches(stages: Sequence[Stage], fns: Sequence[StageFn], param_avals,
-                      batch_avals, stash: str) -> tuple[list[Branch], list[int]]:
-  """One ``Branch`` per distinct stage function, and the branch of every stage."""
+                      batch_avals, stash: str, param_space: Any = None
+                      ) -> tuple[list[Branch], list[int]]:
+  """One ``Branch`` per distinct stage function, and the branch of every stage.
+  ``param_space``: the parameters' ``jax.memory.Space`` when it is not device memory."""
   if stash not in STASH_MODES:
     raise ValueError(f"stash must be one of {STASH_MODES}, got {stash!r}")
   branches: list[Branch] = []
   seen: list[tuple[tuple, list]] = []
   branch_of = []
   for stage, fn in zip(stages, fns):
-    branch = Branch(stage, fn, param_avals, stash)
+    branch = Branch(stage, fn, param_avals, stash, param_space)
     sig, consts = branch.signature(param_avals, batch_avals)
     match = [i for i, (s, c) in enumerate(seen) if s == sig and same_consts(c, consts)]
     if match:
@@ -201,6 +213,8 @@ def _backward_branch(branch: Branch, sizes: Buffers):
     pull = jax.tree.unflatten(branch.residuals.treedef, pull_leaves)
     g_outs = branch.outgoing.unpack_cotangents(grad_out)
     g_params, g_acts = pull((tuple(g_outs), seed.astype(branch.loss_dtype)))
+    if branch.param_space is not None:   # accumulated in device memory, like the activations
+      g_params = [jax.device_put(g, jax.memory.Space.Device) for g in g_params]
     return (branch.params.pack(g_params, sizes.params),
             branch.incoming.pack(g_acts, sizes.grad_payload, skip_missing=True))
 
