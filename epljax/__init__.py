@@ -8,6 +8,7 @@
 See README.md for the whole picture; each name below documents itself.
 """
 
+from epljax import hlo, io, nn
 from epljax.config import Config
 from epljax.env import Cluster, Env, init
 from epljax.errors import ConfigError, EPLError, PlanError, ScopeError, StateError
@@ -36,7 +37,10 @@ __all__ = [
     "Trainer",
     "add_to_collection",
     "annotate",
+    "hlo",
     "init",
+    "io",
+    "nn",
     "replicate",
     "set_default_strategy",
     "split",

@@ -177,7 +177,10 @@ class SparseAsDense(Feature):
 
 
 def clip_by_global_norm(grads: Any, max_norm: float, scale: Any = None) -> Any:
-  """``optax.clip_by_global_norm``'s rule; ``scale``: gradients carry a loss scale (kept)."""
+  """``optax.clip_by_global_norm``'s rule; ``scale``: gradients carry a loss scale (kept).
+  The gradients of offloaded parameters come in host memory: the norm adds up every leaf, so
+  they are moved to device memory first."""
+  grads = step_lib.in_device_memory(grads)
   norm = optax.tree.norm(grads)
   if scale is not None:
     norm = norm / scale.astype(norm.dtype)

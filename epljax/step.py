@@ -62,7 +62,7 @@ def accumulate_gradients(forward: ForwardFn, num_micro_batch: int) -> GradientFn
     def body(carry, batch):
       grad_sum, state = carry
       loss, aux, grads, state = value_and_grad(params, state, batch, fstate)
-      return (jax.tree.map(jnp.add, grad_sum, grads), state), (loss, aux)
+      return (jax.tree.map(jnp.add, grad_sum, in_device_memory(grads)), state), (loss, aux)
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     (grad_sum, new_state), (losses, auxes) = jax.lax.scan(body, (zeros, model_state), micro)
@@ -70,6 +70,17 @@ def accumulate_gradients(forward: ForwardFn, num_micro_batch: int) -> GradientFn
     return jnp.mean(losses), auxes, grads, new_state
 
   return gradients
+
+
+def in_device_memory(tree: Any) -> Any:
+  """The gradients of offloaded (host) parameters are host values; the sum over micro batches
+  is kept in device memory, where the update reads it."""
+  def move(x):
+    if getattr(jax.typeof(x), "memory_space", jax.memory.Space.Device) == jax.memory.Space.Device:
+      return x
+    return jax.device_put(x, jax.memory.Space.Device)
+
+  return jax.tree.map(move, tree)
 
 
 def apply_optimizer(optimizer: optax.GradientTransformation) -> UpdateFn:

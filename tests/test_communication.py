@@ -65,12 +65,14 @@ def norms():
   return full, local
 
 
+@pytest.mark.parametrize("offload", ["", "v1"])   # v1: the gradients come in host memory
 @pytest.mark.parametrize("after", [True, False])
-def test_clip_after_allreduce_decides_what_the_clipping_sees(after, norms):
+def test_clip_after_allreduce_decides_what_the_clipping_sees(after, offload, norms):
   full, local = norms
   max_norm = 0.5 * min(local + [full])      # clips the reduced and every local gradient
   trainer, state, batch, variables, loss_fn = _setup(
-      {"communication.clip_after_allreduce": after}, clip_norm=max_norm)
+      {"communication.clip_after_allreduce": after, "offload.level": offload},
+      clip_norm=max_norm)
   loss, full_grads = _grads(loss_fn, variables, batch)
   reduced_then_clipped = _clip(full_grads, max_norm)
   clipped_then_reduced = _mean([_clip(g, max_norm) for g in

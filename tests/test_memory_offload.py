@@ -102,3 +102,19 @@ def test_with_checkpointing_inside_pipeline_stages(strategy):
   assert kinds(state.params) == kinds(state.opt_state) == {"pinned_host"}
   assert trainer.plan.num_stages == 2
   assert any(f.startswith("gradient checkpointing (auto:") for f in trainer.plan.features)
+
+
+@pytest.mark.parametrize("config", [{"offload.level": "v0"},
+                                    {"offload.level": "v1", "zero.level": "v2"}])
+def test_with_gradient_accumulation(config):
+  """The gradients of host parameters are host values; their sum over micro batches is kept
+  in device memory, and the numbers are the big batch's."""
+  init_fn, loss_fn = linen_fns(MODEL)
+  batch = classification_batch(64, classes=16)
+  history, expected = reference_run(init_fn, loss_fn, optax.adam(1e-2), jax.random.key(0),
+                                    batch, 2, micro_batches=2)
+  trainer, state, losses, (param_kinds, _) = run({"pipeline.num_micro_batch": 2, **config})
+  for step in range(2):
+    np.testing.assert_allclose(losses[step], history[step][0], **TOL)
+  assert_trees_close(trainer.variables(state), expected)
+  assert param_kinds == {"pinned_host"}
