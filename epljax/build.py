@@ -219,8 +219,8 @@ def place(fns: UserFns, var: Variables, cap: Capture, micro_shapes: Any, rows: i
   opt_shape = jax.eval_shape(fns.optimizer.init, trained_shape)
   shardings = StateShardings(
       params=param_sh,
-      opt_state=optax.tree_map_params(fns.optimizer, lambda _, s: s, opt_shape, param_sh,
-                                      transform_non_params=lambda _: replicated),
+      opt_state=step_lib.map_optimizer_state(fns.optimizer, lambda _, s: s, opt_shape, param_sh,
+                                             non_params=lambda _: replicated),
       model_state=jax.tree.unflatten(jax.tree.structure(var.state_shape), named[n_p:]))
   return Placement(layout, bplan, leaf_specs, pipe, trained_shape, opt_shape, shardings)
 

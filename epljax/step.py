@@ -83,6 +83,20 @@ def in_device_memory(tree: Any) -> Any:
   return jax.tree.map(move, tree)
 
 
+def map_optimizer_state(optimizer: optax.GradientTransformation, fn: Callable[[Any, Any], Any],
+                        state: Any, params_like: Any, *, non_params: Callable | None = None,
+                        is_leaf: Callable[[Any], bool] | None = None) -> Any:
+  """``optax.tree_map_params`` that also takes states with masked parts (``multi_transform``,
+  masked weight decay): their ``MaskedNode``s, empty subtrees, are kept as they are."""
+  def masked(x):
+    return isinstance(x, optax.MaskedNode)
+
+  return optax.tree_map_params(
+      optimizer, lambda v, p: v if masked(v) else fn(v, p), state, params_like,
+      transform_non_params=non_params,
+      is_leaf=lambda x: masked(x) or (is_leaf is not None and is_leaf(x)))
+
+
 def apply_optimizer(optimizer: optax.GradientTransformation) -> UpdateFn:
   def update(params, opt_state, grads, fstate):
     updates, opt_state = optimizer.update(grads, opt_state, params)

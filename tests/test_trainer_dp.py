@@ -309,3 +309,27 @@ def test_nnx_model_with_batchnorm_and_dropout_matches_single_device():
   specs = trainer.plan.param_specs
   assert specs["dense1"]["kernel"] == jax.sharding.PartitionSpec()
   assert "mean" in specs["bn"]
+
+
+@pytest.mark.parametrize("config", [{}, {"zero.level": "v1", "optimizer.num_apply_group": 2}])
+def test_optimizer_with_masked_parts(config):
+  """optax.multi_transform keeps MaskedNodes in its state where a label leaves a parameter out;
+  their shardings (and ZeRO's and the grouped apply's maps of the state) keep them too."""
+  init_fn, loss_fn = linen_fns(MLP(hidden=64, classes=16))
+  batch = classification_batch(64, classes=16)
+
+  def labels(params):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: "kernels" if "kernel" in jax.tree_util.keystr(path) else "biases",
+        params)
+
+  optimizer = optax.multi_transform({"kernels": optax.sgd(0.1, momentum=0.9),
+                                     "biases": optax.adam(1e-2)}, labels)
+  history, expected = reference_run(init_fn, loss_fn, optimizer, jax.random.key(0), batch, 2)
+  epl.init(config)
+  trainer = epl.Trainer(init_fn, loss_fn, optimizer)
+  state = trainer.init(jax.random.key(0), batch)
+  for step in range(2):
+    state, metrics = trainer.train_step(state, batch)
+    np.testing.assert_allclose(metrics["loss"], history[step][0], **TOL)
+  assert_trees_close(trainer.variables(state), expected)

@@ -13,9 +13,9 @@ equations feed several groups and run first.
 from __future__ import annotations
 
 import jax
-import optax
 from jax.extend import core as jcore
 
+from epljax import step as step_lib
 from epljax.config import OptimizerConfig
 from epljax.features import BuildContext, Feature, UpdateFn
 from epljax.memory import interpret
@@ -54,8 +54,8 @@ class GroupedApply(Feature):
       group = balanced_groups([interpret.nbytes(x) for x in leaves], self.count)
       self._groups = max(group) + 1
       owner = jax.tree.unflatten(treedef, group)
-      opt_groups = optax.tree_map_params(optimizer, lambda _, g: g, opt_state, owner,
-                                         transform_non_params=lambda _: COMMON)
+      opt_groups = step_lib.map_optimizer_state(optimizer, lambda _, g: g, opt_state, owner,
+                                                non_params=lambda _: COMMON)
       out_groups = (group + jax.tree.leaves(opt_groups)
                     + [COMMON] * len(jax.tree.leaves(fstate)))
       program, flat = interpret.trace(

@@ -26,10 +26,10 @@ import dataclasses
 from typing import Any
 
 import jax
-import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from epljax import step as step_lib
 from epljax.config import ZeroConfig
 from epljax.features import BuildContext, Feature, GradientFn, StateShardings, UpdateFn
 from epljax.mesh import DATA
@@ -89,7 +89,7 @@ class Zero(Feature):
     self._unsharded = [f"{path} {tuple(x.shape)}" for path, x, a, b in
                        zip(paths, shapes, full, self._sharded) if a == b]
     sharded_tree = jax.tree.unflatten(self._treedef, self._sharded)
-    opt_state = optax.tree_map_params(
+    opt_state = step_lib.map_optimizer_state(
         ctx.optimizer, lambda current, target: NamedSharding(
             target.mesh, target.spec, memory_kind=current.memory_kind),
         shardings.opt_state, sharded_tree, is_leaf=_is_sharding)
