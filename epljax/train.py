@@ -32,7 +32,7 @@ import optax
 from epljax import batch as batch_lib
 from epljax.build import Built, UserFns, build
 from epljax.env import Env
-from epljax.errors import EPLError, StateError
+from epljax.errors import EPLError, PlanError, StateError
 from epljax.plan import Plan
 from epljax.step import TrainState
 
@@ -89,6 +89,7 @@ class Trainer:
   def train_step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
     """One global step over all micro batches; ``metrics["loss"]`` is the global mean loss."""
     built = self._require()
+    self._check_state(built, state)
     state, metrics = built.step_jit(state, self.shard_batch(batch))
     checks, built.first_step_checks = built.first_step_checks, []
     for check in checks:   # features that verify the first step (one host sync, once)
@@ -98,11 +99,13 @@ class Trainer:
   def loss_and_grads(self, state: TrainState, batch: Any) -> tuple[jax.Array, Any]:
     """The mean loss and the reduced gradients the next step would apply (no update)."""
     built = self._require()
+    self._check_state(built, state)
     return built.grads_jit(state, self.shard_batch(batch))
 
   def variables(self, state: TrainState) -> Any:
     """The variables in the structure ``init_fn`` returned (an ``nnx.Module`` for NNX)."""
     built = self._require()
+    self._check_state(built, state)
     return built.model.merge(built.user_params(state.params), state.model_state)
 
   def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
@@ -122,6 +125,11 @@ class Trainer:
     built = self._require()
     rows = batch_lib.leading_rows(batch) * jax.process_count()
     built.batch_plan.check(rows)
+    if built.plan.num_stages > 1 and rows != built.plan.global_rows:
+      raise PlanError(f"The pipeline was built for the global batch of trainer.init "
+                      f"({built.plan.global_rows} rows); this batch has {rows}. Pipeline stages "
+                      "pass activations of fixed shapes: use batches of "
+                      f"{built.plan.global_rows} rows, or a new Trainer for the other size.")
     return batch_lib.shard_batch(batch, built.layout.mesh, built.batch_plan.axes)
 
   @property
@@ -134,6 +142,22 @@ class Trainer:
       raise StateError("Call trainer.init(rng, batch) first: the plan depends on the batch "
                        "shapes and the traced model.")
     return self._built
+
+  @staticmethod
+  def _check_state(built: Built, state: Any) -> None:
+    """A state this trainer made, and not one already donated to a step."""
+    fix = "pass the TrainState that trainer.init or the previous train_step returned"
+    if not isinstance(state, TrainState):
+      raise StateError(f"Expected the trainer's TrainState, got {type(state).__name__}: {fix}.")
+    expected = jax.tree.structure(built.state_shardings,
+                                  is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    if jax.tree.structure(state) != expected:
+      raise StateError(f"This TrainState does not have the structure of this trainer's state "
+                       f"(a state of another Trainer or model?): {fix}.")
+    if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state)):
+      raise StateError("This TrainState was already used by a train_step, which reuses its "
+                       "buffers for the new state (donation): continue from the state that "
+                       "train_step returned.")
 
   def _build(self, rng: jax.Array, batch: Any) -> Built:
     fns = UserFns(self.init_fn, self.loss_fn, self.optimizer, self.has_aux, self.mutable,

@@ -76,6 +76,16 @@ def test_batch_that_does_not_divide_into_replicas_and_micro_batches():
     trainer.init(jax.random.key(0), classification_batch(40))
 
 
+def test_a_batch_of_another_size_than_at_init_is_refused():
+  epl.init({"pipeline.num_micro_batch": 2})
+  trainer = trainer_for(TwoStages())
+  state = trainer.init(jax.random.key(0), classification_batch(32))
+  with pytest.raises(epl.PlanError, match=r"The pipeline was built for the global batch of "
+                     r"trainer.init \(32 rows\); this batch has 64. .* use batches of 32 rows, "
+                     r"or a new Trainer for the other size"):
+    trainer.train_step(state, classification_batch(64))
+
+
 class Mixed(nn.Module):
   counts: tuple = (1, 2)
 

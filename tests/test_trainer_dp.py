@@ -242,6 +242,26 @@ def test_calls_before_init_and_bad_optimizer():
     epl.Trainer(init_fn, loss_fn, "sgd")
 
 
+def test_states_a_step_cannot_take_say_which_state_to_pass():
+  epl.init()
+  init_fn, loss_fn = linen_fns(MLP())
+  batch = classification_batch(16)
+  trainer = epl.Trainer(init_fn, loss_fn, optax.adam(1e-2))
+  state = trainer.init(jax.random.key(0), batch)
+  other = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))
+  with pytest.raises(epl.StateError, match=r"Expected the trainer's TrainState, got dict: pass "
+                     r"the TrainState that trainer.init or the previous train_step returned"):
+    trainer.train_step({"params": state.params}, batch)
+  with pytest.raises(epl.StateError, match=r"does not have the structure of this trainer's "
+                     r"state \(a state of another Trainer or model\?\)"):
+    trainer.train_step(other.init(jax.random.key(0), batch), batch)
+  new_state, _ = trainer.train_step(state, batch)
+  with pytest.raises(epl.StateError, match=r"already used by a train_step, which reuses its "
+                     r"buffers .* continue from the state that train_step returned"):
+    trainer.train_step(state, batch)
+  trainer.train_step(new_state, batch)
+
+
 def test_plan_printout_is_a_readable_table():
   epl.set_default_strategy(epl.replicate(1))
   init_fn, loss_fn = linen_fns(MLP())
