@@ -61,19 +61,29 @@ class BatchPlan:
 
 def leading_rows(batch: Any) -> int:
   """The leading (batch) size shared by every leaf of a process-local batch."""
-  sizes = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
-  if len(sizes) == 1 and None not in sizes:   # the common case, checked cheaply every step
+  leaves = jax.tree.leaves(batch)
+  sizes = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
+  if (len(sizes) == 1 and None not in sizes   # the common case, checked cheaply every step
+      and not any(isinstance(x, np.ndarray) and x.dtype.kind in "USO" for x in leaves)):
     return sizes.pop()
   leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
   if not leaves:
     raise PlanError("The batch is empty: pass a pytree of arrays with a leading batch dimension.")
   sizes = {}
   for path, leaf in leaves:
+    name = jax.tree_util.keystr(path, simple=True, separator="/")
     shape = np.shape(leaf)
+    if isinstance(leaf, np.ndarray) and leaf.dtype.kind in "USO":
+      raise PlanError(f"Batch leaf '{name}' has dtype {leaf.dtype}, which JAX cannot put on a "
+                      "device. Encode it as numbers (token ids, class indices) before the "
+                      "step, or keep it out of the batch.")
     if not shape:
-      raise PlanError(f"Batch leaf '{jax.tree_util.keystr(path)}' is a scalar; every batch leaf "
-                      "needs a leading batch dimension.")
-    sizes[jax.tree_util.keystr(path)] = shape[0]
+      what = "a scalar" if isinstance(leaf, (np.ndarray, jax.Array)) else \
+          f"of type {type(leaf).__name__}, not an array"
+      raise PlanError(f"Batch leaf '{name}' is {what}; every batch leaf needs a leading batch "
+                      "dimension. Constants (a temperature, a flag) belong in loss_fn's closure, "
+                      "not in the batch.")
+    sizes[name] = shape[0]
   if len(set(sizes.values())) > 1:
     listing = ", ".join(f"{k}: {v}" for k, v in sizes.items())
     raise PlanError(f"Batch leaves have different leading (batch) sizes ({listing}); every leaf "

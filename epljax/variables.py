@@ -81,11 +81,21 @@ class Model:
       if self.kind == NNX:
         _, _, new_state = nnx.split(variables, nnx.Param, ...)
       elif mutable:
-        out, updates = _expect_pair(out, "(output, updates)", _MUTABLE_RETURN)
+        out, updates = _expect_pair(
+            out, "(output, updates)",
+            f"With mutable={list(mutable)}, loss_fn returns (loss, updates), the updates being "
+            f"what model.apply(..., mutable={list(mutable)}) returned beside its output; "
+            "return them, or leave mutable out.")
         new_state = _merge_updates(model_state, updates)
       else:
         new_state = model_state
-      loss, aux = _expect_pair(out, "(loss, aux)", _AUX_RETURN) if has_aux else (out, None)
+      if has_aux:
+        loss, aux = _expect_pair(out, "(loss, aux)", "With has_aux=True, loss_fn returns "
+                                 "(loss, aux); return the pair, or leave has_aux out.")
+        if not mutable and self.kind == LINEN:
+          _refuse_updates_as_aux(aux, model_state)
+      else:
+        loss, aux = out, None
       _check_loss(loss, has_aux, mutable)
       return loss, aux, new_state
 
@@ -121,6 +131,18 @@ def _expect_pair(out: Any, what: str, hint: str) -> tuple[Any, Any]:
   if not (isinstance(out, tuple) and len(out) == 2):
     raise PlanError(f"loss_fn should return {what} here, but returned {_describe(out)}. {hint}")
   return out
+
+
+def _refuse_updates_as_aux(aux: Any, model_state: Mapping[str, Any]) -> None:
+  """Updates of the model's collections returned as aux would be dropped: say so."""
+  if not isinstance(aux, Mapping) or not aux or any(k not in model_state for k in aux):
+    return
+  if all(jax.tree.structure(aux[k]) == jax.tree.structure(model_state[k]) for k in aux):
+    names = sorted(aux)
+    raise PlanError(f"loss_fn's aux has the structure of the model's collections {names}: "
+                    f"updates returned as aux are not applied. Pass mutable={names} to "
+                    "epl.Trainer and return (loss, updates), or, to report them as metrics only, "
+                    f"wrap them (aux={{'stats': ...}}).")
 
 
 def _merge_updates(model_state: dict, updates: Mapping[str, Any]) -> dict:

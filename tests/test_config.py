@@ -88,6 +88,8 @@ def test_variables_of_other_prefixes_are_ignored(monkeypatch):
     ({"zero.lvl": "v1"}, r"Did you mean 'zero.level'\?"),
     ({"pipline.strategy": "PreferForward"}, r"Did you mean 'pipeline.strategy'\?"),
     ({"foo.bar": 1}, r"Unknown config key 'foo.bar'.*Sections: pipeline, gradient_checkpoint"),
+    ({"zero": "v1"}, r"'zero' \(from param_dict\) is a section, not a key: set one of its keys, "
+     r"for example \{'zero.level': \.\.\.\}"),
     ({"pipeline.num_micro_batch": "4"},
      r"Config key 'pipeline.num_micro_batch' \(from param_dict\) expects an integer, got '4' "
      r"\(str\)\."),

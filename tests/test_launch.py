@@ -52,6 +52,7 @@ def test_multi_host_runs_one_worker_per_host_with_the_first_entry_as_coordinator
     (dict(num_workers=2, machine_rank=0), r"--machine_rank needs --machine_list"),
     (dict(num_workers=2, machine_rank=2, machine_list=("a:1", "b:1")), r"must be in 0\.\.1"),
     (dict(num_workers=1, machine_list=("a",)), r"entry 'a' must be host:port"),
+    (dict(num_workers=1, machine_list=("a:99999",)), r"with a port from 1 to 65535"),
     (dict(num_workers=0), r"must be at least 1"),
     (dict(init_timeout=0), r"--init_timeout 0 must be a positive number"),
 ])

@@ -183,10 +183,29 @@ def test_forgetting_mutable_or_has_aux_is_explained():
     logits, updates = model.apply(variables, b["x"], mutable=["batch_stats"])
     return cross_entropy(logits, b["y"]), updates
 
-  trainer = epl.Trainer(lambda r, b: model.init(r, b["x"]), loss_fn, optax.sgd(0.1))
+  def init_fn(r, b):
+    return model.init(r, b["x"])
+
+  trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))
   with pytest.raises(epl.PlanError, match=r"loss_fn returned a tuple where the loss .* pass "
                      r"has_aux=True .* pass mutable=\['batch_stats'\]"):
     trainer.init(jax.random.key(0), batch)
+  # The updates returned as aux would never be applied.
+  trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1), has_aux=True)
+  with pytest.raises(epl.PlanError, match=r"loss_fn's aux has the structure of the model's "
+                     r"collections \['batch_stats'\]: updates returned as aux are not applied. "
+                     r"Pass mutable=\['batch_stats'\] to epl.Trainer"):
+    trainer.init(jax.random.key(0), batch)
+  # An option the loss does not follow: the hint is to follow it or leave it out.
+  def plain_loss(variables, b):
+    return cross_entropy(model.apply(variables, b["x"], mutable=["batch_stats"])[0], b["y"])
+
+  for option, text in [(dict(has_aux=True), r"With has_aux=True, loss_fn returns \(loss, aux\); "
+                                            r"return the pair, or leave has_aux out"),
+                       (dict(mutable=["batch_stats"]),
+                        r"With mutable=\['batch_stats'\], loss_fn returns \(loss, updates\)")]:
+    with pytest.raises(epl.PlanError, match=text):
+      epl.Trainer(init_fn, plain_loss, optax.sgd(0.1), **option).init(jax.random.key(0), batch)
 
 
 def test_has_aux_returns_aux_in_metrics_stacked_over_micro_batches():
@@ -353,3 +372,20 @@ def test_optimizer_with_masked_parts(config):
     state, metrics = trainer.train_step(state, batch)
     np.testing.assert_allclose(metrics["loss"], history[step][0], **TOL)
   assert_trees_close(trainer.variables(state), expected)
+
+
+def test_batch_leaves_a_device_cannot_take_are_named():
+  epl.init()
+  init_fn, loss_fn = linen_fns(MLP())
+  trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))
+  batch = classification_batch(16)
+  cases = [({**batch, "names": np.array(["a"] * 16)},
+            r"Batch leaf 'names' has dtype <U1, which JAX cannot put on a device"),
+           ({**batch, "temperature": 2},
+            r"Batch leaf 'temperature' is of type int, not an array; .* Constants .* belong in "
+            r"loss_fn's closure"),
+           ({**batch, "y": batch["y"][:8]},
+            r"Batch leaves have different leading \(batch\) sizes \(x: 16, y: 8\)")]
+  for bad, message in cases:
+    with pytest.raises(epl.PlanError, match=message):
+      trainer.init(jax.random.key(0), bad)

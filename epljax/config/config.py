@@ -35,6 +35,11 @@ def _unknown_key(name: str, where: str) -> ConfigError:
   close = difflib.get_close_matches(name, all_keys(), n=1, cutoff=0.6)
   hint = f" Did you mean '{close[0]}'?" if close else ""
   section = name.split(".", 1)[0]
+  if name in SECTIONS:
+    allowed = ", ".join(f"'{name}.{k}'" for k in _fields(name))
+    return ConfigError(f"'{name}' ({where}) is a section, not a key: set one of its keys, for "
+                       f"example {{'{name}.{next(iter(_fields(name)))}': ...}}. Keys of section "
+                       f"'{name}': {allowed}.")
   if section in SECTIONS:
     allowed = ", ".join(f"'{section}.{k}'" for k in _fields(section))
     listing = f"Keys of section '{section}': {allowed}."

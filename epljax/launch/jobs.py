@@ -146,7 +146,7 @@ def _visible_gpus(environ: Mapping[str, str], gpus: int) -> list[str]:
 
 def _host_port(entry: str) -> tuple[str, int]:
   host, sep, port = entry.rpartition(":")
-  if not sep or not host or not port.isdigit():
-    raise LaunchError(f"--machine_list entry {entry!r} must be host:port, for example "
-                      "10.0.0.1:6000.")
+  if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    raise LaunchError(f"--machine_list entry {entry!r} must be host:port with a port from 1 "
+                      "to 65535, for example 10.0.0.1:6000.")
   return host, int(port)
