@@ -1,6 +1,8 @@
 """split: tensor, vocabulary, classifier and expert parallelism against the single-device
 reference, the specs the split rules choose, and the collectives they cost."""
 
+import re
+
 import flax.linen as nn
 from flax import nnx
 import jax
@@ -245,6 +247,23 @@ def test_annotate_splits_a_module_we_cannot_edit():
   assert specs["up"]["kernel"] == P(None, "model")
   assert specs["down"]["kernel"] == P("model", None)
   assert specs["stem"]["kernel"] == P()
+
+
+def test_annotate_rules_that_match_nothing_are_reported():
+  epl.init(COLOCATE)
+  epl.set_default_strategy(epl.replicate(8))
+  epl.annotate({"Outer/mpl/up": epl.split(8), "params/mlp/up/kernal": P(None, "model")})
+  init_fn = lambda rng, b: Outer().init(rng, b["x"])  # noqa: E731
+  loss_fn = lambda v, b: cross_entropy(Outer().apply(v, b["x"]), b["y"])  # noqa: E731
+  trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))
+  with pytest.warns(UserWarning) as caught:
+    trainer.init(jax.random.key(0), features_batch(rows=32, classes=10))
+  texts = "\n".join(str(w.message) for w in caught)
+  assert re.search(r"epl.annotate rule 'Outer/mpl/up' matches no module path of this model, so "
+                   r"it changes nothing\. .* module paths look like 'Outer', 'Outer/mlp'", texts)
+  assert re.search(r"rule 'params/mlp/up/kernal' matches no parameter path .* parameter paths "
+                   r"look like 'params/mlp/down/bias'", texts)
+  assert trainer.plan.param_specs["params"]["mlp"]["up"]["kernel"] == P()
 
 
 class Logical(nn.Module):

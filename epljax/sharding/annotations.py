@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -102,6 +103,17 @@ def module_rule_for(frames: Sequence[str], rules: Sequence[ModuleRule]) -> Modul
   return None
 
 
+def warn_unmatched(kind: str, patterns: Sequence[str], paths: set[str]) -> None:
+  """A rule that matches nothing is most likely a typo that turns its parallelism off: say so,
+  with paths the rule could have named."""
+  for pattern in patterns:
+    if not any(re.fullmatch(pattern, p) for p in paths):
+      examples = ", ".join(repr(p) for p in sorted(paths, key=lambda p: (p.count("/"), p))[:4])
+      warnings.warn(f"epl.annotate rule {pattern!r} matches no {kind} path of this model, so it "
+                    f"changes nothing. The pattern must match a whole path (re.fullmatch); "
+                    f"{kind} paths look like {examples or 'none found'}.", stacklevel=2)
+
+
 @dataclasses.dataclass(frozen=True)
 class UserSpec:
   spec: P
@@ -136,6 +148,7 @@ def user_specs(paths: Sequence[str], shapes: Sequence[tuple[int, ...]],
                         f"{other.spec}. Remove one, or make them agree.")
     _check_spec(path, shape, first, mesh_shape)
     found[i] = first
+  warn_unmatched("parameter", [r.pattern for r in _PARAM_RULES], set(paths))
   return found
 
 

@@ -29,7 +29,7 @@ import jax
 
 from epljax import strategy as strategy_lib
 from epljax.errors import PlanError, ScopeError
-from epljax.sharding.annotations import ModuleRule, module_rule_for
+from epljax.sharding.annotations import ModuleRule, module_rule_for, warn_unmatched
 from epljax.sharding.program import Node, Program
 from epljax.strategy import SPLIT, Frame, TaskGraph
 
@@ -171,6 +171,12 @@ def _assign_labels(program: Program, top_default, module_rules: Sequence[ModuleR
       labels[node.index] = lab
       continue
     labels[node.index] = current
+  if module_rules:
+    modules = set()
+    for node in program.nodes:
+      names = [f for f in node.frames if not f.startswith("epl.")]
+      modules.update("/".join(names[:end]) for end in range(1, len(names) + 1))
+    warn_unmatched("module", [r.pattern for r in module_rules], modules)
   explicit = [lab is not None for lab in labels]
   order: dict[str, int] = {}
   for lab in labels:
