@@ -6,10 +6,16 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
 import pytest  # noqa: E402
 
-import epljax as epl  # noqa: E402
+try:
+  import jax  # noqa: E402
+
+  import epljax as epl  # noqa: E402
+except ImportError as missing:   # pytest run from an interpreter without the project installed
+  pytest.exit(f"{missing}. The tests need epljax and its dependencies installed in this "
+              "interpreter: python3 -m pip install -e \".[test]\" (the README's test command "
+              "does both).", returncode=4)
 
 
 def pytest_collection_modifyitems(config, items):
