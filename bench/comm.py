@@ -120,8 +120,7 @@ def main(argv=None):
           "Counts and result bytes per device, from the compiled HLO.")
   print(f"{machine()}\n\n{body}")
   if args.record:
-    record("Communication per strategy (bench/comm.py)",
-           "python bench/comm.py " + " ".join(argv if argv is not None else sys.argv[1:]), body)
+    record("Communication per strategy (bench/comm.py)", body, argv)
 
 
 if __name__ == "__main__":

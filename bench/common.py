@@ -6,10 +6,15 @@ import datetime
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
+import flax.linen as nn
 import jax
+import numpy as np
+import optax
 
 
 def paired_ratio(first: Callable[[], object], second: Callable[[], object], *, pairs: int,
@@ -49,8 +54,37 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
                    + [line(r) for r in cells[1:]])
 
 
-def record(title: str, command: str, body: str) -> None:
-  """Appends a dated section to bench/RESULTS.md."""
+class MLP(nn.Module):
+  """The data-parallel benchmarks' model: ``depth`` ReLU layers of ``width``, 10 classes."""
+  width: int
+  depth: int
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(self.depth):
+      x = nn.relu(nn.Dense(self.width)(x))
+    return nn.Dense(10)(x)
+
+
+def mlp_problem(width: int, depth: int, rows: int) -> tuple[MLP, dict[str, Any], Callable]:
+  """The model, a random classification batch of ``rows`` and the mean cross-entropy loss."""
+  model = MLP(width, depth)
+  rng = np.random.default_rng(0)
+  batch = {"x": rng.normal(size=(rows, width)).astype(np.float32),
+           "y": rng.integers(0, 10, rows).astype(np.int32)}
+
+  def loss_fn(variables, b):
+    logits = model.apply(variables, b["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  return model, batch, loss_fn
+
+
+def record(title: str, body: str, argv: Sequence[str] | None = None) -> None:
+  """Appends a dated section to bench/RESULTS.md; the command is the running script with
+  ``argv`` (default: this process's arguments)."""
+  args = list(sys.argv[1:] if argv is None else argv)
+  command = " ".join(["python", f"bench/{os.path.basename(sys.argv[0])}", *args])
   path = os.path.join(os.path.dirname(__file__), "RESULTS.md")
   stamp = datetime.date.today().isoformat()
   with open(path, "a") as f:

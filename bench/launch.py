@@ -27,29 +27,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def worker(out: str, started: float, width: int, depth: int, rows: int, steps: int) -> None:
   import epljax as epl
   epl.init()
-  import flax.linen as nn
   import jax
-  import numpy as np
   import optax
 
+  from common import mlp_problem
   from epljax import io
 
-  class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      for _ in range(depth):
-        x = nn.relu(nn.Dense(width)(x))
-      return nn.Dense(10)(x)
-
-  model = MLP()
-  rng = np.random.default_rng(0)
-  batch = {"x": rng.normal(size=(rows, width)).astype(np.float32),
-           "y": rng.integers(0, 10, rows).astype(np.int32)}
-
-  def loss_fn(variables, b):
-    logits = model.apply(variables, b["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
-
+  model, batch, loss_fn = mlp_problem(width, depth, rows)
   epl.set_default_strategy(epl.replicate(1))
   trainer = epl.Trainer(lambda k, b: model.init(k, b["x"]), loss_fn, optax.adamw(1e-3))
   mine = io.process_slice(batch)
@@ -115,7 +99,7 @@ def main() -> None:
   print(body)
   if args.record:
     from common import record
-    record("Multi-process launch (bench/launch.py)", "python bench/launch.py --record", body)
+    record("Multi-process launch (bench/launch.py)", body)
 
 
 if __name__ == "__main__":

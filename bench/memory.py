@@ -152,9 +152,7 @@ def main(argv=None):
   ])
   print(body)
   if args.record:
-    record("Memory features (bench/memory.py)",
-           "python bench/memory.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           body)
+    record("Memory features (bench/memory.py)", body, argv)
 
 
 if __name__ == "__main__":

@@ -17,41 +17,21 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import argparse  # noqa: E402
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import epljax as epl  # noqa: E402
-from common import machine, paired_ratio, record, table  # noqa: E402
-
-
-class MLP(nn.Module):
-  width: int
-  depth: int
-
-  @nn.compact
-  def __call__(self, x):
-    for _ in range(self.depth):
-      x = nn.relu(nn.Dense(self.width)(x))
-    return nn.Dense(10)(x)
+from common import machine, mlp_problem, paired_ratio, record, table  # noqa: E402
 
 
 def measure(width: int, depth: int, rows: int, pairs: int) -> list[str]:
   """One table row: step times, paired ratio and per-device bytes for one model size."""
   epl.init()
   epl.set_default_strategy(epl.replicate(1))
-  model = MLP(width, depth)
+  model, batch, loss_fn = mlp_problem(width, depth, rows)
   optimizer = optax.adamw(1e-3)
-  rng = np.random.default_rng(0)
-  batch = {"x": rng.normal(size=(rows, width)).astype(np.float32),
-           "y": rng.integers(0, 10, rows).astype(np.int32)}
-
-  def loss_fn(variables, b):
-    logits = model.apply(variables, b["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
   # epljax
   trainer = epl.Trainer(lambda key, b: model.init(key, b["x"]), loss_fn, optimizer)
@@ -110,9 +90,7 @@ def main(argv=None):
           "time / hand-written step time, timed alternately in one process. Target: <= 1.03.")
   print(f"{machine()}\n\n{body}")
   if args.record:
-    record("Data-parallel step overhead (bench/overhead.py)",
-           "python bench/overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           body)
+    record("Data-parallel step overhead (bench/overhead.py)", body, argv)
 
 
 if __name__ == "__main__":

@@ -161,8 +161,7 @@ def main(argv=None) -> None:
   body = f"{mem_table}\n\n{time_table}\n\n{notes}"
   print(body)
   if args.record:
-    record("Pipeline stages: memory, FLOPs, step time (bench/pipeline.py)",
-           "python bench/pipeline.py --record", body)
+    record("Pipeline stages: memory, FLOPs, step time (bench/pipeline.py)", body)
 
 
 if __name__ == "__main__":
