@@ -102,12 +102,13 @@ def global_shapes(batch: Any, sharding_of) -> Any:
 def shard_batch(batch: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
   """Process-local slices -> global arrays split over ``axes`` (a no-op for arrays already so)."""
   sharding = NamedSharding(mesh, P(axes))
+  single = jax.process_count() == 1
 
   def one(x):
     if isinstance(x, jax.Array) and x.sharding == sharding and (
-        jax.process_count() == 1 or not x.is_fully_addressable):
+        single or not x.is_fully_addressable):
       return x
-    if jax.process_count() == 1:
+    if single:
       return jax.device_put(x, sharding)
     return jax.make_array_from_process_local_data(sharding, np.asarray(x))
 

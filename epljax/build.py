@@ -66,6 +66,7 @@ class Built:
   loss_jit: Any
   plan: Plan
   user_params: Callable[[Any], Any]   # TrainState.params -> the user's tree (pipeline: unpack)
+  state_treedef: Any                  # of the TrainState that init and train_step return
   first_step_checks: list = dataclasses.field(default_factory=list)
 
 
@@ -117,8 +118,8 @@ def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
       lambda x: jax.ShapeDtypeStruct((rows // num_micro, *jnp.shape(x)[1:]),
                                      batch_lib._dtype(x)), batch)
   var = trace_variables(fns, rng, micro_shapes)
-  cap = capture_loss(var, micro_shapes, len(cluster.devices))
   options = capture_options(var)
+  cap = capture_loss(var, micro_shapes, len(cluster.devices), **options)
   if config.auto.auto_parallel:   # EPL's automatic pipeline partitioning
     check_auto(cap, config.pipeline.num_stages)
     options["stage_cuts"] = auto_stage_cuts(cap, config.pipeline.num_stages)
@@ -138,7 +139,8 @@ def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
   plan = make_plan(var, cap, where, features, fstate, jits, batch, rows)
   state_shardings = jits.pop("state_shardings")
   return Built(var.model, cap, where.layout, where.batch_plan, state_shardings, plan=plan,
-               user_params=user_params, first_step_checks=[f.after_first_step for f in features],
+               user_params=user_params, state_treedef=jax.tree.structure(state_shardings),
+               first_step_checks=[f.after_first_step for f in features],
                **jits)
 
 
@@ -182,7 +184,7 @@ def capture_loss(var: Variables, micro_shapes: Any, num_devices: int, **options)
 
   with jax.sharding.use_abstract_mesh(_PROVISIONAL):
     return capture(flat_loss, var.leaves, b_leaves, input_paths=var.paths,
-                   num_devices=num_devices, **(options or capture_options(var)))
+                   num_devices=num_devices, **options)
 
 
 def capture_options(var: Variables) -> dict[str, Any]:

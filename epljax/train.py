@@ -149,12 +149,11 @@ class Trainer:
     fix = "pass the TrainState that trainer.init or the previous train_step returned"
     if not isinstance(state, TrainState):
       raise StateError(f"Expected the trainer's TrainState, got {type(state).__name__}: {fix}.")
-    expected = jax.tree.structure(built.state_shardings,
-                                  is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
-    if jax.tree.structure(state) != expected:
+    leaves, treedef = jax.tree.flatten(state)
+    if treedef != built.state_treedef:
       raise StateError(f"This TrainState does not have the structure of this trainer's state "
                        f"(a state of another Trainer or model?): {fix}.")
-    if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state)):
+    if any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
       raise StateError("This TrainState was already used by a train_step, which reuses its "
                        "buffers for the new state (donation): continue from the state that "
                        "train_step returned.")
