@@ -1,6 +1,6 @@
 """Llama-style decoder: layers under ``nn.scan`` and Flax logical axis names on every parameter.
 
-Separate q/k/v/o projections (``DenseGeneral`` kernels ``(d_model, heads, head_dim)`` and
+Separate q/k/v/o projections (einsum kernels ``(d_model, heads, head_dim)`` and
 ``(heads, head_dim, d_model)``), grouped-query attention, RMSNorm, a SwiGLU MLP, rotary
 positions and an untied output head. The scanned layer's parameters carry a leading
 ``layers`` axis (``metadata_params``), as in MaxText.
@@ -31,12 +31,24 @@ class RMSNorm(nn.Module):
     return rms_norm(x, scale)
 
 
+class Projection(nn.Module):
+  """A kernel of its full shape with logical names, contracted by an einsum (MaxText's
+  DenseGeneral creates its kernel this way; Flax's reshapes a flat one)."""
+  shape: tuple[int, ...]
+  names: tuple[str, ...]
+
+  @nn.compact
+  def __call__(self, equation: str, x):
+    return jnp.einsum(equation, x, self.param("kernel", logical(DENSE_INIT, *self.names),
+                                              self.shape))
+
+
 class Attention(nn.Module):
   @nn.compact
   def __call__(self, x):
     def proj(heads, name):
-      return nn.DenseGeneral((heads, HEAD_DIM), use_bias=False, name=name, kernel_init=logical(
-          DENSE_INIT, "embed", "heads" if heads == HEADS else "kv_heads", "kv"))(x)
+      names = ("embed", "heads" if heads == HEADS else "kv_heads", "kv")
+      return Projection((D_MODEL, heads, HEAD_DIM), names, name=name)("btd,dhk->bthk", x)
 
     q, k, v = proj(HEADS, "query"), proj(KV_HEADS, "key"), proj(KV_HEADS, "value")
     positions = jnp.arange(x.shape[1])
@@ -47,8 +59,8 @@ class Attention(nn.Module):
     causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
     probs = jax.nn.softmax(jnp.where(causal, logits, -1e30), axis=-1)
     out = jnp.einsum("bhts,bshd->bthd", probs, v)
-    return nn.DenseGeneral(D_MODEL, axis=(-2, -1), use_bias=False, name="out",
-                           kernel_init=logical(DENSE_INIT, "heads", "kv", "embed"))(out)
+    return Projection((HEADS, HEAD_DIM, D_MODEL), ("heads", "kv", "embed"),
+                      name="out")("bthk,hkd->btd", out)
 
 
 class SwiGLU(nn.Module):
