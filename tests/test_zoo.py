@@ -68,7 +68,22 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
     ("llama", "pipeline_4"):
         "the nn.scan over the 4 layers is one equation the automatic cut cannot enter: "
         "estimated FLOPs per stage [13049, 1396409, 6496, 541958] (max 2.9x the mean), stage "
-        "1 runs every layer",
+        "1 runs every layer" + (" (and on jax 0.11 init fails first, as in llama's other "
+                                "cells)" if JAX_011 else ""),
+    **({("llama", strategy): (
+        "jax 0.11 only: epljax traces init under its provisional AbstractMesh with Explicit "
+        "axes, so Flax's unboxing of the logically named embedding (nn.Embed.setup -> "
+        "with_logical_constraint) asserts: 'with_sharding_constraint acts as an assert when "
+        "all axes of mesh are of type Explicit. The array sharding: P(None, None) did not "
+        "match the sharding provided: P(\'model\', None)'")
+        for strategy in STRATEGIES if strategy != "pipeline_4"} if JAX_011 else {}),
+    **({("vit", strategy): (
+        "jax 0.11 only: the pipelined loss_and_grads replays the last stage's equations "
+        "(optax softmax_cross_entropy_with_integer_labels) inside shard_map and fails with "
+        "'ValueError: Mesh for all inputs should be equal': AbstractMesh(data 4/2, stage 2/4, "
+        "model 1, Manual) against the provisional AbstractMesh(1, 1, 1, Explicit) of the trace "
+        "(epljax/pipeline/partition.py)") for strategy in ("pipeline_2", "pipeline_4")}
+       if JAX_011 else {}),
     ("mlp_loop", "split_annotate"):
         "with the whole one-module stack under split(2) the stem Dense_0 is column-split "
         "(P(None,'model'), bias P('model')) and the head Dense_17 row-split (P('model',None)): "
