@@ -42,14 +42,19 @@ def align(v: View, value_shape: tuple[int, ...], leaf_shape: tuple[int, ...]) ->
 
 
 def passes(eqn, dim: int) -> int | None | bool:
-  """Where operand 0's split ``dim`` lands in the output of a one-input structural op: the
-  output dim, None when the dimension does not survive whole (sliced, merged as the minor
-  factor, squeezed, reduced over), False when the op is not structural."""
+  """Where the split ``dim`` of operand 0 (any operand of a concatenate) lands in the output of
+  a structural op: the output dim, None when the dimension does not survive whole (sliced,
+  merged as the minor factor, squeezed, reduced over), False when the op is not structural."""
   prim = eqn.primitive.name
   in_shape, out_shape = shape(eqn.invars[0]), shape(eqn.outvars[0])
   if prim in SHAPE_OPS:
     mapping = dim_map(prim, eqn.params, in_shape, out_shape)
     return None if mapping is None else mapping.get(dim)
+  if prim == "concatenate":
+    return None if dim == eqn.params["dimension"] else dim
+  if prim == "pad":
+    low, high, interior = zip(*eqn.params["padding_config"])
+    return dim if (low[dim], high[dim], interior[dim]) == (0, 0, 0) else None
   if prim in ("slice", "dynamic_slice"):
     return dim if len(out_shape) == len(in_shape) and out_shape[dim] == in_shape[dim] else None
   if prim.startswith("reduce_") or prim in ("argmax", "argmin"):

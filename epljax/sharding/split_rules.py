@@ -34,6 +34,7 @@ shape and the count.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Iterable, Mapping, Sequence
 
 from jax.sharding import PartitionSpec as P
@@ -44,7 +45,15 @@ from epljax.sharding.program import Node, Program
 
 COLUMN, ROW, EXPERTS, VOCAB, FOLLOWS = "column", "row", "experts", "vocabulary", "follows"
 _LOOKAHEAD = 4000   # equations followed per candidate dimension before giving up on it
-_GOOD = "good"
+_MIXED = "it is mixed into an unsplit activation"
+
+
+@dataclasses.dataclass
+class _Fate:
+  """What following one candidate split dimension found."""
+  good: int = 0                  # paths that end contracted against a weight
+  bad: list[str] = dataclasses.field(default_factory=list)   # places that need communication
+  whole: int = 0                 # activation products holding their other operand whole
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +102,7 @@ class _State:
     self.leaf_shapes = leaf_shapes
     self.leaf_paths = leaf_paths
     self.device_count = device_count
-    self.outputs = {b for bases in program.outputs for b in bases}
+    self.data = _data_values(program, len(leaf_shapes))
     for i, var in enumerate(program.invars):
       if i in candidates or i in fixed:
         self.views[var] = D.View(i, tuple(range(len(leaf_shapes[i]))))
@@ -147,10 +156,15 @@ class _State:
       if dim is not None and dim != eqn.params.get("axis"):
         for idx in range(len(eqn.outvars)):
           self.set_out(node, dim, idx)
-    elif prim in ("slice", "dynamic_slice", "argmax", "argmin") or prim.startswith("reduce_"):
+    elif prim in ("slice", "dynamic_slice", "pad", "argmax", "argmin") or prim.startswith(
+        "reduce_"):
       dim = self.split_dim(node, 0)
       if dim is not None:
         self.set_out(node, D.passes(eqn, dim))
+    elif prim == "concatenate":
+      dims = {self.split_dim(node, pos) for pos in range(len(eqn.invars))} - {None}
+      if len(dims) == 1:
+        self.set_out(node, D.passes(eqn, dims.pop()))
     elif D.is_elementwise(eqn):
       self._elementwise(node)
 
@@ -203,27 +217,30 @@ class _State:
           + "': P(...)}), or keep the two uses in different task graphs.")
 
   def _column(self, node: Node, side: int, w: D.View, free: tuple[int, ...]) -> int | None:
-    """The free weight dimension whose split flows to a row-split weight (module doc)."""
+    """The free weight dimension whose split flows to a row-split weight (module doc); a
+    weight with one free dimension is split on it unless its output would be mixed into
+    unsplit activations (a stem or head feeding a residual stream stays replicated)."""
     dims = [d for d in free if w.dims[d] is not None]
-    if len(dims) <= 1:
-      return dims[0] if dims else None
-    fates = {d: self._follow(node.eqn.outvars[0], D.dot_out_dim(node.eqn, side, d))
-             for d in dims}
-    clean = [d for d, (good, bad, _) in fates.items() if good and not bad]
+    if not dims:
+      return None
+    fates = {d: self._follow(node, D.dot_out_dim(node.eqn, side, d)) for d in dims}
+    if len(dims) == 1:
+      return None if any(r.startswith(_MIXED) for r in fates[dims[0]].bad) else dims[0]
+    clean = [d for d, f in fates.items() if f.good and not f.bad]
     # Among clean dimensions, the one that never makes a device hold the other operand of an
     # activation product whole (attention's value kernel: heads, a batch dimension of the
     # probabilities x values product, over head_dim, a free one).
-    least = min((fates[d][2] for d in clean), default=0)
-    best = [d for d in clean if fates[d][2] == least]
+    least = min((fates[d].whole for d in clean), default=0)
+    best = [d for d in clean if fates[d].whole == least]
     if len(best) == 1:
       return best[0]
     shape = self.leaf_shapes[w.leaf]
     lines = "\n".join(
         f"  dimension {w.dims[d]} (size {shape[w.dims[d]]}): "
-        + (f"{good} path(s) end at a weight (row split)" if good else "reaches no weight")
-        + (f"; but {bad[0]}" if bad else "")
-        + (f"; {whole} product(s) hold their other operand whole" if whole else "")
-        for d, (good, bad, whole) in fates.items())
+        + (f"{f.good} path(s) end at a weight (row split)" if f.good else "reaches no weight")
+        + (f"; {f.whole} product(s) hold their other operand whole" if f.whole else "")
+        + (f"; but {f.bad[0]}" if f.bad else "")
+        for d, f in fates.items())
     why = ("several of its dimensions could carry the split"
            if clean else "none of its dimensions carries a split cleanly to another weight")
     raise PlanError(
@@ -233,72 +250,108 @@ class _State:
         "with epl.annotate({'" + self.leaf_paths[w.leaf] + "': P(...)}) (e.g. 'model' on "
         "the heads or hidden dimension), or leave this module out of the split.")
 
-  def _follow(self, value, dim: int) -> tuple[int, list[str], int]:
-    """Follows ``value`` split on ``dim`` forward: (paths that end contracted against a
-    weight, reasons some path needs communication on the way, activation products that must
-    hold their other operand whole on every device)."""
-    good, bad, whole, seen, work = 0, [], 0, set(), [(value, dim)]
-    while work:
-      value, dim = work.pop()
-      if (value, dim) in seen:
+  def _follow(self, start: Node, dim: int) -> _Fate:
+    """Follows the output of ``start`` split on ``dim`` forward, equations in trace order (so
+    every operand's hypothetical split is known when its consumer is reached)."""
+    fate = _Fate()
+    hyp = {start.eqn.outvars[0]: dim}
+    queue = [c.index for c, _ in self.program.consumers.get(start.eqn.outvars[0], ())]
+    heapq.heapify(queue)
+    done = set()
+    while queue:
+      node = self.program.nodes[heapq.heappop(queue)]
+      if node.index in done:
         continue
-      seen.add((value, dim))
-      if len(seen) > _LOOKAHEAD:
-        return good, bad + [f"it is still split after {_LOOKAHEAD} equations"], whole
-      for node, pos in self.program.consumers.get(value, ()):
-        fate = self._carry(node, pos, dim)
-        if fate == _GOOD:
-          good += 1
-        elif isinstance(fate, str):
-          bad.append(fate)
-        elif fate is not None:
-          outs, replicated_other = fate
-          whole += replicated_other
-          work.extend(outs)
-    return good, bad, whole
+      done.add(node.index)
+      if len(done) > _LOOKAHEAD:
+        fate.bad.append(f"it is still split after {_LOOKAHEAD} equations")
+        break
+      outs = self._carry(node, hyp, fate)
+      for out, d in outs:
+        hyp[out] = d
+        for c, _ in self.program.consumers.get(out, ()):
+          heapq.heappush(queue, c.index)
+    return fate
 
-  def _carry(self, node: Node, pos: int, dim: int):
-    """One step of ``_follow``: _GOOD, a reason (str), None (not carried: a broadcast
-    operand), or ([(output value, its split dim)], whether the other operand must be whole)."""
+  def _carry(self, node: Node, hyp: dict, fate: _Fate) -> list[tuple[object, int]]:
+    """One step of ``_follow``: records in ``fate`` what ``node`` does to the hypothetical
+    split, and returns the outputs it stays split on."""
     eqn = node.eqn
-    in_shape = D.shape(eqn.invars[pos])
-    if dim >= len(in_shape) or in_shape[dim] == 1:
-      return None
+    split = {pos: d for pos in range(len(eqn.invars))
+             for b in node.inputs[pos] if (d := hyp.get(b)) is not None}
+    split = {pos: d for pos, d in split.items()
+             if d < len(D.shape(eqn.invars[pos])) and D.shape(eqn.invars[pos])[d] != 1}
+    if not split:
+      return []
+    pos, dim = next(iter(split.items()))
     prim = node.primitive
     where = f"equation {node.index} ({prim} in {'/'.join(node.frames) or 'the top level'})"
     if prim == "dot_general":
       contract, batch, _ = D.dot_dims(eqn)
+      if len(split) == 2:
+        if split[1] not in batch[1] or batch[0][batch[1].index(split[1])] != split[0]:
+          fate.bad.append(f"both operands are split, not on one batch dimension, at {where}")
+          return []
+        return [(eqn.outvars[0], batch[0].index(split[0]))]
       other = self.view(node, 1 - pos)
       other_split = self.split_dim(node, 1 - pos)
       if dim in contract[pos]:
         if other is not None and other.leaf in self.candidates | set(self.decisions):
-          return _GOOD
-        return f"it is contracted between two activations at {where}"
+          fate.good += 1
+        else:
+          fate.bad.append(f"it is contracted between two activations at {where}")
+        return []
       matching = batch[1 - pos][batch[pos].index(dim)] if dim in batch[pos] else None
       if other_split is not None and other_split != matching:
-        return f"it meets an operand split on another dimension at {where}"
-      whole = other is None and matching is None
-      return [(eqn.outvars[0], D.dot_out_dim(eqn, pos, dim))], whole
+        fate.bad.append(f"it meets an operand split on another dimension at {where}")
+        return []
+      fate.whole += other is None and matching is None
+      return [(eqn.outvars[0], D.dot_out_dim(eqn, pos, dim))]
     if prim == "split":
       if dim == eqn.params.get("axis"):
-        return f"it is cut into pieces at {where}"
-      return [(out, dim) for out in eqn.outvars], False
-    if prim in ("slice", "dynamic_slice") and pos > 0:
-      return None
-    out = D.passes(eqn, dim) if pos == 0 else False
+        fate.bad.append(f"it is cut into pieces at {where}")
+        return []
+      return [(out, dim) for out in eqn.outvars]
+    if prim in ("slice", "dynamic_slice", "pad") and pos > 0:
+      return []
+    out = D.passes(eqn, dim) if pos == 0 or prim == "concatenate" else False
     if out is None:
-      return f"it does not survive whole through {where}"
+      fate.bad.append(f"it does not survive whole through {where}")
+      return []
     if out is False:
+      in_shape = D.shape(eqn.invars[pos])
       out_shape = D.shape(eqn.outvars[0]) if len(eqn.outvars) == 1 else ()
       if not (D.is_elementwise(eqn) and len(out_shape) == len(in_shape)
               and out_shape[dim] == in_shape[dim]):
-        return f"it meets an operation split rules do not follow at {where}"
+        fate.bad.append(f"it meets an operation split rules do not follow at {where}")
+        return []
       for p in range(len(eqn.invars)):
-        d = self.split_dim(node, p) if p != pos else None
-        if d is not None and d != dim:
-          return f"it meets an operand split on another dimension at {where}"
+        if p in split:
+          if split[p] != dim:
+            fate.bad.append(f"it meets an operand split on another dimension at {where}")
+            return []
+        elif self._unsplit_activation(node, p, dim):
+          fate.bad.append(f"{_MIXED} at {where}")
+          return []
       out = dim
-    return [(eqn.outvars[0], out)], False
+    return [(eqn.outvars[0], out)]
+
+  def _unsplit_activation(self, node: Node, pos: int, dim: int) -> bool:
+    """Whether operand ``pos`` is data (computed from the batch), whole along ``dim`` and not
+    split there: a residual stream, not a bias, a mask broadcast along ``dim`` or a constant."""
+    shape = D.shape(node.eqn.invars[pos])
+    if len(shape) <= dim or shape[dim] == 1 or self.split_dim(node, pos) is not None:
+      return False
+    if not any(b in self.data for b in node.inputs[pos]):
+      return False
+    producer = next((self.program.producer.get(b) for b in node.inputs[pos]
+                     if b in self.program.producer), None)
+    if producer is not None and producer.primitive == "broadcast_in_dim":
+      src = D.shape(producer.eqn.invars[0])
+      made = {d for i, d in enumerate(producer.eqn.params["broadcast_dimensions"])
+              if src[i] == shape[d]}
+      return dim in made
+    return True
 
   def _gather(self, node: Node) -> None:
     w = self.view(node, 0)
@@ -342,6 +395,15 @@ class _State:
       shape = D.shape(eqn.invars[pos])
       if v is not None and len(shape) == len(out_shape) and shape[dim] == out_shape[dim]:
         self.decide(v, dim, FOLLOWS)
+
+
+def _data_values(program: Program, num_variables: int) -> set:
+  """Values computed from the batch (program inputs after the variables)."""
+  data = set(program.invars[num_variables:])
+  for node in program.nodes:
+    if any(b in data for bases in node.inputs for b in bases):
+      data.update(node.eqn.outvars)
+  return data
 
 
 def spec_for(ndim: int, dim: int | None, axis: str) -> P:
