@@ -103,9 +103,8 @@ class _State:
     self.leaf_paths = leaf_paths
     self.device_count = device_count
     self.data = _data_values(program, len(leaf_shapes))
-    for i, var in enumerate(program.invars):
-      if i in candidates or i in fixed:
-        self.views[var] = D.View(i, tuple(range(len(leaf_shapes[i]))))
+    for i, var in enumerate(program.invars[:len(leaf_shapes)]):
+      self.views[var] = D.View(i, tuple(range(len(leaf_shapes[i]))))
 
   # -- reading operands -----------------------------------------------------------------
   def view(self, node: Node, pos: int) -> D.View | None:
@@ -296,7 +295,7 @@ class _State:
       other = self.view(node, 1 - pos)
       other_split = self.split_dim(node, 1 - pos)
       if dim in contract[pos]:
-        if other is not None and other.leaf in self.candidates | set(self.decisions):
+        if other is not None:
           fate.good += 1
         else:
           fate.bad.append(f"it is contracted between two activations at {where}")
