@@ -150,11 +150,11 @@ class _State:
       self._gather(node)
     elif prim in D.SHAPE_OPS:
       self._shape_op(node)
-    elif prim == "split":
+    elif prim in ("split", "unstack"):
       dim = self.split_dim(node, 0)
       if dim is not None and dim != eqn.params.get("axis"):
         for idx in range(len(eqn.outvars)):
-          self.set_out(node, dim, idx)
+          self.set_out(node, _pieces_dim(eqn, dim), idx)
     elif prim in ("slice", "dynamic_slice", "pad", "argmax", "argmin") or prim.startswith(
         "reduce_"):
       dim = self.split_dim(node, 0)
@@ -306,11 +306,11 @@ class _State:
         return []
       fate.whole += other is None and matching is None
       return [(eqn.outvars[0], D.dot_out_dim(eqn, pos, dim))]
-    if prim == "split":
+    if prim in ("split", "unstack"):
       if dim == eqn.params.get("axis"):
         fate.bad.append(f"it is cut into pieces at {where}")
         return []
-      return [(out, dim) for out in eqn.outvars]
+      return [(out, _pieces_dim(eqn, dim)) for out in eqn.outvars]
     if prim in ("slice", "dynamic_slice", "pad") and pos > 0:
       return []
     out = D.passes(eqn, dim) if pos == 0 or prim == "concatenate" else False
@@ -394,6 +394,14 @@ class _State:
       shape = D.shape(eqn.invars[pos])
       if v is not None and len(shape) == len(out_shape) and shape[dim] == out_shape[dim]:
         self.decide(v, dim, FOLLOWS)
+
+
+def _pieces_dim(eqn, dim: int) -> int:
+  """Where ``dim`` lands in each piece of a ``split`` (same rank) or ``unstack`` (the axis
+  dropped)."""
+  if eqn.primitive.name == "unstack" and dim > eqn.params["axis"]:
+    return dim - 1
+  return dim
 
 
 def _data_values(program: Program, num_variables: int) -> set:
