@@ -23,7 +23,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
-import math  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -123,6 +122,37 @@ def zoo_row(name: str) -> list:
             f"{measured / 2**10:.1f} / {minimum['bytes'] / 2**10:.1f} = "
             f"**{measured / minimum['bytes']:.2f}**"]
   return row[:1] + row[2:4] + row[5:]
+
+
+class DataParallelMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(WIDTH)(nn.relu(nn.Dense(4 * WIDTH)(x)))
+
+
+class MegatronMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    with epl.split(8, name="mlp"):
+      return nn.Dense(WIDTH, name="wo")(nn.relu(nn.Dense(4 * WIDTH, name="wi")(x)))
+
+
+class Classifier(nn.Module):
+  classes: int
+
+  @nn.compact
+  def __call__(self, x):
+    with epl.replicate(8, name="features"):
+      x = nn.relu(nn.Dense(WIDTH)(x))
+    with epl.split(8, name="classifier"):
+      return nn.Dense(self.classes, name="fc")(x)
+
+
+class MoELayer(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    y, _ = MoE(8, 4 * WIDTH, top_k=2, experts=epl.split(8, name="experts"))(x)
+    return y
 
 
 def summary(found) -> str:

@@ -133,3 +133,20 @@ def dot_out_dim(eqn, side: int, dim: int) -> int | None:
     return batch[side].index(dim)
   offset = len(batch[0]) + (0 if side == 0 else len(free[0]))
   return offset + free[side].index(dim)
+
+
+def pieces_dim(eqn, dim: int) -> int:
+  """Where ``dim`` lands in each piece of a ``split`` (same rank) or ``unstack`` (the axis
+  dropped)."""
+  if eqn.primitive.name == "unstack" and dim > eqn.params["axis"]:
+    return dim - 1
+  return dim
+
+
+def data_values(program, num_variables: int) -> set:
+  """Values computed from the batch (program inputs after the variables)."""
+  data = set(program.invars[num_variables:])
+  for node in program.nodes:
+    if any(b in data for bases in node.inputs for b in bases):
+      data.update(node.eqn.outvars)
+  return data

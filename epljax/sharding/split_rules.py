@@ -102,7 +102,7 @@ class _State:
     self.leaf_shapes = leaf_shapes
     self.leaf_paths = leaf_paths
     self.device_count = device_count
-    self.data = _data_values(program, len(leaf_shapes))
+    self.data = D.data_values(program, len(leaf_shapes))
     for i, var in enumerate(program.invars[:len(leaf_shapes)]):
       self.views[var] = D.View(i, tuple(range(len(leaf_shapes[i]))))
 
@@ -154,7 +154,7 @@ class _State:
       dim = self.split_dim(node, 0)
       if dim is not None and dim != eqn.params.get("axis"):
         for idx in range(len(eqn.outvars)):
-          self.set_out(node, _pieces_dim(eqn, dim), idx)
+          self.set_out(node, D.pieces_dim(eqn, dim), idx)
     elif prim in ("slice", "dynamic_slice", "pad", "argmax", "argmin") or prim.startswith(
         "reduce_"):
       dim = self.split_dim(node, 0)
@@ -310,7 +310,7 @@ class _State:
       if dim == eqn.params.get("axis"):
         fate.bad.append(f"it is cut into pieces at {where}")
         return []
-      return [(out, _pieces_dim(eqn, dim)) for out in eqn.outvars]
+      return [(out, D.pieces_dim(eqn, dim)) for out in eqn.outvars]
     if prim in ("slice", "dynamic_slice", "pad") and pos > 0:
       return []
     out = D.passes(eqn, dim) if pos == 0 or prim == "concatenate" else False
@@ -394,23 +394,6 @@ class _State:
       shape = D.shape(eqn.invars[pos])
       if v is not None and len(shape) == len(out_shape) and shape[dim] == out_shape[dim]:
         self.decide(v, dim, FOLLOWS)
-
-
-def _pieces_dim(eqn, dim: int) -> int:
-  """Where ``dim`` lands in each piece of a ``split`` (same rank) or ``unstack`` (the axis
-  dropped)."""
-  if eqn.primitive.name == "unstack" and dim > eqn.params["axis"]:
-    return dim - 1
-  return dim
-
-
-def _data_values(program: Program, num_variables: int) -> set:
-  """Values computed from the batch (program inputs after the variables)."""
-  data = set(program.invars[num_variables:])
-  for node in program.nodes:
-    if any(b in data for bases in node.inputs for b in bases):
-      data.update(node.eqn.outvars)
-  return data
 
 
 def spec_for(ndim: int, dim: int | None, axis: str) -> P:
