@@ -1,5 +1,8 @@
 """From the traced program to shardings.
 
 ``program.py`` flattens a jaxpr across call boundaries; ``capture.py`` tags every equation and
-parameter with its task graph; ``specs.py`` turns task graphs into ``PartitionSpec``s.
+parameter with its task graph (``annotations.py``: ``epl.annotate`` rules and Flax metadata);
+``split_rules.py`` decides each split parameter's dimension from the data flow, with
+``dims.py`` saying how a split dimension travels through one equation; ``specs.py`` turns it
+all into ``PartitionSpec``s.
 """

@@ -89,7 +89,11 @@ def capture(fn: Callable[..., Any], variables: Sequence[Any], extra: Sequence[An
   node_tg = tuple(by_label[labels[n.index]] for n in program.nodes)
   input_tg, input_explicit = [], []
   for i, path in enumerate(input_paths):
-    used = {node_tg[n.index] for n, _ in program.uses_of_input(i)} - {-1}
+    uses = program.uses_of_input(i)
+    # The task graphs whose own code (a scope, an annotated module, a default) uses the
+    # parameter; code that joined a task graph by data flow only counts when nothing does.
+    used = {node_tg[n.index] for n, _ in uses if explicit[n.index]} - {-1} or {
+        node_tg[n.index] for n, _ in uses} - {-1}
     tg = _input_taskgraph(used, by_label.get(defined[i]) if defined else None, taskgraphs,
                           path, variables[i])
     input_tg.append(tg)
@@ -163,10 +167,13 @@ def _assign_labels(program: Program, top_default, module_rules: Sequence[ModuleR
       _register(specs, frame.label, _frame_spec(frame))
       labels[node.index] = frame.label
       continue
-    rule = module_rule_for(node.frames, module_rules)
+    rule = module_rule_for(node.module_frames, module_rules)
     if rule is not None:
       s = rule.strategy
-      lab = f"name={s.name}" if s.name else f"rule={rule.pattern}"
+      # Rules with equal strategies (or one strategy object) form one task graph: a rule is
+      # not a scope entered anew, and splitting attention and MLP with two epl.split(2) rules
+      # means one split(2) over the same devices.
+      lab = f"name={s.name}" if s.name else f"rule={s.kind}({s.device_count})"
       _register(specs, lab, _Spec(s.kind, s.device_count, s.name, f"epl.annotate {rule.pattern}"))
       labels[node.index] = lab
       continue
@@ -174,7 +181,7 @@ def _assign_labels(program: Program, top_default, module_rules: Sequence[ModuleR
   if module_rules:
     modules = set()
     for node in program.nodes:
-      names = [f for f in node.frames if not f.startswith("epl.")]
+      names = [f for f in node.module_frames if not f.startswith("epl.")]
       modules.update("/".join(names[:end]) for end in range(1, len(names) + 1))
     warn_unmatched("module", [r.pattern for r in module_rules], modules)
   explicit = [lab is not None for lab in labels]

@@ -11,10 +11,14 @@ other nodes.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import defaultdict
 from typing import Any
 
 from jax.extend import core as jcore
+
+# A Flax method other than __call__ runs in the named scope "<module>.<method>".
+_METHOD = re.compile(r"(?<=[A-Za-z0-9_])\.[A-Za-z_]\w*$")
 
 Base = Any  # a jcore.Var that is a program input, a constant or the output of a Node
 
@@ -28,6 +32,8 @@ class Node:
   inputs: tuple[tuple[Base, ...], ...]     # per operand: the base values it may carry
   enclosing: tuple[str, ...]               # primitives this node sits inside, outermost first
   enclosing_ids: tuple[int, ...] = ()      # and which equations those are (ids)
+  module_frames: tuple[str, ...] = ()      # the name-stack scopes alone: no transform entries
+                                           # (``vmap``, ``jvp``), method suffixes dropped
 
   @property
   def primitive(self) -> str:
@@ -46,7 +52,7 @@ class Program:
     self.invars: tuple[jcore.Var, ...] = tuple(jaxpr.invars)
     self.nodes: list[Node] = []
     self._alias: dict[jcore.Var, tuple[Base, ...]] = {}
-    self._walk(jaxpr, (), (), ())
+    self._walk(jaxpr, (), (), (), ())
     self.outputs = tuple(self._resolve(v) for v in jaxpr.outvars)
     self.producer: dict[Base, Node] = {}
     self.consumers: dict[Base, list[tuple[Node, int]]] = defaultdict(list)
@@ -75,22 +81,25 @@ class Program:
     return self._alias.get(v, (v,))
 
   def _walk(self, jaxpr: jcore.Jaxpr, frames: tuple[str, ...], enclosing: tuple[str, ...],
-            enclosing_ids: tuple[int, ...] = ()):
+            enclosing_ids: tuple[int, ...] = (), module_frames: tuple[str, ...] = ()):
     for eqn in jaxpr.eqns:
-      eqn_frames = frames + tuple(
-          getattr(s, "name", str(s)) for s in eqn.source_info.name_stack.stack)
+      stack = eqn.source_info.name_stack.stack
+      eqn_frames = frames + tuple(getattr(s, "name", str(s)) for s in stack)
+      eqn_modules = module_frames + tuple(
+          s.name if s.name.startswith("epl.") else _METHOD.sub("", s.name)
+          for s in stack if type(s).__name__ == "Scope")
       calls = _sub_calls(eqn)
       if calls is None:
         self.nodes.append(Node(len(self.nodes), eqn, eqn_frames,
                                tuple(self._resolve(v) for v in eqn.invars), enclosing,
-                               enclosing_ids))
+                               enclosing_ids, eqn_modules))
         continue
       outer_outs: dict[jcore.Var, list[Base]] = defaultdict(list)
       for inner, in_map, out_map in calls:
         for inner_v, outer_v in in_map:
           self._alias[inner_v] = self._resolve(outer_v)
         self._walk(inner, eqn_frames, enclosing + (eqn.primitive.name,),
-                   enclosing_ids + (id(eqn),))
+                   enclosing_ids + (id(eqn),), eqn_modules)
         for outer_o, inner_o in out_map:
           outer_outs[outer_o].extend(self._resolve(inner_o))
       for outer_o, bases in outer_outs.items():

@@ -1,40 +1,59 @@
 """Split rules: which dimension of each parameter a ``split`` task graph cuts, read from the
-traced program (not from layer class names).
+data flow of the traced program (never from names or dimension positions).
 
 One pass over the program in trace order tracks, for every value, which of its dimensions is
-split over the ``model`` axis, and decides each candidate parameter at its first decisive use:
+split over the ``model`` axis (a *split activation dimension*), and decides each candidate
+parameter at its first decisive use:
 
 - ``dot_general`` with a parameter operand (a weight):
   - a weight dimension used as a batch dimension -> split on it (**experts**: the leading
     experts dimension of an MoE weight, einsum ``egcd,edf->egcf``);
   - the activation already split on a contracting dimension -> split the weight on the matching
     contracting dimension (**row**, Megatron's second matmul: partial sums, one all-reduce);
-  - else split the weight's first free dimension (**column**: output features; for attention
-    projections ``(features, heads, head_dim)`` that is the heads).
+  - else a dimension that flows to the output (**column**). With several (fused einsum kernels:
+    q ``(heads, d, head_dim)``, kv ``(2, kv_heads, d, head_dim)``, gated MLP ``(2, d, hidden)``)
+    each is followed forward through the program as a split activation dimension; the one
+    whose every path ends contracted against another weight (the row split that closes the
+    pair), never sliced, reduced, merged as a minor factor or contracted between two
+    activations on the way, is the split: the heads (through the attention scores and the
+    grouped-query reshapes, to the output projection), the MLP's hidden dimension (through the
+    gate, to the down projection), never the k/v or gate/up stacking dimension, never
+    head_dim. None or several such dimensions is an error naming the parameter.
 - ``gather`` reading a parameter (an embedding lookup) -> split on the looked-up dimension
-  (**vocabulary**).
+  (**vocabulary**); a tied embedding's later logits matmul keeps that split (vocab-parallel
+  logits).
 - An elementwise use next to a split activation (a bias add, a norm's scale) -> split the
   parameter along with it (**follows** the weight that split the activation).
 
-Values keep their split dimension through elementwise ops, broadcasts, reshapes that keep the
-dimension whole, transposes and reductions over other dimensions; anything else is treated as
-not split, which only makes GSPMD communicate more, never compute wrong numbers. A parameter
-with no decisive use stays replicated. A decided dimension that does not divide by the device
-count is an error naming the parameter, its shape and the count.
+A decided weight used again against an activation split on a different dimension is an error
+(the two uses disagree). A parameter with no decisive use stays replicated. A decided
+dimension that does not divide by the device count is an error naming the parameter, its
+shape and the count.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import heapq
 from collections.abc import Iterable, Mapping, Sequence
 
 from jax.sharding import PartitionSpec as P
 
 from epljax.errors import PlanError
+from epljax.sharding import dims as D
 from epljax.sharding.program import Node, Program
 
 COLUMN, ROW, EXPERTS, VOCAB, FOLLOWS = "column", "row", "experts", "vocabulary", "follows"
+_LOOKAHEAD = 4000   # equations followed per candidate dimension before giving up on it
+_MIXED = "it is mixed into an unsplit activation"
+
+
+@dataclasses.dataclass
+class _Fate:
+  """What following one candidate split dimension found."""
+  good: int = 0                  # paths that end contracted against a weight
+  bad: list[str] = dataclasses.field(default_factory=list)   # places that need communication
+  whole: int = 0                 # activation products holding their other operand whole
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,13 +62,6 @@ class Decision:
   leaf: int
   dim: int
   rule: str
-
-
-@dataclasses.dataclass(frozen=True)
-class _View:
-  """A value that is a parameter seen through shape-only ops: view dim i is param dim map[i]."""
-  leaf: int
-  dims: tuple[int | None, ...]
 
 
 def split_decisions(program: Program, candidates: Iterable[int], leaf_shapes: Sequence[tuple],
@@ -62,7 +74,7 @@ def split_decisions(program: Program, candidates: Iterable[int], leaf_shapes: Se
   """
   fixed = dict(fixed or {})
   candidates = set(candidates) - set(fixed)
-  state = _State(program, candidates | set(fixed), leaf_shapes)
+  state = _State(program, candidates, set(fixed), leaf_shapes, leaf_paths, device_count)
   state.decisions.update({i: Decision(i, d, "user") for i, d in fixed.items()})
   for node in program.nodes:
     state.visit(node)
@@ -80,31 +92,31 @@ def split_decisions(program: Program, candidates: Iterable[int], leaf_shapes: Se
 
 class _State:
 
-  def __init__(self, program: Program, candidates: set[int], leaf_shapes: Sequence[tuple]):
+  def __init__(self, program: Program, candidates: set[int], fixed: set[int],
+               leaf_shapes: Sequence[tuple], leaf_paths: Sequence[str], device_count: int):
     self.program = program
     self.decisions: dict[int, Decision] = {}
     self.split: dict[object, int] = {}             # value -> split dim
-    self.views: dict[object, _View] = {}           # value -> parameter view
+    self.views: dict[object, D.View] = {}          # value -> parameter view
     self.candidates = candidates
-    for i, var in enumerate(program.invars):
-      if i in candidates:
-        self.views[var] = _View(i, tuple(range(len(leaf_shapes[i]))))
     self.leaf_shapes = leaf_shapes
+    self.leaf_paths = leaf_paths
+    self.device_count = device_count
+    self.data = D.data_values(program, len(leaf_shapes))
+    for i, var in enumerate(program.invars[:len(leaf_shapes)]):
+      self.views[var] = D.View(i, tuple(range(len(leaf_shapes[i]))))
 
   # -- reading operands -----------------------------------------------------------------
-  def _bases(self, node: Node, pos: int):
-    return node.inputs[pos]
-
-  def view(self, node: Node, pos: int) -> _View | None:
-    for b in self._bases(node, pos):
+  def view(self, node: Node, pos: int) -> D.View | None:
+    for b in node.inputs[pos]:
       v = self.views.get(b)
       if v is not None:
-        return _align(v, _shape(node.eqn.invars[pos]), self.leaf_shapes[v.leaf])
+        return D.align(v, D.shape(node.eqn.invars[pos]), self.leaf_shapes[v.leaf])
     return None
 
   def split_dim(self, node: Node, pos: int) -> int | None:
     """The split dim of operand ``pos`` (a decided parameter view counts as split)."""
-    for b in self._bases(node, pos):
+    for b in node.inputs[pos]:
       if b in self.split:
         return self.split[b]
     v = self.view(node, pos)
@@ -113,7 +125,7 @@ class _State:
       return v.dims.index(dim) if dim in v.dims else None
     return None
 
-  def decide(self, v: _View, view_dim: int, rule: str) -> None:
+  def decide(self, v: D.View, view_dim: int, rule: str) -> None:
     if v.leaf in self.decisions or v.leaf not in self.candidates:
       return
     param_dim = v.dims[view_dim]
@@ -124,6 +136,10 @@ class _State:
     if dim is not None and idx < len(node.eqn.outvars):
       self.split[node.eqn.outvars[idx]] = dim
 
+  def _where(self, leaf: int) -> str:
+    return (f"Parameter '{self.leaf_paths[leaf]}' (shape {tuple(self.leaf_shapes[leaf])}) "
+            f"of a split({self.device_count}) task graph")
+
   # -- the rules ----------------------------------------------------------------------------
   def visit(self, node: Node) -> None:
     prim = node.primitive
@@ -132,51 +148,209 @@ class _State:
       self._dot(node)
     elif prim == "gather":
       self._gather(node)
-    elif prim in ("broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims",
-                  "convert_element_type", "copy", "copy_p"):
+    elif prim in D.SHAPE_OPS:
       self._shape_op(node)
-    elif prim.startswith("reduce_") or prim in ("argmax", "argmin"):
+    elif prim in ("split", "unstack"):
       dim = self.split_dim(node, 0)
-      axes = tuple(eqn.params.get("axes", ()))
-      if dim is not None and dim not in axes:
-        self.set_out(node, dim - sum(a < dim for a in axes))
-    elif _elementwise(eqn):
+      if dim is not None and dim != eqn.params.get("axis"):
+        for idx in range(len(eqn.outvars)):
+          self.set_out(node, D.pieces_dim(eqn, dim), idx)
+    elif prim in ("slice", "dynamic_slice", "pad", "argmax", "argmin") or prim.startswith(
+        "reduce_"):
+      dim = self.split_dim(node, 0)
+      if dim is not None:
+        self.set_out(node, D.passes(eqn, dim))
+    elif prim == "concatenate":
+      dims = {self.split_dim(node, pos) for pos in range(len(eqn.invars))} - {None}
+      if len(dims) == 1:
+        self.set_out(node, D.passes(eqn, dims.pop()))
+    elif D.is_elementwise(eqn):
       self._elementwise(node)
 
   def _dot(self, node: Node) -> None:
-    (lc, rc), (lb, rb) = node.eqn.params["dimension_numbers"]
-    nd = (len(_shape(node.eqn.invars[0])), len(_shape(node.eqn.invars[1])))
+    eqn = node.eqn
+    contract, batch, free = D.dot_dims(eqn)
     views = (self.view(node, 0), self.view(node, 1))
-    contract, batch = (tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))
-    free = tuple(tuple(d for d in range(nd[s]) if d not in contract[s] and d not in batch[s])
-                 for s in range(2))
     for side in (0, 1):
       w, other = views[side], 1 - side
-      if w is None or w.leaf not in self.candidates or w.leaf in self.decisions:
+      if w is None:
+        continue
+      act = self.split_dim(node, other)
+      if w.leaf in self.decisions:
+        self._check_agrees(w, node, side, act, contract)
+        continue
+      if w.leaf not in self.candidates:
         continue
       if views[other] is not None and views[other].leaf not in self.decisions:
         continue  # two undecided parameters: nothing tells which to split
-      act = self.split_dim(node, other)
       if batch[side] and any(w.dims[d] is not None for d in batch[side]):
         d = next(d for d in batch[side] if w.dims[d] is not None)
         self.decide(w, d, EXPERTS)
       elif act is not None and act in contract[other]:
         self.decide(w, contract[side][contract[other].index(act)], ROW)
-      elif free[side]:
-        d = next((d for d in free[side] if w.dims[d] is not None), None)
+      else:
+        d = self._column(node, side, w, free[side])
         if d is not None:
           self.decide(w, d, COLUMN)
     # Where the output is split: the first split operand dim that survives.
     for side in (0, 1):
       dim = self.split_dim(node, side)
-      if dim is None or dim in contract[side]:
-        continue
-      if dim in batch[side]:
-        self.set_out(node, batch[side].index(dim))
-      else:
-        offset = len(batch[0]) + (0 if side == 0 else len(free[0]))
-        self.set_out(node, offset + free[side].index(dim))
+      if dim is not None and dim not in contract[side]:
+        self.set_out(node, D.dot_out_dim(eqn, side, dim))
+        return
+
+  def _check_agrees(self, w: D.View, node: Node, side: int, act: int | None, contract) -> None:
+    """A decided weight met again: an activation split on a contracting dimension must meet
+    the weight's own split dimension there, or the two uses disagree."""
+    decision = self.decisions[w.leaf]
+    if act is None or act not in contract[1 - side] or decision.rule == "user":
       return
+    wanted = w.dims[contract[side][contract[1 - side].index(act)]]
+    if wanted is not None and wanted != decision.dim:
+      raise PlanError(
+          f"{self._where(w.leaf)} is split on dimension {decision.dim} ({decision.rule}) by "
+          f"its first use, but a later use (equation {node.index}, {node.primitive} in "
+          f"{'/'.join(node.frames) or 'the top level'}) contracts it against an activation "
+          f"split on what is its dimension {wanted}. The uses disagree; give the parameter "
+          "an explicit PartitionSpec with epl.annotate({'" + self.leaf_paths[w.leaf]
+          + "': P(...)}), or keep the two uses in different task graphs.")
+
+  def _column(self, node: Node, side: int, w: D.View, free: tuple[int, ...]) -> int | None:
+    """The free weight dimension whose split flows to a row-split weight (module doc); a
+    weight with one free dimension is split on it unless its output would be mixed into
+    unsplit activations (a stem or head feeding a residual stream stays replicated)."""
+    dims = [d for d in free if w.dims[d] is not None]
+    if not dims:
+      return None
+    fates = {d: self._follow(node, D.dot_out_dim(node.eqn, side, d)) for d in dims}
+    if len(dims) == 1:
+      return None if any(r.startswith(_MIXED) for r in fates[dims[0]].bad) else dims[0]
+    clean = [d for d, f in fates.items() if f.good and not f.bad]
+    # Among clean dimensions, the one that never makes a device hold the other operand of an
+    # activation product whole (attention's value kernel: heads, a batch dimension of the
+    # probabilities x values product, over head_dim, a free one).
+    least = min((fates[d].whole for d in clean), default=0)
+    best = [d for d in clean if fates[d].whole == least]
+    if len(best) == 1:
+      return best[0]
+    shape = self.leaf_shapes[w.leaf]
+    lines = "\n".join(
+        f"  dimension {w.dims[d]} (size {shape[w.dims[d]]}): "
+        + (f"{f.good} path(s) end at a weight (row split)" if f.good else "reaches no weight")
+        + (f"; {f.whole} product(s) hold their other operand whole" if f.whole else "")
+        + (f"; but {f.bad[0]}" if f.bad else "")
+        for d, f in fates.items())
+    why = ("several of its dimensions could carry the split"
+           if clean else "none of its dimensions carries a split cleanly to another weight")
+    raise PlanError(
+        f"{self._where(w.leaf)} is used at equation {node.index} ({node.primitive} in "
+        f"{'/'.join(node.frames) or 'the top level'}) against an unsplit activation, and "
+        f"{why}, followed through the program:\n{lines}\nGive it an explicit PartitionSpec "
+        "with epl.annotate({'" + self.leaf_paths[w.leaf] + "': P(...)}) (e.g. 'model' on "
+        "the heads or hidden dimension), or leave this module out of the split.")
+
+  def _follow(self, start: Node, dim: int) -> _Fate:
+    """Follows the output of ``start`` split on ``dim`` forward, equations in trace order (so
+    every operand's hypothetical split is known when its consumer is reached)."""
+    fate = _Fate()
+    hyp = {start.eqn.outvars[0]: dim}
+    queue = [c.index for c, _ in self.program.consumers.get(start.eqn.outvars[0], ())]
+    heapq.heapify(queue)
+    done = set()
+    while queue:
+      node = self.program.nodes[heapq.heappop(queue)]
+      if node.index in done:
+        continue
+      done.add(node.index)
+      if len(done) > _LOOKAHEAD:
+        fate.bad.append(f"it is still split after {_LOOKAHEAD} equations")
+        break
+      outs = self._carry(node, hyp, fate)
+      for out, d in outs:
+        hyp[out] = d
+        for c, _ in self.program.consumers.get(out, ()):
+          heapq.heappush(queue, c.index)
+    return fate
+
+  def _carry(self, node: Node, hyp: dict, fate: _Fate) -> list[tuple[object, int]]:
+    """One step of ``_follow``: records in ``fate`` what ``node`` does to the hypothetical
+    split, and returns the outputs it stays split on."""
+    eqn = node.eqn
+    split = {pos: d for pos in range(len(eqn.invars))
+             for b in node.inputs[pos] if (d := hyp.get(b)) is not None}
+    split = {pos: d for pos, d in split.items()
+             if d < len(D.shape(eqn.invars[pos])) and D.shape(eqn.invars[pos])[d] != 1}
+    if not split:
+      return []
+    pos, dim = next(iter(split.items()))
+    prim = node.primitive
+    where = f"equation {node.index} ({prim} in {'/'.join(node.frames) or 'the top level'})"
+    if prim == "dot_general":
+      contract, batch, _ = D.dot_dims(eqn)
+      if len(split) == 2:
+        if split[1] not in batch[1] or batch[0][batch[1].index(split[1])] != split[0]:
+          fate.bad.append(f"both operands are split, not on one batch dimension, at {where}")
+          return []
+        return [(eqn.outvars[0], batch[0].index(split[0]))]
+      other = self.view(node, 1 - pos)
+      other_split = self.split_dim(node, 1 - pos)
+      if dim in contract[pos]:
+        if other is not None:
+          fate.good += 1
+        else:
+          fate.bad.append(f"it is contracted between two activations at {where}")
+        return []
+      matching = batch[1 - pos][batch[pos].index(dim)] if dim in batch[pos] else None
+      if other_split is not None and other_split != matching:
+        fate.bad.append(f"it meets an operand split on another dimension at {where}")
+        return []
+      fate.whole += other is None and matching is None
+      return [(eqn.outvars[0], D.dot_out_dim(eqn, pos, dim))]
+    if prim in ("split", "unstack"):
+      if dim == eqn.params.get("axis"):
+        fate.bad.append(f"it is cut into pieces at {where}")
+        return []
+      return [(out, D.pieces_dim(eqn, dim)) for out in eqn.outvars]
+    if prim in ("slice", "dynamic_slice", "pad") and pos > 0:
+      return []
+    out = D.passes(eqn, dim) if pos == 0 or prim == "concatenate" else False
+    if out is None:
+      fate.bad.append(f"it does not survive whole through {where}")
+      return []
+    if out is False:
+      in_shape = D.shape(eqn.invars[pos])
+      out_shape = D.shape(eqn.outvars[0]) if len(eqn.outvars) == 1 else ()
+      if not (D.is_elementwise(eqn) and len(out_shape) == len(in_shape)
+              and out_shape[dim] == in_shape[dim]):
+        fate.bad.append(f"it meets an operation split rules do not follow at {where}")
+        return []
+      for p in range(len(eqn.invars)):
+        if p in split:
+          if split[p] != dim:
+            fate.bad.append(f"it meets an operand split on another dimension at {where}")
+            return []
+        elif self._unsplit_activation(node, p, dim):
+          fate.bad.append(f"{_MIXED} at {where}")
+          return []
+      out = dim
+    return [(eqn.outvars[0], out)]
+
+  def _unsplit_activation(self, node: Node, pos: int, dim: int) -> bool:
+    """Whether operand ``pos`` is data (computed from the batch), whole along ``dim`` and not
+    split there: a residual stream, not a bias, a mask broadcast along ``dim`` or a constant."""
+    shape = D.shape(node.eqn.invars[pos])
+    if len(shape) <= dim or shape[dim] == 1 or self.split_dim(node, pos) is not None:
+      return False
+    if not any(b in self.data for b in node.inputs[pos]):
+      return False
+    producer = next((self.program.producer.get(b) for b in node.inputs[pos]
+                     if b in self.program.producer), None)
+    if producer is not None and producer.primitive == "broadcast_in_dim":
+      src = D.shape(producer.eqn.invars[0])
+      made = {d for i, d in enumerate(producer.eqn.params["broadcast_dimensions"])
+              if src[i] == shape[d]}
+      return dim in made
+    return True
 
   def _gather(self, node: Node) -> None:
     w = self.view(node, 0)
@@ -189,8 +363,8 @@ class _State:
 
   def _shape_op(self, node: Node) -> None:
     eqn = node.eqn
-    in_shape, out_shape = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
-    mapping = _dim_map(eqn.primitive.name, eqn.params, in_shape, out_shape)
+    in_shape, out_shape = D.shape(eqn.invars[0]), D.shape(eqn.outvars[0])
+    mapping = D.dim_map(eqn.primitive.name, eqn.params, in_shape, out_shape)
     if mapping is None:
       return
     dim = self.split_dim(node, 0)
@@ -199,17 +373,17 @@ class _State:
     v = self.view(node, 0)
     if v is not None:
       inverse = {o: i for i, o in mapping.items() if o is not None}
-      self.views[eqn.outvars[0]] = _View(
+      self.views[eqn.outvars[0]] = D.View(
           v.leaf, tuple(v.dims[inverse[j]] if j in inverse else None
                         for j in range(len(out_shape))))
 
   def _elementwise(self, node: Node) -> None:
     eqn = node.eqn
-    out_shape = _shape(eqn.outvars[0])
+    out_shape = D.shape(eqn.outvars[0])
     dim = None
     for pos in range(len(eqn.invars)):
       d = self.split_dim(node, pos)
-      if d is not None and _shape(eqn.invars[pos])[d] == out_shape[d]:
+      if d is not None and D.shape(eqn.invars[pos])[d] == out_shape[d]:
         dim = d
         break
     if dim is None:
@@ -217,82 +391,9 @@ class _State:
     self.set_out(node, dim)
     for pos in range(len(eqn.invars)):
       v = self.view(node, pos)
-      shape = _shape(eqn.invars[pos])
+      shape = D.shape(eqn.invars[pos])
       if v is not None and len(shape) == len(out_shape) and shape[dim] == out_shape[dim]:
         self.decide(v, dim, FOLLOWS)
-
-
-def _shape(v) -> tuple[int, ...]:
-  return tuple(getattr(getattr(v, "aval", None), "shape", ()))
-
-
-def _elementwise(eqn) -> bool:
-  """Same-rank operands whose dims equal the output's or are 1 (jaxpr's broadcasting)."""
-  out = _shape(eqn.outvars[0]) if len(eqn.outvars) == 1 else None
-  if not out:
-    return False
-  for v in eqn.invars:
-    s = _shape(v)
-    if s and (len(s) != len(out) or any(a not in (b, 1) for a, b in zip(s, out))):
-      return False
-  return True
-
-
-def _align(v: _View, shape: tuple[int, ...], leaf_shape: tuple[int, ...]) -> _View:
-  """A parameter read with fewer leading dims (the per-layer slice of a scanned stack)."""
-  if len(shape) < len(v.dims) and tuple(leaf_shape[len(leaf_shape) - len(shape):]) == shape:
-    return _View(v.leaf, v.dims[len(v.dims) - len(shape):])
-  return v
-
-
-def _dim_map(prim: str, params, in_shape, out_shape) -> dict[int, int | None] | None:
-  """Input dim -> output dim for shape-only ops (None: the dim does not survive whole)."""
-  if prim in ("convert_element_type", "copy", "copy_p"):
-    return {i: i for i in range(len(in_shape))}
-  if prim == "transpose":
-    perm = tuple(params["permutation"])
-    return {src: dst for dst, src in enumerate(perm)}
-  if prim == "broadcast_in_dim":
-    dims = tuple(params["broadcast_dimensions"])
-    return {i: (d if in_shape[i] == out_shape[d] else None) for i, d in enumerate(dims)}
-  if prim == "squeeze":
-    dropped = set(params["dimensions"])
-    kept = [i for i in range(len(in_shape)) if i not in dropped]
-    return {i: (kept.index(i) if i in kept else None) for i in range(len(in_shape))}
-  if prim in ("reshape", "expand_dims"):
-    return _reshape_map(in_shape, out_shape)
-  return None
-
-
-def _reshape_map(a: tuple[int, ...], b: tuple[int, ...]) -> dict[int, int | None]:
-  """Maps dims of ``a`` to dims of ``b`` for a reshape: a dim maps when it survives whole, or
-  is the major factor of a merged dim, or splits with its size kept in the first part."""
-  out: dict[int, int | None] = {i: None for i in range(len(a))}
-  i = j = 0
-  while i < len(a) and j < len(b):
-    if a[i] == 1 and (j >= len(b) or b[j] != 1):
-      i += 1
-      continue
-    if b[j] == 1 and a[i] != 1:
-      j += 1
-      continue
-    # Group a[i:i2] with b[j:j2] of equal product.
-    i2, j2, pa, pb = i + 1, j + 1, a[i], b[j]
-    while pa != pb:
-      if pa < pb:
-        pa *= a[i2]
-        i2 += 1
-      else:
-        pb *= b[j2]
-        j2 += 1
-    if i2 - i == 1 and j2 - j == 1:
-      out[i] = j
-    elif i2 - i > 1 and j2 - j == 1:
-      out[i] = j                      # merged: the major input dim keeps the split
-    elif i2 - i == 1 and j2 - j > 1 and math.gcd(b[j], a[i]) == b[j]:
-      out[i] = j                      # split: the major output dim keeps it
-    i, j = i2, j2
-  return out
 
 
 def spec_for(ndim: int, dim: int | None, axis: str) -> P:

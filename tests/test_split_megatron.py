@@ -1,0 +1,93 @@
+"""Split rules on real weight layouts (the zoo's Gemma- and GPT-2-style models split with one
+``epl.annotate`` rule): Megatron's specs, equality with the single-device reference, and the
+collectives of the compiled step against Megatron's minimum (``bench/comm.py``)."""
+
+import os
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from epljax import hlo
+from helpers import DEEP_TOL, TOL, assert_trees_close, reference_run
+from models import ZOO
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+import comm  # noqa: E402
+
+STEPS = 2
+
+
+@pytest.fixture(scope="module", params=["gemma", "gpt2"])
+def split_run(request):
+  """A zoo model split over 2 devices (4 replicas) by its one annotate rule, trained two steps
+  beside the single-device reference; its forward and step HLO collectives."""
+  name = request.param
+  zoo = ZOO[name]
+  trainer, state, batch = comm.zoo_split(name)
+  tol = DEEP_TOL if zoo.deep else TOL
+  optimizer = optax.sgd(0.1)
+  history, expected = reference_run(zoo.init_fn, zoo.loss_fn, optimizer, jax.random.key(0),
+                                    batch, STEPS)
+  loss0, grads0 = trainer.loss_and_grads(state, batch)
+  np.testing.assert_allclose(loss0, history[0][0], **tol)
+  assert_trees_close(grads0, history[0][1], tol)
+  forward = hlo.collectives(trainer.lower_loss(state, batch).compile().as_text())
+  step = hlo.collectives(trainer.lower(state, batch).compile().as_text())
+  losses = []
+  for _ in range(STEPS):
+    state, metrics = trainer.train_step(state, batch)
+    losses.append(metrics["loss"])
+  return dict(name=name, trainer=trainer, state=state, history=history, expected=expected,
+              losses=losses, forward=forward, step=step, tol=tol, zoo=zoo)
+
+
+def test_one_annotate_rule_gives_megatron_specs(split_run):
+  trainer, zoo = split_run["trainer"], split_run["zoo"]
+  expected = zoo.expected_specs(trainer.variables(split_run["state"]))
+  got = {leaf.path: leaf.spec for leaf in trainer.plan.leaves}
+  wrong = {p: (got[p], s) for p, s in expected.items()
+           if tuple(got[p]) + (None,) * (len(s) - len(got[p])) != tuple(s) + (None,) * (
+               len(got[p]) - len(s))}
+  assert not wrong, wrong
+  assert [(t.strategy, t.device_count) for t in trainer.plan.taskgraphs] == [("split", 2)]
+
+
+def test_split_step_equals_the_single_device_reference(split_run):
+  run = split_run
+  for step in range(STEPS):
+    np.testing.assert_allclose(run["losses"][step], run["history"][step][0], **run["tol"])
+  assert_trees_close(run["trainer"].variables(run["state"]), run["expected"], run["tol"])
+
+
+def test_forward_communicates_exactly_megatrons_minimum(split_run):
+  run = split_run
+  plan = run["trainer"].plan
+  rows = comm.ZOO_ROWS // plan.num_replicas
+  minimum = comm.megatron_minimum(run["name"], rows, plan.param_bytes, forward_only=True)
+  assert {c.kind for c in run["forward"]} == {"all-reduce"}
+  assert comm.activation_arrays(run["forward"], f"f32[{rows},16,32]") == minimum[
+      "activation arrays"]
+  assert comm.tensor_bytes(run["forward"]) == minimum["bytes"]
+
+
+def test_step_communicates_megatrons_minimum_plus_what_xla_cpu_does_not_reassociate(split_run):
+  """The step's only excess over Megatron: XLA's CPU pipeline has no all-reduce reassociation,
+  so the input gradients of the column matmuls reading one activation (q and kv; q, k and v)
+  are all-reduced one by one before they are added, and so are the two gradient contributions
+  of the tied embedding (lookup and logits) over the data axis. Nothing is gathered."""
+  run = split_run
+  plan = run["trainer"].plan
+  rows = comm.ZOO_ROWS // plan.num_replicas
+  minimum = comm.megatron_minimum(run["name"], rows, plan.param_bytes)
+  activation = rows * 16 * 32 * 4
+  extra_projections = {"gemma": 4 * 1, "gpt2": 2 * 2}[run["name"]]
+  table = next(leaf for leaf in plan.leaves if "embedding" in leaf.path.split("/")[-1]
+               and tuple(leaf.spec)[:1] == ("model",))
+  assert {c.kind for c in run["step"]} == {"all-reduce"}
+  assert comm.activation_arrays(run["step"], f"f32[{rows},16,32]") == (
+      minimum["activation arrays"] + extra_projections)
+  assert comm.tensor_bytes(run["step"]) == (
+      minimum["bytes"] + extra_projections * activation + table.bytes_per_device)
