@@ -223,7 +223,7 @@ def run_scan(step: Step, invals: Sequence[Any], body: Callable) -> list[Any]:
   carry + ys`` (lists), so a feature can change how each iteration runs (rematerialize it,
   cast or gather its weights). Call inside ``in_context(step, ...)``."""
   p = step.eqn.params
-  nc, nk = p["num_consts"], p["num_carry"]
+  nc, nk = scan_counts(step)
   consts, carry, xs = list(invals[:nc]), list(invals[nc:nc + nk]), list(invals[nc + nk:])
 
   def one(c, x):
@@ -234,6 +234,16 @@ def run_scan(step: Step, invals: Sequence[Any], body: Callable) -> list[Any]:
   carry, ys = jax.lax.scan(one, carry, xs, length=p["length"], reverse=p["reverse"],
                            unroll=p["unroll"], **extra)
   return list(carry) + list(ys)
+
+
+def scan_counts(step: Step) -> tuple[int, int]:
+  """(number of constants, number of carries) of a ``scan`` step; the inputs are constants,
+  carries, then the sliced arrays (jax 0.10 has counts, 0.11 a flat tree of the three)."""
+  p = step.eqn.params
+  if "num_consts" in p:
+    return p["num_consts"], p["num_carry"]
+  consts, carry, _ = p["ft_in"].unpack()
+  return len(consts), len(carry)
 
 
 def scan_body(step: Step) -> Callable:

@@ -166,7 +166,7 @@ class _Run:
            for j, v in enumerate(raw)]
     if step.primitive == "scan":
       body = interpret.program_of(params["jaxpr"])
-      nc, nk = params["num_consts"], params["num_carry"]
+      nc, nk = interpret.scan_counts(step)
       refs = self._inner_refs(body, step, direct, sliced_from=nc + nk, skip=range(nc, nc + nk))
       run = lambda consts, carry, x: _Run(body, [*consts, *carry, *x], refs,  # noqa: E731
                                           self.options)()
