@@ -26,6 +26,10 @@ low-precision copy of a weight lives from the forward to the backward pass. Insi
   compilers. Used when ``data`` is the only mesh axis with more than one device (a model
   split over ``model`` keeps GSPMD's placement).
 
+Loops over layers (``scan``, e.g. ``nn.scan``) and user rematerialization (``checkpoint``) are
+re-run with their bodies rewritten the same way: a stacked parameter is sliced by the loop and
+each iteration copies in, gathers and casts its own layer only.
+
 Every other equation follows the mixed-precision op policy (``amp.Policy``) or runs as traced.
 """
 
