@@ -158,8 +158,8 @@ def zoo_main(record_it: bool, argv) -> None:
     none = zoo_measure(name, {})
     auto = zoo_measure(name, {"gradient_checkpoint.type": "auto"})
     hand = zoo_measure(name, {}, hand_remat=True) if name in HAND_REMAT else None
-    cut = lambda r: f"{none['temp'] / r['temp']:.2f}x"  # noqa: E731
-    flops = lambda r: f"{r['flops'] / none['flops']:.2f}"  # noqa: E731
+    cut = lambda r, none=none: f"{none['temp'] / r['temp']:.2f}x"  # noqa: E731
+    flops = lambda r, none=none: f"{r['flops'] / none['flops']:.2f}"  # noqa: E731
     gc_rows.append([name, STRUCTURE[name], f"{none['temp'] / 1024:.0f}",
                      f"{auto['temp'] / 1024:.0f} ({cut(auto)})", flops(auto),
                      f"{hand['temp'] / 1024:.0f} ({cut(hand)})" if hand else "n/a",
