@@ -265,4 +265,6 @@ def test_auto_inside_pipeline_stages():
   assert any("segments cut where little is live (Stack/Block_*" in f
              for f in remat.plan.features)
   stash = lambda t: sum(t.plan.pipeline.buffers.residuals.values())  # noqa: E731
-  assert stash(remat) < 0.2 * stash(plain)
+  # Measured: 2048 of 10857 bytes on jax 0.10, 2048 of 9833 on jax 0.11 (whose plain stash
+  # is smaller): what stays are the segment inputs.
+  assert stash(remat) < 0.25 * stash(plain)
