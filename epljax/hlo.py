@@ -77,3 +77,14 @@ def summarize(found: Iterable[Collective]) -> dict[str, tuple[int, int]]:
     n, b = out.get(c.kind, (0, 0))
     out[c.kind] = (n + 1, b + c.bytes)
   return {k: out[k] for k in KINDS if k in out}
+
+
+_MATMUL = re.compile(r"stablehlo\.(?:dot_general|dot|convolution)\b[^\n]*?:\s*"
+                     r"\((tensor<[^>]*>),\s*(tensor<[^>]*>)\)")
+
+
+def float32_matmuls(stablehlo_text: str) -> int:
+  """Matmuls and convolutions with a float32 operand in a lowered program
+  (``jitted.lower(...).as_text()``): what mixed precision O1 should leave at 0."""
+  return sum(any(t.endswith("xf32>") or t == "tensor<f32>" for t in m.groups())
+             for m in _MATMUL.finditer(stablehlo_text))

@@ -74,6 +74,83 @@ class TwoGraphs(Deep):
       return nn.Dense(self.classes)(x)
 
 
+class LoopStack(nn.Module):
+  """Layers built in a loop inside one module (no submodule per layer): Flax names the
+  Dense layers ``Dense_0, Dense_1, ...``, so no name marks where a layer starts."""
+  depth: int = 8
+  width: int = 32
+  hidden: int = 128
+  classes: int = 16
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(self.width)(x)
+    for _ in range(self.depth):
+      x = nn.LayerNorm()(x + nn.Dense(self.width)(nn.gelu(nn.Dense(self.hidden)(x))))
+    return nn.Dense(self.classes)(x)
+
+
+class ScanBlock(Block):
+  """``Block`` with the (carry, x) -> (carry, y) signature of ``nn.scan``."""
+
+  def __call__(self, x, _):
+    return super().__call__(x), None
+
+
+class Scanned(nn.Module):
+  """``depth`` blocks under ``nn.scan``: parameters stacked on a leading layer axis."""
+  depth: int = 8
+  width: int = 32
+  hidden: int = 128
+  classes: int = 16
+  remat: bool = False    # the hand-written alternative: nn.remat of the scanned block
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(self.width)(x)
+    block = nn.remat(ScanBlock, prevent_cse=False) if self.remat else ScanBlock
+    x, _ = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                   length=self.depth)(self.width, self.hidden, name="layers")(x, None)
+    return nn.Dense(self.classes)(x)
+
+
+class Attention(nn.Module):
+  """Single-head self-attention over the rows of a (tokens, width) sequence, local (a band
+  of ``window`` tokens) or global, with a pre-norm residual MLP after it."""
+  width: int = 32
+  window: int = 0        # 0: global
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.RMSNorm()(x)
+    q, k, v = (nn.Dense(self.width, use_bias=False)(h) for _ in range(3))
+    scores = jnp.einsum("...qd,...kd->...qk", q, k) / jnp.sqrt(self.width)
+    if self.window:
+      t = x.shape[-2]
+      band = jnp.abs(jnp.arange(t)[:, None] - jnp.arange(t)[None, :]) < self.window
+      scores = jnp.where(band, scores, -1e9)
+    x = x + nn.Dense(self.width, use_bias=False)(
+        jnp.einsum("...qk,...kd->...qd", jax.nn.softmax(scores), v))
+    h = nn.RMSNorm()(x)
+    return x + nn.Dense(self.width)(nn.gelu(nn.Dense(4 * self.width)(h)))
+
+
+class Alternating(nn.Module):
+  """Gemma-style: ``pairs`` x (2 local + 2 global) attention layers; the two kinds differ in
+  their operations, so no op histogram repeats four times."""
+  pairs: int = 1
+  width: int = 32
+  tokens: int = 16
+  classes: int = 16
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(self.width)(x).reshape(x.shape[0] // self.tokens, self.tokens, self.width)
+    for i in range(4 * self.pairs):
+      x = Attention(self.width, window=4 if i % 4 < 2 else 0, name=f"layers_{i}")(x)
+    return nn.Dense(self.classes)(x.reshape(-1, self.width))
+
+
 def deep_fns(model: Deep, *, dropout_key: int | None = None):
   """(init_fn, loss_fn) for ``model``; dropout uses a fixed key so runs can be compared."""
 
@@ -102,6 +179,30 @@ def plain_mlp_fns(depth: int = 9, width: int = 32, classes: int = 16):
     x = batch["x"]
     for layer in params["layers"]:
       x = jnp.tanh(x @ layer["w"] + layer["b"])
+    return optax.softmax_cross_entropy_with_integer_labels(x @ params["head"], batch["y"]).mean()
+
+  return init_fn, loss_fn
+
+
+def plain_blocks_fns(depth: int = 6, width: int = 32, hidden: int = 128, classes: int = 16):
+  """Plain JAX, transformer-like: ``depth`` residual MLP blocks, no module names at all (the
+  parameters under a "params" key, so the single-device reference of helpers applies)."""
+
+  def init_fn(rng, batch):
+    keys = jax.random.split(rng, 2 * depth + 2)
+    dense = lambda k, a, b: jax.random.normal(k, (a, b)) / jnp.sqrt(a)  # noqa: E731
+    blocks = [{"w1": dense(keys[2 * i], width, hidden), "w2": dense(keys[2 * i + 1], hidden,
+                                                                     width)}
+              for i in range(depth)]
+    return {"params": {"embed": dense(keys[-2], batch["x"].shape[1], width), "blocks": blocks,
+                       "head": dense(keys[-1], width, classes)}}
+
+  def loss_fn(variables, batch):
+    params = variables["params"]
+    x = batch["x"] @ params["embed"]
+    for b in params["blocks"]:
+      h = x - x.mean(-1, keepdims=True)
+      x = x + jax.nn.gelu(h @ b["w1"]) @ b["w2"]
     return optax.softmax_cross_entropy_with_integer_labels(x @ params["head"], batch["y"]).mean()
 
   return init_fn, loss_fn

@@ -13,6 +13,7 @@ EPL_DEFAULTS = {
     "gradient_checkpoint.type": "",
     "gradient_checkpoint.end_taskgraph": -1,
     "gradient_checkpoint.check_gradients": False,
+    "gradient_checkpoint.offload_activations": False,   # beyond EPL
     "zero.level": "",
     "offload.level": "",
     "amp.level": "",

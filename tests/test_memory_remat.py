@@ -62,7 +62,7 @@ def test_auto_matches_the_reference(deep):
 def test_auto_finds_the_repeated_layers_and_halves_temp_memory(deep):
   runs = deep[3]
   plain, remat = runs["none"][0].plan, runs["auto"][0].plan
-  assert any("auto: 6 repeated blocks Deep/layers_*" in f for f in remat.features)
+  assert any("segments cut where little is live (Deep/layers_*" in f for f in remat.features)
   assert remat.memory.temp_size_in_bytes < 0.5 * plain.memory.temp_size_in_bytes
   assert remat.activation_bytes < 0.5 * plain.activation_bytes
   # Chen et al.: about one extra forward pass, a third of a step's FLOPs.
@@ -92,7 +92,8 @@ def test_end_taskgraph_limits_checkpointing_to_the_first_task_graphs(deep):
   check_reference(run, history, expected, grads=False)
   plan = run[0].plan
   assert [t.name for t in plan.taskgraphs] == ["low", "high"]
-  assert any("auto: 6 repeated blocks" in f and "task graphs 0..0" in f for f in plan.features)
+  assert any("segments cut where little is live" in f and "task graphs 0..0" in f
+             for f in plan.features)
   none, auto = (runs[k][0].plan.activation_bytes for k in ("none", "auto"))
   assert auto < plan.activation_bytes < none
 
@@ -107,7 +108,7 @@ def test_dropout_keeps_its_mask():
   check_reference(run, history, expected)
 
 
-def test_plain_jax_model_falls_back_to_sqrt_segments():
+def test_plain_jax_model_is_cut_about_every_sqrt_layers():
   init_fn, loss_fn = plain_mlp_fns(depth=9)
   batch = classification_batch(ROWS, features=32, classes=16)
   params = init_fn(jax.random.key(0), batch)
@@ -118,7 +119,7 @@ def test_plain_jax_model_falls_back_to_sqrt_segments():
     np.testing.assert_allclose(loss0, loss, **TOL)
     assert_trees_close(grads0, grads)
     acts[name] = trainer.plan.activation_bytes
-  assert any("no block repeated 4+ times; 3 memory-balanced segments" in f
+  assert any("segments cut where little is live (no module names)" in f
              for f in trainer.plan.features), trainer.plan.features
   assert acts["auto"] < 0.7 * acts["none"]
 
@@ -261,6 +262,9 @@ def test_auto_inside_pipeline_stages():
   assert remat.plan.num_stages == 2
   np.testing.assert_allclose(losses[0], plain_losses[0], **TOL)
   assert_trees_close(remat.variables(state), plain.variables(plain_state))
-  assert any("auto: 4 repeated blocks Stack/Block_*" in f for f in remat.plan.features)
+  assert any("segments cut where little is live (Stack/Block_*" in f
+             for f in remat.plan.features)
   stash = lambda t: sum(t.plan.pipeline.buffers.residuals.values())  # noqa: E731
-  assert stash(remat) < 0.2 * stash(plain)
+  # Measured: 2048 of 10857 bytes on jax 0.10, 2048 of 9833 on jax 0.11 (whose plain stash
+  # is smaller): what stays are the segment inputs.
+  assert stash(remat) < 0.25 * stash(plain)

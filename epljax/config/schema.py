@@ -34,13 +34,18 @@ class PipelineConfig:
 class GradientCheckpointConfig:
   type: str = key(
       "", "Rematerialization: '' (off), 'collection' (keep tensors tagged with "
-      "epl.add_to_collection) or 'auto' (repeated blocks found in the traced model).",
+      "epl.add_to_collection) or 'auto' (blocks found in the traced model's structure: "
+      "named layers, loops, scanned layers).",
       allowed=("", "collection", "auto"))
   end_taskgraph: int = key(
       -1, "Apply gradient checkpointing to task graphs 0..end_taskgraph (-1: all).", minimum=-1)
   check_gradients: bool = key(
       False, "On the first step, compare gradients with and without checkpointing; raise if "
       "they differ.")
+  offload_activations: bool = key(
+      False, "Beyond EPL: copy the activations kept for the backward pass (block boundaries, "
+      "carries of scanned layers) to host memory and back when needed "
+      "(jax.checkpoint with save_and_offload_only_these_names).")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,14 +4,15 @@ Each is an ``epljax.features.Feature`` built from its own config section; ``feat
 returns those the configuration asks for, in the order they wrap the step.
 
 - ``remat.py``: ``gradient_checkpoint.*`` and ``epl.add_to_collection``; ``blocks.py`` chooses
-  where to cut, ``recompute.py`` recomputes in the backward pass;
+  where to cut (by the program's structure), ``recompute.py`` recomputes unrolled segments in
+  the backward pass, ``jax.checkpoint`` the bodies of scans over layers;
 - ``zero.py``: ``zero.level`` (sharded optimizer state, gradients, parameters);
 - ``offload.py``: ``offload.level`` (state in host memory);
 - ``amp.py``: ``amp.*`` (op policy, loss scaling, skipped steps);
 - ``grouped.py``: ``optimizer.num_apply_group``;
 - ``uses.py``: the one forward rewrite of parameter uses that offload, ZeRO and mixed
-  precision share; ``interpret.py`` re-runs a traced function step by step for it and for
-  rematerialization.
+  precision share, also inside ``scan`` bodies (one layer's weights at a time);
+  ``interpret.py`` re-runs a traced function step by step for it and for rematerialization.
 """
 
 from __future__ import annotations

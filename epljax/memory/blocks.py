@@ -1,32 +1,32 @@
 """Where to cut a traced forward function into rematerialized segments.
 
-- ``repeated_blocks``: EPL's automatic choice. The name stack of every equation holds the
-  module path (Flax: ``Model/layers_3/attention``). At the shallowest depth where 4 or more
-  differently named consecutive runs of equations have the same histogram of primitives, those
-  runs are the model's repeated blocks (transformer layers).
-- ``balanced_segments``: no repetition found (a plain JAX function, distinct layers): about
-  sqrt(L) segments of equal activation bytes, L the number of matmuls/convolutions
-  (Chen et al. 2016, "Training deep nets with sublinear memory cost").
+- ``structural_cuts``: ``gradient_checkpoint.type="auto"``. Blocks are found by the program's
+  structure, not by names or op histograms: at every position between two steps we know the
+  bytes of activations live across it (what a cut there must keep), and every step's output
+  bytes (what recomputing a segment holds again). Chen et al. 2016 ("Training deep nets with
+  sublinear memory cost") choose cuts so that the kept bytes plus the largest segment are
+  smallest; a dynamic program over the positions does that exactly for each budget of segment
+  bytes. Transformer layers, layers built in a loop, alternating kinds of layers and plain
+  JAX functions are all cut at their narrow points (the residual stream between layers).
 - ``tagged_cuts``: ``gradient_checkpoint.type="collection"``: cut after each tensor tagged
   with ``epl.add_to_collection``.
 - ``plan_segments``: turns chosen ranges into a cover of the program, keeping out of the
   rematerialized ranges the steps that must run exactly once (collectives, stateful random
-  numbers, side effects) and the steps of task graphs past ``end_taskgraph``.
+  numbers, side effects), the steps of task graphs past ``end_taskgraph`` and loops whose body
+  is rematerialized on its own (``scan_bodies``).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import math
+import re
 from collections.abc import Sequence
 
 from jax.extend import core as jcore
 
 from epljax import strategy as strategy_lib
 from epljax.memory.interpret import Program, Step, nbytes
-
-MIN_REPEATS = 4
 
 # Never recomputed: a collective communicates again, a stateful generator draws new numbers.
 # Counter-based random numbers (random_bits, threefry) are pure functions of their key, so
@@ -38,9 +38,10 @@ COLLECTIVES = frozenset({
 })
 STATEFUL = frozenset({"rng_uniform"})
 HEAVY = frozenset({"dot_general", "conv_general_dilated"})
-# Dtype casts differ between otherwise identical blocks under mixed precision (the first
-# block's input may arrive in another dtype): they do not count in a block's histogram.
-IGNORED = frozenset({"convert_element_type"})
+LOOPS = frozenset({"scan"})
+# A cut plan that keeps more than this share of the activations is no plan: nothing to cut.
+USEFUL = 0.8
+BUDGETS = 32      # segment-byte budgets tried by the dynamic program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,73 +51,138 @@ class Segment:
   remat: bool
 
 
-def repeated_blocks(program: Program) -> tuple[list[tuple[int, int]], str]:
-  """Ranges of the repeated blocks and their name pattern, or ``([], "")``."""
+@dataclasses.dataclass(frozen=True)
+class Cuts:
+  """``structural_cuts``' answer: ranges to rematerialize and the estimate behind them."""
+  ranges: list[tuple[int, int]]
+  kept_bytes: int        # activations live across the cuts (saved for the backward pass)
+  segment_bytes: int     # the largest segment's activations (held again while recomputed)
+  total_bytes: int       # every step's activations (what plain autodiff may keep)
+  pattern: str           # module paths of the segments, for the plan
+
+
+def has_heavy_loop(step: Step) -> bool:
+  """A ``scan`` whose body holds a matmul or convolution (layers under ``nn.scan``)."""
+  return step.primitive in LOOPS and _any_eqn(step.eqn, lambda e: e.primitive.name in HEAVY)
+
+
+def scan_bodies(program: Program) -> list[int]:
+  """Indices of the steps that are loops over layers: each body is rematerialized per
+  iteration (``jax.checkpoint`` of the body, see ``remat.run_segments``)."""
+  return [s.index for s in program.steps if has_heavy_loop(s)]
+
+
+def structural_cuts(program: Program) -> Cuts:
+  """Ranges that minimize kept bytes + largest segment (see the module docstring)."""
   steps = program.steps
-  depth_max = max((len(s.frames) for s in steps), default=0)
-  for depth in range(depth_max):
-    by_histogram: dict[frozenset, list[tuple[tuple[str, ...], int, int]]] = {}
-    for prefix, start, stop in _runs(steps, depth):
-      hist = frozenset(collections.Counter(s.primitive for s in steps[start:stop]
-                                           if s.primitive not in IGNORED).items())
-      by_histogram.setdefault(hist, []).append((prefix, start, stop))
-    candidates = [runs for runs in by_histogram.values()
-                  if len({p for p, _, _ in runs}) >= MIN_REPEATS]
-    if candidates:
-      best = max(candidates, key=lambda runs: sum(b - a for _, a, b in runs))
-      names = [p[-1] for p, _, _ in best]
-      pattern = "/".join(best[0][0][:-1] + (_pattern(names),))
-      return [(a, b) for _, a, b in best], pattern
-  return [], ""
-
-
-def _runs(steps: Sequence[Step], depth: int):
-  """Maximal runs of consecutive steps sharing the name-stack prefix of length depth+1."""
-  runs, current = [], None
-  for s in steps:
-    prefix = s.frames[:depth + 1] if len(s.frames) > depth else None
-    if current is not None and prefix == current[0]:
-      current[2] = s.index + 1
+  n = len(steps)
+  out = [0 if has_heavy_loop(s) else sum(nbytes(v.aval) for v in s.eqn.outvars)
+         for s in steps]
+  prefix = [0]
+  for w in out:
+    prefix.append(prefix[-1] + w)
+  total = prefix[-1]
+  live = _live_bytes(program)
+  if n < 2 or total == 0:
+    return Cuts([], 0, total, total, "")
+  biggest = max(out)
+  best = None
+  for k in range(BUDGETS + 1):
+    budget = int(biggest * (total / max(biggest, 1)) ** (k / BUDGETS))
+    found = _cheapest_cuts(prefix, live, budget)
+    if found is None:
       continue
-    if current is not None and current[0] is not None:
-      runs.append(tuple(current))
-    current = [prefix, s.index, s.index + 1]
-  if current is not None and current[0] is not None:
-    runs.append(tuple(current))
-  return runs
+    kept, cuts = found
+    bounds = [0, *cuts, n]
+    seg = max(prefix[b] - prefix[a] for a, b in zip(bounds, bounds[1:]))
+    if best is None or kept + seg < best[0] + best[1]:
+      best = (kept, seg, bounds)
+  kept, seg, bounds = best
+  if len(bounds) < 3 or kept + seg > USEFUL * total:
+    return Cuts([], kept, seg, total, "")
+  ranges = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+  return Cuts(ranges, kept, seg, total, _pattern(program, ranges))
 
 
-def _pattern(names: Sequence[str]) -> str:
-  common = _common_prefix(names)
-  return f"{common}*" if common and len(set(names)) > 1 else names[0]
-
-
-def _common_prefix(names: Sequence[str]) -> str:
-  first, last = min(names), max(names)
-  i = 0
-  while i < min(len(first), len(last)) and first[i] == last[i]:
-    i += 1
-  return first[:i]
-
-
-def balanced_segments(program: Program) -> list[tuple[int, int]]:
-  """About sqrt(L) consecutive ranges holding equal bytes of outputs (activations)."""
+def _live_bytes(program: Program) -> list[int]:
+  """live[c]: bytes of values defined before step c and read at or after it (c = 0..n)."""
   steps = program.steps
-  layers = sum(s.primitive in HEAVY for s in steps)
-  count = max(2, round(math.sqrt(max(layers, 1))))
-  weights = [sum(nbytes(v.aval) for v in s.eqn.outvars) for s in steps]
-  total = sum(weights)
-  if total == 0 or len(steps) < 2:
-    return [(0, len(steps))] if steps else []
-  ranges, start, acc = [], 0, 0
-  for s, w in zip(steps, weights):
-    acc += w
-    if acc >= total * (len(ranges) + 1) / count and len(ranges) < count - 1:
-      ranges.append((start, s.index + 1))
-      start = s.index + 1
-  if start < len(steps):
-    ranges.append((start, len(steps)))
-  return ranges
+  n = len(steps)
+  defined: dict = {}
+  for s in steps:
+    for k, v in zip(s.outputs, s.eqn.outvars):
+      if k is not None:
+        defined[k] = (s.index, nbytes(v.aval))
+  last: dict = {}
+  for s in steps:
+    for a in s.inputs:
+      if not isinstance(a, jcore.Literal) and a in defined:
+        last[a] = s.index
+  for a in program.outputs:
+    if not isinstance(a, jcore.Literal) and a in defined:
+      last[a] = n
+  delta = [0] * (n + 2)
+  for k, use in last.items():
+    d, size = defined[k]
+    delta[d + 1] += size
+    delta[use + 1] -= size
+  live, acc = [], 0
+  for c in range(n + 1):
+    acc += delta[c]
+    live.append(acc)
+  live[n] = 0
+  return live
+
+
+def _cheapest_cuts(prefix: list[int], live: list[int], budget: int):
+  """The cuts with the fewest kept bytes such that no segment holds more than ``budget``
+  bytes of activations: (kept bytes, cut positions), or None when no cover fits.
+
+  f[c] = live[c] + min f[a] over a < c with prefix[c] - prefix[a] <= budget; the valid a form a
+  window that only moves right, so a monotone queue gives each minimum in O(1).
+  """
+  n = len(prefix) - 1
+  cost = [0] + [None] * n
+  back = [0] * (n + 1)
+  window: collections.deque[int] = collections.deque([0])
+  lo = 0
+  for c in range(1, n + 1):
+    while prefix[c] - prefix[lo] > budget:
+      lo += 1
+    while window and window[0] < lo:
+      window.popleft()
+    if not window:
+      return None
+    a = window[0]
+    cost[c] = cost[a] + live[c]
+    back[c] = a
+    while window and cost[window[-1]] >= cost[c]:
+      window.pop()
+    window.append(c)
+  cuts, c = [], back[n]
+  while c > 0:
+    cuts.append(c)
+    c = back[c]
+  return cost[n], sorted(cuts)
+
+
+def _pattern(program: Program, ranges: Sequence[tuple[int, int]]) -> str:
+  """The module paths of the segments, digits folded (``Deep/layers_*``), most common first."""
+  names = collections.Counter()
+  for a, b in ranges:
+    frames = [s.frames for s in program.steps[a:b] if s.frames and _any_eqn(
+        s.eqn, lambda e: e.primitive.name in HEAVY)]
+    if not frames:
+      continue
+    common = frames[0]
+    for f in frames[1:]:
+      i = 0
+      while i < min(len(common), len(f)) and common[i] == f[i]:
+        i += 1
+      common = common[:i]
+    if common:
+      names[re.sub(r"\d+", "*", "/".join(common))] += 1
+  return ", ".join(name for name, _ in names.most_common(3)) or "no module names"
 
 
 def tagged_cuts(program: Program, tag: str) -> tuple[list[tuple[int, int]], int]:
@@ -195,7 +261,7 @@ def plan_segments(program: Program, ranges: Sequence[tuple[int, int]],
   remat = [False] * len(steps)
   for a, b in ranges:
     for i in range(a, b):
-      remat[i] = keep[i] and not must_run_once(steps[i])
+      remat[i] = keep[i] and not must_run_once(steps[i]) and not has_heavy_loop(steps[i])
   block_of = [None] * len(steps)
   for n, (a, b) in enumerate(ranges):
     for i in range(a, b):

@@ -83,19 +83,25 @@ def trace(fn: Callable, params: Any, args: Sequence[Any], *,
     return fn(p, *a)
 
   closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*traced)
-  out_tree = jax.tree.structure(out_shape)
+  return program_of(closed, num_params, in_tree, jax.tree.structure(out_shape)), leaves
+
+
+def program_of(closed, num_params: int = 0, in_tree=None, out_tree=None) -> Program:
+  """The flattened program of a (closed) jaxpr, e.g. the body of a loop; its inputs and
+  outputs are flat lists unless trees are given."""
+  jaxpr = closed.jaxpr if isinstance(closed, jcore.ClosedJaxpr) else closed
+  consts_vals = closed.consts if isinstance(closed, jcore.ClosedJaxpr) else ()
   steps: list[Step] = []
-  jaxpr = closed.jaxpr
   top = 0
-  consts = tuple(((top, v), c) for v, c in zip(jaxpr.constvars, closed.consts))
+  consts = tuple(((top, v), c) for v, c in zip(jaxpr.constvars, consts_vals))
   inputs = tuple((top, v) for v in jaxpr.invars)
   alias: dict[Key, Any] = {}
   inner_consts: list[tuple[Key, Any]] = []
   outputs = _flatten(jaxpr, top, source_info_util.new_name_stack(), steps, alias,
                      inner_consts, [top])
-  program = Program(tuple(steps), inputs, consts + tuple(inner_consts), tuple(outputs),
-                    tuple(v.aval for v in jaxpr.outvars), num_params, in_tree, out_tree)
-  return program, leaves
+  out_tree = out_tree or jax.tree.structure([0] * len(jaxpr.outvars))
+  return Program(tuple(steps), inputs, consts + tuple(inner_consts), tuple(outputs),
+                 tuple(v.aval for v in jaxpr.outvars), num_params, in_tree, out_tree)
 
 
 def _in_device_memory(x) -> jax.ShapeDtypeStruct:
@@ -210,6 +216,40 @@ def _cast_to(x, aval):
   if dtype is None or not hasattr(x, "dtype") or x.dtype == dtype:
     return x
   return jax.lax.convert_element_type(x, dtype)
+
+
+def run_scan(step: Step, invals: Sequence[Any], body: Callable) -> list[Any]:
+  """Re-binds a ``scan`` step through ``jax.lax.scan`` with ``body(consts, carry, x) ->
+  carry + ys`` (lists), so a feature can change how each iteration runs (rematerialize it,
+  cast or gather its weights). Call inside ``in_context(step, ...)``."""
+  p = step.eqn.params
+  nc, nk = scan_counts(step)
+  consts, carry, xs = list(invals[:nc]), list(invals[nc:nc + nk]), list(invals[nc + nk:])
+
+  def one(c, x):
+    outs = list(body(consts, list(c), list(x)))
+    return outs[:nk], outs[nk:]
+
+  extra = {"_split_transpose": p["_split_transpose"]} if "_split_transpose" in p else {}
+  carry, ys = jax.lax.scan(one, carry, xs, length=p["length"], reverse=p["reverse"],
+                           unroll=p["unroll"], **extra)
+  return list(carry) + list(ys)
+
+
+def scan_counts(step: Step) -> tuple[int, int]:
+  """(number of constants, number of carries) of a ``scan`` step; the inputs are constants,
+  carries, then the sliced arrays (jax 0.10 has counts, 0.11 a flat tree of the three)."""
+  p = step.eqn.params
+  if "num_consts" in p:
+    return p["num_consts"], p["num_carry"]
+  consts, carry, _ = p["ft_in"].unpack()
+  return len(consts), len(carry)
+
+
+def scan_body(step: Step) -> Callable:
+  """The body of a ``scan`` step as ``body(consts, carry, x) -> carry + ys``."""
+  fun = jcore.jaxpr_as_fun(step.eqn.params["jaxpr"])
+  return lambda consts, carry, x: list(fun(*consts, *carry, *x))
 
 
 def live_across(program: Program, start: int, stop: int) -> tuple[list[Key], list[Key]]:

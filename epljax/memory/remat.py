@@ -34,6 +34,10 @@ from epljax.memory.recompute import rematerialize
 COLLECTION = "checkpoints"
 TAG = "epl.checkpoints"
 CHECK_RTOL = 1e-4     # gradients with and without GC agree to float32 reassociation noise
+NO_BLOCKS = ("gradient_checkpoint.type='auto' found no place to cut the traced forward into "
+             "blocks (no position where fewer activations are live than in the whole "
+             "program) and no scanned layers; nothing is rematerialized. Tag the tensors to "
+             "keep with epl.add_to_collection and use type='collection'.")
 
 
 class GradientCheckError(EPLError, RuntimeError):
@@ -78,40 +82,50 @@ class GradientCheckpoint(Feature):
   def forward(self, fn: ForwardFn, ctx: BuildContext) -> ForwardFn:
     platform = ctx.mesh.devices.flat[0].platform
     taskgraphs = ctx.capture.taskgraphs if ctx.capture is not None else ()
+    offload = self.config.offload_activations
 
     def checkpointed(params, *args):
       if self._plain:
         return fn(params, *args)
       program, flat = interpret.trace(fn, params, args)
-      segments = self._segments(program, taskgraphs)
-      return run_segments(program, flat, segments, platform)
+      segments, loops = self._segments(program, taskgraphs)
+      return run_segments(program, flat, segments, loops, platform=platform, offload=offload)
 
     return checkpointed
 
-  def _segments(self, program: interpret.Program, taskgraphs) -> list[blocks.Segment]:
-    if self.config.type == "collection":
-      ranges, count = blocks.tagged_cuts(program, TAG)
-      self._found = f"collection: {count} tagged tensors -> {len(ranges)} segments"
-      if count == 0:
-        ranges = []
-        self._found = "collection: no tagged tensor, nothing rematerialized"
-        if not self._warned:
-          self._warned = True
-          warnings.warn("gradient_checkpoint.type='collection' but no tensor is tagged with "
-                        "epl.add_to_collection(x, 'checkpoints') in the traced forward; "
-                        "nothing is rematerialized.", stacklevel=2)
-    else:
-      ranges, pattern = blocks.repeated_blocks(program)
-      if ranges:
-        self._found = f"auto: {len(ranges)} repeated blocks {pattern}"
-      else:
-        ranges = blocks.balanced_segments(program)
-        self._found = (f"auto: no block repeated {blocks.MIN_REPEATS}+ times; "
-                       f"{len(ranges)} memory-balanced segments (about sqrt(layers))")
+  def _segments(self, program: interpret.Program, taskgraphs):
     end = self.config.end_taskgraph
     tgs = blocks.step_taskgraphs(program, taskgraphs)
     keep = [end < 0 or tg is None or tg <= end for tg in tgs]
-    return blocks.plan_segments(program, ranges, keep)
+    loops = frozenset(i for i in blocks.scan_bodies(program) if keep[i])
+    found = [f"{len(loops)} scanned layer bodies rematerialized per iteration"] if loops else []
+    if self.config.type == "collection":
+      ranges, count = blocks.tagged_cuts(program, TAG)
+      if count:
+        found.insert(0, f"{count} tagged tensors -> {len(ranges)} segments")
+      else:
+        ranges = []
+        self._warn_once("gradient_checkpoint.type='collection' but no tensor is tagged with "
+                        "epl.add_to_collection(x, 'checkpoints') in the traced forward; "
+                        "nothing is rematerialized.")
+        found.insert(0, "no tagged tensor")
+    else:
+      cuts = blocks.structural_cuts(program)
+      ranges = cuts.ranges
+      if ranges:
+        found.insert(0, f"{len(ranges)} segments cut where little is live ({cuts.pattern}); "
+                     f"estimated activations {_mib(cuts.kept_bytes + cuts.segment_bytes)} of "
+                     f"{_mib(cuts.total_bytes)}")
+      elif not loops:
+        self._warn_once(NO_BLOCKS)
+        found.append("no blocks found: nothing rematerialized")
+    self._found = f"{self.config.type}: " + "; ".join(found or ["nothing to rematerialize"])
+    return blocks.plan_segments(program, ranges, keep), loops
+
+  def _warn_once(self, message: str):
+    if not self._warned:
+      self._warned = True
+      warnings.warn(message, stacklevel=3)
 
   # -- check_gradients -----------------------------------------------------------------------
   def gradients(self, fn: GradientFn, ctx: BuildContext) -> GradientFn:
@@ -175,13 +189,31 @@ class GradientCheckpoint(Feature):
     return f"gradient checkpointing ({self._found}; {scope}{check})"
 
 
-def run_segments(program: interpret.Program, flat_args, segments, platform: str) -> Any:
-  """Evaluates ``program``, each rematerialized segment as one recomputed unit."""
+def run_segments(program: interpret.Program, flat_args, segments, loops=frozenset(), *,
+                 platform: str, offload: bool = False) -> Any:
+  """Evaluates ``program``, each rematerialized segment as one recomputed unit and each loop
+  in ``loops`` (step indices) with its body rematerialized per iteration.
+
+  Which mechanism runs where:
+  - scanned layers, every platform: ``jax.checkpoint`` of the scan body. The backward loop
+    recomputes one iteration at a time from the carries the forward loop stacked; no backend
+    can merge that back into the forward loop, so it saves memory on XLA:CPU too.
+  - unrolled segments, every platform: ``recompute.rematerialize`` (a custom VJP whose
+    recomputation waits for the cotangents). ``jax.checkpoint`` there is undone on XLA:CPU
+    (its optimization barriers are expanded, then CSE merges the recomputation into the
+    forward pass), and on GPU/TPU it may recompute every block at the start of the backward
+    pass; the custom VJP avoids both.
+  - ``offload``: ``jax.checkpoint`` over the whole function with
+    ``save_and_offload_only_these_names``: the values live across segment boundaries (and the
+    carries of scanned layers) are named and copied to host memory, the rest recomputed.
+  """
+  if offload:
+    return _offloaded(program, flat_args, segments, loops)
   env = interpret.start_env(program, flat_args)
   for seg in segments:
     steps = program.steps[seg.start:seg.stop]
     if not seg.remat:
-      interpret.run_steps(steps, env)
+      interpret.run_steps(steps, env, _loop_rule(loops, _remat_body))
       continue
     inputs, outputs = interpret.live_across(program, seg.start, seg.stop)
     if not outputs:
@@ -195,6 +227,57 @@ def run_segments(program: interpret.Program, flat_args, segments, platform: str)
     values = rematerialize(segment, platform=platform)(*[env[k] for k in inputs])
     env.update(zip(outputs, values))
   return interpret.finish(program, env)
+
+
+def _loop_rule(loops, wrap):
+  """A ``run_steps`` rule running the loops in ``loops`` with ``wrap(body)`` as body."""
+  def rule(step, invals):
+    if step.index not in loops:
+      return interpret.bind(step, invals)
+    body = wrap(interpret.scan_body(step))
+    return interpret.in_context(step, interpret.run_scan, step, invals, body)
+  return rule
+
+
+def _remat_body(body):
+  return jax.checkpoint(body, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
+
+
+OFFLOADED = "epl.offloaded"
+_OFFLOAD = dict(names_which_can_be_saved=(), names_which_can_be_offloaded=(OFFLOADED,),
+                offload_src="device", offload_dst="pinned_host")
+
+
+def _offloaded(program, flat_args, segments, loops):
+  """``run_segments`` with the kept values offloaded to host memory (see there)."""
+  policy = jax.checkpoint_policies.save_and_offload_only_these_names(**_OFFLOAD)
+
+  def body_offloaded(body):
+    def named(consts, carry, x):
+      return body(consts, [_name(c) for c in carry], x)
+    return jax.checkpoint(named, prevent_cse=False, policy=policy)
+
+  def run(flat):
+    env = interpret.start_env(program, flat)
+    for seg in segments:
+      steps = program.steps[seg.start:seg.stop]
+      interpret.run_steps(steps, env, _loop_rule(loops, body_offloaded))
+      if seg.remat:
+        for k in interpret.live_across(program, seg.start, seg.stop)[1]:
+          env[k] = _name(env[k])
+    return interpret.finish(program, env)
+
+  return jax.checkpoint(run, policy=policy)(list(flat_args))
+
+
+def _name(x):
+  if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.inexact):
+    return x
+  return checkpoint_name(x, OFFLOADED)
+
+
+def _mib(n: int) -> str:
+  return f"{n / 2**20:.2f} MiB"
 
 
 def _relative_diff(a, b):

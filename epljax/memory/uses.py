@@ -26,15 +26,22 @@ low-precision copy of a weight lives from the forward to the backward pass. Insi
   compilers. Used when ``data`` is the only mesh axis with more than one device (a model
   split over ``model`` keeps GSPMD's placement).
 
+Loops over layers (``scan``, e.g. ``nn.scan``) and user rematerialization (``checkpoint``) are
+re-run with their bodies rewritten the same way: a stacked parameter is sliced by the loop and
+each iteration copies in, gathers and casts its own layer only.
+
 Every other equation follows the mixed-precision op policy (``amp.Policy``) or runs as traced.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from typing import Any
 
 import jax
 from jax.extend import core as jcore
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from epljax.features import BuildContext, Feature, ForwardFn
@@ -75,8 +82,10 @@ class ParamUses(Feature):
       if zero is not None and not per_replica and not whole:
         self._warn_once()
       program, flat = interpret.trace(fn, params, args, in_device_memory=stream)
-      run = _Run(program, flat, self.policy, platform, ctx.mesh,
-                 zero if whole else None, explicit and whole, stream)
+      refs = {k: _Param(i) for i, k in enumerate(program.param_keys)}
+      run = _Run(program, flat, refs, _Options(self.policy, platform, ctx.mesh,
+                                               zero if whole else None, explicit and whole,
+                                               stream))
       return run()
 
     return rewritten
@@ -104,24 +113,47 @@ class ParamUses(Feature):
     return "parameters at each use: " + ", ".join(parts) if parts else ""
 
 
-class _Run:
-  """One evaluation of the traced forward with the rewrites of ``ParamUses``."""
+@dataclasses.dataclass(frozen=True)
+class _Param:
+  """A parameter leaf as a program sees it: whole, or one layer of it (``sliced``: the
+  stacked parameter of ``nn.scan`` seen inside the loop body)."""
+  index: int
+  sliced: bool = False
 
-  def __init__(self, program, flat, policy, platform, mesh, zero, explicit, stream):
-    self.program, self.flat = program, flat
-    self.policy, self.platform, self.mesh = policy, platform, mesh
-    self.zero, self.explicit, self.stream = zero, explicit, stream
-    self.param_index = {k: i for i, k in enumerate(program.param_keys)}
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+  policy: Any
+  platform: str
+  mesh: Any
+  zero: Any
+  explicit: bool
+  stream: bool
+
+
+class _Run:
+  """One evaluation of a traced program with the rewrites of ``ParamUses``; loops over
+  layers (``scan``) and user rematerialization (``checkpoint``) are re-run with their bodies
+  rewritten the same way, so every matmul is cast and every layer's weight gathered inside
+  the loop, one layer at a time."""
+
+  def __init__(self, program, flat, refs: dict, options: _Options):
+    self.program, self.flat, self.refs = program, flat, refs
+    o = options
+    self.options = o
+    self.policy, self.platform, self.mesh = o.policy, o.platform, o.mesh
+    self.zero, self.explicit, self.stream = o.zero, o.explicit, o.stream
 
   def __call__(self):
     program = self.program
     env = interpret.start_env(program, self.flat)
-    param_like = set(self.param_index)       # parameters, and reshapes/casts of them
+    param_like = set(self.refs)       # parameters, and reshapes/casts of them
     for step in program.steps:
-      direct = [not _lit(a) and a in self.param_index for a in step.inputs]
+      direct = [not _lit(a) and a in self.refs for a in step.inputs]
       flags = [not _lit(a) and a in param_like for a in step.inputs]
       raw = [interpret.read(env, a) for a in step.inputs]
-      outs = interpret.in_context(step, self._bind, step, raw, flags, direct)
+      bind = self._nested if _rewrites_inside(step, direct) else self._bind
+      outs = interpret.in_context(step, bind, step, raw, flags, direct)
       for key, val in zip(step.outputs, outs):
         if key is not None:
           env[key] = val
@@ -130,33 +162,76 @@ class _Run:
         param_like.update(k for k in step.outputs if k is not None)
     return interpret.finish(program, env, cast_back=self.policy is not None)
 
-  # -- a parameter at one use ------------------------------------------------------------
-  def _index(self, step, j):
-    return self.param_index[step.inputs[j]]
+  def _nested(self, step, raw, flags, direct):
+    """A ``scan`` or ``checkpoint`` step, its body run by a nested ``_Run``."""
+    params = step.eqn.params
+    # The loop's carries keep their traced dtypes (mixed precision may hand in bfloat16).
+    raw = [amp_lib.cast(v, step.in_aval(j).dtype) if hasattr(step.in_aval(j), "dtype") else v
+           for j, v in enumerate(raw)]
+    if step.primitive == "scan":
+      body = interpret.program_of(params["jaxpr"])
+      nc, nk = interpret.scan_counts(step)
+      refs = self._inner_refs(body, step, direct, sliced_from=nc + nk, skip=range(nc, nc + nk))
+      run = lambda consts, carry, x: _Run(body, [*consts, *carry, *x], refs,  # noqa: E731
+                                          self.options)()
+      return interpret.run_scan(step, raw, run)
+    body = interpret.program_of(params["jaxpr"])
+    refs = self._inner_refs(body, step, direct)
+    fn = jax.checkpoint(lambda *vals: _Run(body, vals, refs, self.options)(),
+                        prevent_cse=params["prevent_cse"], policy=params["policy"])
+    return fn(*raw)
 
-  def _place(self, i, value):
+  def _inner_refs(self, body, step, direct, *, sliced_from=None, skip=()):
+    refs = {}
+    for j, key in enumerate(body.inputs):
+      if direct[j] and j not in skip:
+        outer = self.refs[step.inputs[j]]
+        sliced = sliced_from is not None and j >= sliced_from
+        if sliced and outer.sliced:
+          continue      # a loop over layers inside a loop over layers: GSPMD places it
+        refs[key] = _Param(outer.index, sliced or outer.sliced)
+    return refs
+
+  # -- a parameter at one use ------------------------------------------------------------
+  def _ref(self, step, j) -> _Param:
+    return self.refs[step.inputs[j]]
+
+  def _layouts(self, ref: _Param):
+    full, sharded = self.zero.layouts(ref.index)
+    if not ref.sliced:
+      return full, sharded
+    drop = lambda sh: NamedSharding(sh.mesh, P(*tuple(sh.spec)[1:]))  # noqa: E731
+    return drop(full), drop(sharded)
+
+  def _dim(self, ref: _Param):
+    dim = self.zero.dim(ref.index)
+    if not ref.sliced or dim is None:
+      return dim
+    return dim - 1 if dim > 0 else None
+
+  def _place(self, ref, value):
     """Device memory, full layout: what the use computes with (no autodiff rule)."""
     if self.stream:
       value = jax.device_put(value, jax.memory.Space.Device)
     if self.zero is not None and self.zero.level == "v3":
-      value = jax.lax.with_sharding_constraint(value, self.zero.layouts(i)[0])
+      value = jax.lax.with_sharding_constraint(value, self._layouts(ref)[0])
     return value
 
-  def _prepare(self, i, value):
+  def _prepare(self, ref, value):
     """``_place`` for any use but a matmul: autodiff sends the gradient back (to host memory,
     reduce-scattered to the ZeRO layout)."""
     if self.stream:
       value = jax.device_put(value, jax.memory.Space.Device)
     if self.zero is not None:
-      full, sharded = self.zero.layouts(i)
+      full, sharded = self._layouts(ref)
       value = _reshard_cotangent(full if self.zero.level == "v3" else None, sharded)(value)
     return value
 
-  def _gradient_back(self, i, g, reduced: bool, space):
+  def _gradient_back(self, ref, g, reduced: bool, space):
     """The gradient of a matmul's weight, in the layout and memory (``space``) of the
     parameter."""
     if self.zero is not None and not reduced:
-      g = jax.lax.with_sharding_constraint(g, self.zero.layouts(i)[1])
+      g = jax.lax.with_sharding_constraint(g, self._layouts(ref)[1])
     if space != jax.memory.Space.Device:
       g = jax.device_put(g, space)
     return g
@@ -165,7 +240,7 @@ class _Run:
   def _bind(self, step, raw, flags, direct):
     if step.primitive in amp_lib.LOW and len(raw) == 2 and any(flags):
       return self._matmul(step, raw, flags, direct)
-    invals = [self._prepare(self._index(step, j), v) if direct[j] else v
+    invals = [self._prepare(self._ref(step, j), v) if direct[j] else v
               for j, v in enumerate(raw)]
     if self.policy is not None:
       changes = self.policy.low_params(step) if step.primitive in amp_lib.LOW else {}
@@ -178,7 +253,7 @@ class _Run:
     policy, platform = self.policy, self.platform
     low = policy.low if policy is not None else None
     changes = policy.low_params(step) if policy is not None else {}
-    index = [self._index(step, j) if direct[j] else None for j in range(2)]
+    index = [self._ref(step, j) if direct[j] else None for j in range(2)]
     spaces = [_memory_space(v) for v in raw]
     scatter = [self._scatter_plan(step, raw, j) if direct[j] else None for j in range(2)]
     if low is None and (not any(direct) or (not self.stream and self.zero is None)):
@@ -221,8 +296,8 @@ class _Run:
     its position in the output, or None when the explicit reduce-scatter does not apply."""
     if not self.explicit or step.primitive != "dot_general":
       return None
-    i = self.param_index.get(step.inputs[j])
-    if i is None or self.zero.dim(i) is None:
+    ref = self.refs.get(step.inputs[j])
+    if ref is None or self._dim(ref) is None:
       return None
     (lc, rc), (lb, rb) = step.eqn.params["dimension_numbers"]
     if lb or rb:
@@ -239,7 +314,7 @@ class _Run:
 
   def _reduce_scattered(self, step, operands, ct, j, plan):
     d, out_pos = plan
-    dim = self.zero.dim(self._index(step, j))
+    dim = self._dim(self._ref(step, j))
     other = operands[1 - j]
     n_out = ct.ndim
 
@@ -272,6 +347,20 @@ def _reshard_cotangent(forward_sharding, backward_sharding):
   f.defvjp(lambda x: (f(x), None),
            lambda _, ct: (jax.lax.with_sharding_constraint(ct, backward_sharding),))
   return f
+
+
+def _rewrites_inside(step, direct) -> bool:
+  """A loop or user rematerialization whose body uses a parameter or holds a matmul."""
+  if step.primitive not in ("scan", "checkpoint", "remat"):
+    return False
+  return any(direct) or any(e.primitive.name in amp_lib.LOW for e in _eqns(step.eqn))
+
+
+def _eqns(eqn):
+  for sub in jcore.jaxprs_in_params(eqn.params):
+    for e in sub.eqns:
+      yield e
+      yield from _eqns(e)
 
 
 def _memory_space(x):
