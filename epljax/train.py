@@ -33,6 +33,7 @@ from epljax import batch as batch_lib
 from epljax.build import Built, UserFns, build
 from epljax.env import Env
 from epljax.errors import EPLError, PlanError, StateError
+from epljax.launch import worker as launch_worker
 from epljax.plan import Plan
 from epljax.step import TrainState
 
@@ -91,6 +92,7 @@ class Trainer:
     built = self._require()
     self._check_state(built, state)
     state, metrics = built.step_jit(state, self.shard_batch(batch))
+    launch_worker.heartbeat()   # the launcher's --hang_timeout (throttled; one write at most)
     checks, built.first_step_checks = built.first_step_checks, []
     for check in checks:   # features that verify the first step (one host sync, once)
       check(metrics)
