@@ -4,6 +4,7 @@
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,21 +18,23 @@ FAULTS = os.path.join(os.path.dirname(__file__), "launch_scripts", "faults.py")
 
 
 class Job:
-  """The launcher running ``faults.py`` with 2 workers of 1 CPU device."""
+  """The launcher running ``faults.py`` with ``workers`` workers of 1 CPU device."""
 
-  def __init__(self, tmp_path, spec, *flags):
+  def __init__(self, tmp_path, spec, *flags, workers=2):
     self.dir = tmp_path
     self.logs = tmp_path / "logs"
+    self.workers = workers
     self.start = time.monotonic()
     self.proc = subprocess.Popen(
-        [sys.executable, "-m", "epljax.launch", "--num_workers", "2", "--gpu_per_worker", "1",
+        [sys.executable, "-m", "epljax.launch", "--num_workers", str(workers), "--gpu_per_worker",
+         "1",
          "--log_dir", str(self.logs), *map(str, flags), FAULTS, str(tmp_path), spec],
         cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
 
   def wait_for(self, name, seconds=90):
     deadline = time.monotonic() + seconds
-    while not all((self.dir / f"{name}{i}").exists() for i in range(2)):
+    while not all((self.dir / f"{name}{i}").exists() for i in range(self.workers)):
       if self.proc.poll() is not None or time.monotonic() > deadline:
         out = self.finish(5)[1]
         pytest.fail(f"no {name} files after {seconds} s:\n{out}")
@@ -50,7 +53,7 @@ class Job:
     return self.proc.returncode, out, time.monotonic() - self.start
 
   def pids(self):
-    return [int((self.dir / f"pid{i}").read_text()) for i in range(2)]
+    return [int((self.dir / f"pid{i}").read_text()) for i in range(self.workers)]
 
   def log(self, i):
     return str(self.logs / f"worker_{i}.log")
@@ -60,8 +63,8 @@ class Job:
 def job(tmp_path):
   jobs = []
 
-  def start(spec, *flags):
-    jobs.append(Job(tmp_path, spec, *flags))
+  def start(spec, *flags, workers=2):
+    jobs.append(Job(tmp_path, spec, *flags, workers=workers))
     return jobs[-1]
 
   yield start
@@ -85,6 +88,16 @@ def test_sigterm_reaches_every_worker_which_stops_at_the_same_step_and_exits(job
   assert wait_gone(j.pids()) == []
 
 
+def test_a_single_worker_sees_sigterm_through_stop_requested_too(job):
+  j = job("preempt", workers=1)
+  j.wait_for("ready")
+  j.proc.send_signal(signal.SIGTERM)
+  code, out, _ = j.finish()
+  assert code == 128 + signal.SIGTERM, out
+  assert "every worker ended after SIGTERM: worker 0 exited with code 0" in out
+  assert int((j.dir / "stopped0").read_text()) >= 1
+
+
 def test_workers_that_ignore_sigterm_are_killed_after_the_grace_period(job):
   j = job("ignore_term", "--grace_period", 2)
   j.wait_for("ready")
@@ -98,9 +111,9 @@ def test_workers_that_ignore_sigterm_are_killed_after_the_grace_period(job):
 
 
 FAILURES = [
-    ("raise@1:3", 1, "exited with code 1", "ValueError: worker 1 failed at step 3"),
+    ("raise@0:3", 1, "exited with code 1", "ValueError: worker 0 failed at step 3"),
     ("exit@1:3", 3, "exited with code 3", "worker 1: exit at step 3"),
-    ("kill@0:3", 128 + signal.SIGKILL, "was killed by SIGKILL", "worker 0: kill at step 3"),
+    ("kill@1:3", 128 + signal.SIGKILL, "was killed by SIGKILL", "worker 1: kill at step 3"),
     ("raise_before@1", 1, "exited with code 1", "RuntimeError: failed before epl.init()"),
 ]
 
@@ -132,3 +145,22 @@ def test_a_hung_worker_ends_the_job_after_hang_timeout_and_is_the_one_named(job)
   assert "over --hang_timeout 10; killed it" in out
   assert f"Its log: {j.log(1)}" in out
   assert wait_gone(j.pids()) == []
+
+
+def test_output_counts_as_progress_and_silence_past_hang_timeout_ends_the_job(tmp_path):
+  script = tmp_path / "talk.sh"
+  script.write_text("for i in 1 2 3 4 5 6; do echo tick $i; sleep 0.5; done; sleep 600\n")
+  start = time.monotonic()
+  proc = subprocess.Popen([sys.executable, "-m", "epljax.launch", "--num_workers", "2",
+                           "--gpu_per_worker", "1", "--hang_timeout", "2", str(script)],
+                          cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
+  try:
+    out, _ = proc.communicate(timeout=60)
+  finally:
+    kill_group(proc)
+  assert proc.returncode == 124, out
+  assert "[worker 0] tick 6" in out and "[worker 1] tick 6" in out   # 3 s of output: alive
+  assert re.search(r"epljax.launch: worker [01] \(on .*\) made no progress \(no step, no "
+                   r"output\) for \d+ s before its first step, over --hang_timeout 2", out), out
+  assert 5 < time.monotonic() - start < 30
