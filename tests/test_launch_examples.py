@@ -23,8 +23,8 @@ def _lines(text, prefix=""):
     if not line.startswith(prefix):
       continue
     line = line[len(prefix):]
-    if (line.startswith(("epljax:", "[Gloo]")) or "epljax.launch:" in line
-        or re.match(r"[IWEF]\d{4} ", line)):        # the runtime's own log lines
+    if (line.startswith("epljax:") or "epljax.launch:" in line or "[Gloo]" in line
+        or "peer ranks" in line or re.match(r"[IWEF]\d{4} ", line)):   # the runtimes' logs
       continue
     out.append(re.sub(r"\(\d+(\.\d+)? s\)", "", line).rstrip())
   return out
@@ -66,16 +66,17 @@ def test_quickstart_under_the_launcher_matches_one_process_on_the_same_global_ba
 
 
 EXAMPLE_RUNS = [
-    ("bert_pipeline.py", ["--steps", "2", "--layers", "1", "--width", "32"], 1e-4),
     ("large_classification.py", ["--classes", "1600", "--steps", "3", "--batch", "64"], 1e-3),
 ]
-# moe_lm.py (--steps 21 --sequences 16) and resnet_digits.py (--epochs 1) print the same too under
-# the launcher, checked by hand: a minute or more each on 2 cores, too long for the suite.
+# bert_pipeline.py (--steps 2 --layers 1 --width 32), moe_lm.py (--steps 21 --sequences 16) and
+# resnet_digits.py (--epochs 1) print the same too under the launcher (run with this test's
+# bert_pipeline entry on 2026-11-22, the others by hand): one to two minutes each on 2 busy
+# cores, too long for the suite.
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script, args, printed", EXAMPLE_RUNS, ids=[e[0] for e in EXAMPLE_RUNS])
-def test_pipeline_and_split_examples_under_the_launcher_print_what_one_process_prints(
+def test_the_split_example_under_the_launcher_prints_what_one_process_prints(
     script, args, printed):
   """``printed``: half a unit of the last printed decimal (the numbers are rounded there)."""
   _same_numbers(_launched(script, args), _alone(script, args), atol=printed / 2 + 1e-5)
