@@ -1,5 +1,6 @@
 """The launcher's rules, without starting processes: flags -> workers, worker env -> runtime."""
 
+import signal
 import sys
 
 import jax
@@ -106,6 +107,12 @@ def test_schedulers_jax_detects_count_their_processes():
 
 
 def test_a_single_process_initializes_nothing():
-  runtime.initialize({})
-  runtime.initialize(WorkerEnv("127.0.0.1:1", 1, 0).to_environ())   # a one-worker launch
-  assert not jax.distributed.is_initialized()
+  previous = signal.getsignal(signal.SIGTERM)
+  try:
+    runtime.initialize({})
+    assert signal.getsignal(signal.SIGTERM) is previous
+    runtime.initialize(WorkerEnv("127.0.0.1:1", 1, 0).to_environ())   # a one-worker launch
+    assert not jax.distributed.is_initialized()
+    assert signal.getsignal(signal.SIGTERM) is not previous   # SIGTERM -> stop_requested
+  finally:
+    signal.signal(signal.SIGTERM, previous)
