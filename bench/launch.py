@@ -2,6 +2,7 @@
 
     python bench/launch.py              # print the table
     python bench/launch.py --record     # and append it to bench/RESULTS.md
+    python bench/launch.py --faults [--record]   # how fast a failure ends the job
 
 Each round launches the same data-parallel job twice through ``python -m epljax.launch``, once
 as 1 worker x 8 CPU devices and once as 2 workers x 4 (gloo over 127.0.0.1), in alternating
@@ -9,6 +10,11 @@ order. A worker reports the time from the launcher's start to the end of its fir
 (start-up: interpreter, ``jax.distributed``, trace, compile, first step) and the median time of
 the following steps. The step-time ratio is taken per round, then its median over rounds.
 This file is also the worker (``--worker``).
+
+``--faults`` launches ``tests/launch_scripts/faults.py`` (2 workers that call ``epl.init()`` and
+train) with one worker failing at step 3 in each way, and reports the seconds from the failing
+worker's last line to the launcher's exit, and what one ``heartbeat()`` (the per-step hook of
+``--hang_timeout``) costs.
 """
 
 import argparse
@@ -69,6 +75,64 @@ def launch(workers: int, devices: int, args: argparse.Namespace) -> dict:
       return json.load(f)
 
 
+FAULTS = os.path.join(REPO, "tests", "launch_scripts", "faults.py")
+
+
+def fault_end_s(spec: str) -> tuple[float, int]:
+  """Seconds from the failing worker's announcement to the launcher's exit; its exit status."""
+  with tempfile.TemporaryDirectory() as tmp:
+    cmd = [sys.executable, "-m", "epljax.launch", "--num_workers", "2", "--gpu_per_worker", "1",
+           FAULTS, tmp, spec]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={k: v for k, v in os.environ.items()
+                                            if not k.startswith("EPL_")})
+    failed_at = None
+    for line in proc.stdout:
+      if failed_at is None and f"{spec.split('@')[0]} at step" in line:
+        failed_at = time.monotonic()
+    code = proc.wait(timeout=300)
+    if failed_at is None:
+      raise SystemExit(f"{spec}: the worker never announced its failure (status {code})")
+    return time.monotonic() - failed_at, code
+
+
+def heartbeat_ns(calls: int = 200_000) -> dict[str, float]:
+  """Nanoseconds per ``heartbeat()``: outside the launcher, throttled, and writing each call."""
+  import timeit
+
+  from epljax.launch import worker as w
+  out = {"outside the launcher": timeit.timeit(w.heartbeat, number=calls) / calls}
+  with tempfile.TemporaryDirectory() as tmp:
+    w.open_heartbeat({w.HEARTBEAT: os.path.join(tmp, "beat")})
+    out[f"launched, throttled to 1 write / {w.HEARTBEAT_EVERY_S} s"] = (
+        timeit.timeit(w.heartbeat, number=calls) / calls)
+    every, w.HEARTBEAT_EVERY_S = w.HEARTBEAT_EVERY_S, 0.0
+    out["launched, one pwrite every call"] = timeit.timeit(w.heartbeat, number=calls) / calls
+    w.HEARTBEAT_EVERY_S = every
+  return {k: 1e9 * v for k, v in out.items()}
+
+
+def faults(record: bool) -> None:
+  from common import table
+  rows = []
+  for spec, what in (("raise@1:3", "worker 1 raises"),
+                     ("exit@1:3", "worker 1 calls sys.exit(3)"),
+                     ("kill@1:3", "worker 1 gets SIGKILL"),
+                     ("raise@0:3", "worker 0 (the coordinator) raises")):
+    seconds, code = fault_end_s(spec)
+    rows.append([what, f"{seconds:.2f}", code])
+  body = table(["2 workers; at step 3, after epl.init()", "failure to launcher exit s",
+                "launcher status"], rows)
+  body += "\n\n" + table(["heartbeat() per step", "ns per call"],
+                          [[k, f"{v:.0f}"] for k, v in heartbeat_ns().items()])
+  body += ("\n\nBefore: an exception or sys.exit(3) after epl.init() hung the job for 300 s "
+           "(JAX's shutdown barrier), then the wrong worker was blamed (status 134).")
+  print(body)
+  if record:
+    from common import record as append
+    append("Launcher faults (bench/launch.py --faults)", body)
+
+
 def main() -> None:
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # machine()
   p = argparse.ArgumentParser()
@@ -78,7 +142,10 @@ def main() -> None:
   p.add_argument("--depth", type=int, default=2)
   p.add_argument("--rows", type=int, default=512)
   p.add_argument("--steps", type=int, default=30)
+  p.add_argument("--faults", action="store_true", help="time how failures end the job")
   args = p.parse_args()
+  if args.faults:
+    return faults(args.record)
   runs = {"1x8": [], "2x4": []}
   for r in range(args.rounds):
     order = [("1x8", 1, 8), ("2x4", 2, 4)]

@@ -8,6 +8,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -79,6 +82,36 @@ def init(config: Config | Mapping[str, Any] | None = None) -> Env:
   annotations.reset()
   Env._current = Env(config, _cluster(config.cluster))
   return Env._current
+
+
+def kept_config(config: Config, what: str = "This Trainer") -> Env:
+  """``what`` was made with ``config`` and keeps it: when the current ``epl.init`` has another
+  configuration, warn that it does not apply and how to apply it. Returns the current ``Env``
+  (callers check again only after the next ``init``)."""
+  now = Env.get()
+  if now.config != config:
+    old, new = config.to_dict(), now.config.to_dict()
+    diff = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in new if new[k] != old[k])
+    warnings.warn(_KEPT_CONFIG.format(what=what, diff=diff), stacklevel=_caller_outside_epljax())
+  return now
+
+
+_KEPT_CONFIG = """\
+{what} was made before the last epl.init(...), which changed the configuration ({diff}).
+It keeps the configuration it was made with; the new one does not apply to it. Make a new
+Trainer after epl.init(new_config) (and its state with trainer.init, or restore a checkpoint):
+
+    epl.init(new_config)
+    trainer = epl.Trainer(init_fn, loss_fn, optimizer)
+    state = trainer.init(rng, batch)"""
+
+
+def _caller_outside_epljax() -> int:
+  root = os.path.dirname(os.path.abspath(__file__))
+  frame, level = sys._getframe(2), 2
+  while frame is not None and frame.f_code.co_filename.startswith(root):
+    frame, level = frame.f_back, level + 1
+  return level
 
 
 def _cluster(cfg: ClusterConfig) -> Cluster:

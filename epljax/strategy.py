@@ -26,8 +26,11 @@ import sys
 import threading
 from collections.abc import Iterator
 
+import warnings
+
 import jax
 import jax.numpy as jnp
+from jax._src import core as jax_core   # trace_state_clean: is any trace in progress?
 
 from epljax.errors import ScopeError
 
@@ -77,7 +80,11 @@ class Strategy:
     state = _state()
     if state.active is not None:
       raise ScopeError(_NESTED.format(inner=self, outer=state.active[0]))
-    frame = _frame_text(self, _caller(), default=False)
+    where = _caller()
+    if _outside_trace():
+      _GLOBAL.untraced.append(f"{self!r} at {_site(where)}")
+      del _GLOBAL.untraced[:-8]
+    frame = _frame_text(self, where, default=False)
     ctx = jax.named_scope(frame)
     ctx.__enter__()
     state.active = (self, ctx)
@@ -155,7 +162,32 @@ def reset() -> None:
   """Forget the default strategy and any scope state (``epl.init`` calls this)."""
   _GLOBAL.default = None
   _GLOBAL.default_site = None
+  _GLOBAL.untraced = []
   _LOCAL.__dict__.clear()
+
+
+def warn_scopes_outside_trace(found_scope: bool) -> None:
+  """After a capture: scopes entered outside any trace since the last one (around module
+  construction, ``trainer.init`` or an eager call) act on nothing; when the traced loss holds
+  no scope at all, say so and where scopes go (else the run is silently pure data parallel)."""
+  untraced, _GLOBAL.untraced = _GLOBAL.untraced, []
+  if untraced and not found_scope:
+    warnings.warn(_OUTSIDE_TRACE.format(scopes="; ".join(dict.fromkeys(untraced))),
+                  stacklevel=_caller_outside_epljax())
+
+
+def _caller_outside_epljax() -> int:
+  """The ``stacklevel`` of the first caller outside epljax (the user's ``trainer.init``)."""
+  root = os.path.dirname(os.path.abspath(__file__))
+  frame, level = sys._getframe(2), 2
+  while frame is not None and frame.f_code.co_filename.startswith(root):
+    frame, level = frame.f_back, level + 1
+  return level
+
+
+def _outside_trace() -> bool:
+  clean = getattr(jax_core, "trace_state_clean", None)
+  return clean is not None and clean()
 
 
 @contextlib.contextmanager
@@ -231,6 +263,7 @@ def _site(where: tuple[str, int]) -> str:
 class _Global:
   default: Strategy | None = None
   default_site: str | None = None
+  untraced: list[str] = []     # scopes entered outside any trace (warn_scopes_outside_trace)
 
 
 _GLOBAL = _Global()
@@ -257,4 +290,18 @@ Close the outer scope first and give each part its own scope, one after the othe
       features = body(x)        #        with epl.split(8):
     with epl.split(8):          #          ...
       logits = head(features)
+"""
+
+_OUTSIDE_TRACE = """\
+The strategy scope(s) {scopes} were entered outside the traced computation (around module
+construction, trainer.init or an eager call), so they act on nothing: the traced loss holds
+no scope and this model trains as plain data parallelism. A scope applies to the operations
+traced inside it; put it where the forward pass runs, in the model's __call__ or in loss_fn:
+
+    class Model(nn.Module):             # not: with epl.split(8):
+      def __call__(self, x):            #        model = Model()
+        with epl.replicate(1):          # nor: with epl.split(8):
+          h = self.body(x)              #        state = trainer.init(rng, batch)
+        with epl.split(8):
+          return self.head(h)
 """

@@ -30,9 +30,11 @@ import jax
 import optax
 
 from epljax import batch as batch_lib
+from epljax import env as env_lib
 from epljax.build import Built, UserFns, build
 from epljax.env import Env
 from epljax.errors import EPLError, PlanError, StateError
+from epljax.launch import worker as launch_worker
 from epljax.plan import Plan
 from epljax.step import TrainState
 
@@ -76,11 +78,14 @@ class Trainer:
     self.clip_norm = clip_norm
     self._config = env.config
     self._cluster = env.cluster
+    self._env_seen = env              # the last Env checked against self._config
     self._built: Built | None = None
 
   # -- public API --------------------------------------------------------------------------
   def init(self, rng: jax.Array | int, batch: Any) -> TrainState:
     """Plans the run for ``batch``'s shapes and creates the state in its shardings."""
+    if Env._current is not self._env_seen:   # epl.init ran again: its config does not apply
+      self._env_seen = env_lib.kept_config(self._config)
     if isinstance(rng, int):
       rng = jax.random.key(rng)
     built = self._build(rng, batch)
@@ -89,8 +94,11 @@ class Trainer:
   def train_step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
     """One global step over all micro batches; ``metrics["loss"]`` is the global mean loss."""
     built = self._require()
+    if Env._current is not self._env_seen:
+      self._env_seen = env_lib.kept_config(self._config)
     self._check_state(built, state)
     state, metrics = built.step_jit(state, self.shard_batch(batch))
+    launch_worker.heartbeat()   # the launcher's --hang_timeout (throttled; one write at most)
     checks, built.first_step_checks = built.first_step_checks, []
     for check in checks:   # features that verify the first step (one host sync, once)
       check(metrics)

@@ -115,12 +115,12 @@ def main(argv=None) -> list[float]:
     index = np.random.default_rng(step).integers(0, len(train), rows)
     return masked(train[index], rng, per_row=model.length // 8)
 
-  state = trainer.init(jax.random.key(0), batch_at(0))
+  state = trainer.init(jax.random.key(0), epl.io.process_slice(batch_at(0)))   # my rows
   if args.plan:
     print(trainer.plan, "\n")
   losses = []
   for step in range(args.steps):
-    state, metrics = trainer.train_step(state, batch_at(step))
+    state, metrics = trainer.train_step(state, epl.io.process_slice(batch_at(step), trainer.plan))
     losses.append(float(metrics["loss"]))
     print(f"step {step + 1:3d}  masked-byte loss {losses[-1]:.4f}")
   variables = trainer.variables(state)                                 # the user's structure

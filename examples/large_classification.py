@@ -71,7 +71,7 @@ def main(argv=None) -> list[float]:
     return softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
   trainer = epl.Trainer(lambda key, b: model.init(key, b["x"]), loss_fn, optax.adam(3e-3))
-  state = trainer.init(jax.random.key(0), batch_at(0))
+  state = trainer.init(jax.random.key(0), epl.io.process_slice(batch_at(0)))   # my rows
   plan = trainer.plan
   kernel = next(leaf for leaf in plan.leaves if leaf.path == "params/fc/kernel")
   print(f"classifier kernel {kernel.shape} split as {kernel.spec}: "
@@ -81,7 +81,7 @@ def main(argv=None) -> list[float]:
       f"{c.kind} {'+'.join(c.shapes)}" for c in plan.collectives))
   losses = []
   for step in range(args.steps):
-    state, metrics = trainer.train_step(state, batch_at(step))
+    state, metrics = trainer.train_step(state, epl.io.process_slice(batch_at(step), plan))
     losses.append(float(metrics["loss"]))
     if step % 5 == 0 or step == args.steps - 1:
       print(f"step {step:3d}  loss {losses[-1]:.3f}")

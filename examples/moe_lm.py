@@ -109,18 +109,20 @@ def main(argv=None) -> list[float]:
   trainer = epl.Trainer(lambda key, b: model.init(key, b["x"]), loss_fn,
                         optax.adamw(schedule, weight_decay=0.01))
   rng = np.random.default_rng(0)
-  state = trainer.init(jax.random.key(0), batch_from(train, rng))
+  state = trainer.init(jax.random.key(0), epl.io.process_slice(batch_from(train, rng)))
   kinds = {}
   for c in trainer.plan.collectives:
     kinds[c.kind] = kinds.get(c.kind, 0) + 1
   print("collectives per step:", kinds)
   losses, start = [], time.perf_counter()
   for step in range(args.steps):
-    state, metrics = trainer.train_step(state, batch_from(train, rng))
+    mine = epl.io.process_slice(batch_from(train, rng), trainer.plan)   # this worker's rows
+    state, metrics = trainer.train_step(state, mine)
     losses.append(float(metrics["loss"]))
     if step % 20 == 0 or step == args.steps - 1:
       print(f"step {step:4d}  loss {losses[-1]:.3f}  ({time.perf_counter() - start:.0f} s)")
-  held = trainer.loss_and_grads(state, batch_from(held_out, np.random.default_rng(1)))[0]
+  held_batch = batch_from(held_out, np.random.default_rng(1))
+  held = trainer.loss_and_grads(state, epl.io.process_slice(held_batch, trainer.plan))[0]
   print(f"held-out loss {float(held):.3f} (from {np.log(256):.2f} at chance)")
   return losses
 

@@ -1,10 +1,13 @@
 """EPL's quick start in Flax: the same model, data and optimizer, data-parallel on every device.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/quickstart.py
+    python -m epljax.launch --num_workers 2 --gpu_per_worker 4 examples/quickstart.py
 
-EPL's three added lines are marked with ``# EPL``. Each of the 8 replicas (8 simulated CPU
-devices, or every GPU) takes a micro batch of 10 rows, so a step trains on 80 rows; the loss is
-the mean over all of them, exactly what one device would compute on the 80 rows.
+EPL's added lines are marked with ``# EPL``. Each of the 8 replicas (8 simulated CPU devices,
+or every GPU) takes a micro batch of 10 rows, so a step trains on 80 rows; the loss is the mean
+over all of them, exactly what one device would compute on the 80 rows. Under the launcher
+every worker computes the same global batch and feeds ``train_step`` its own rows
+(``epl.io.process_slice``): the same 80 rows per step, the same losses.
 """
 
 import os
@@ -57,12 +60,13 @@ def main(argv=None) -> list[float]:
     index = np.arange(step * rows, (step + 1) * rows) % len(num_x)
     return {"x": num_x[index], "y": num_y[index]}
 
-  state = trainer.init(jax.random.key(0), batch_at(0))
+  state = trainer.init(jax.random.key(0), epl.io.process_slice(batch_at(0)))   # EPL: my rows
   if args.plan:
     print(trainer.plan, "\n")
   losses = []
   for step in range(args.steps):
-    state, metrics = trainer.train_step(state, batch_at(step))
+    mine = epl.io.process_slice(batch_at(step), trainer.plan)                  # EPL: my rows
+    state, metrics = trainer.train_step(state, mine)
     losses.append(float(metrics["loss"]))
     print(f"Iteration {step + 1} , Loss: {losses[-1]:.6f} .")
   print("Train Finished.")

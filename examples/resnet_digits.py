@@ -101,10 +101,10 @@ def main(argv=None) -> float:
       index = order[i * rows:(i + 1) * rows]
       batch = {"x": x_train[index], "y": y_train[index]}
       if state is None:
-        state = trainer.init(jax.random.key(0), batch)
+        state = trainer.init(jax.random.key(0), epl.io.process_slice(batch))
         print(f"{trainer.plan.num_replicas} replicas x {args.micro_batch} images, "
               f"{steps_per_epoch} steps per epoch")
-      state, metrics = trainer.train_step(state, batch)
+      state, metrics = trainer.train_step(state, epl.io.process_slice(batch, trainer.plan))
       losses.append(metrics["loss"])
     accuracy = float(np.mean(np.asarray(predict(trainer.variables(state), x_test)) == y_test))
     print(f"epoch {epoch + 1:2d}  loss {float(np.mean(losses)):.4f}  "

@@ -86,6 +86,9 @@ def capture(fn: Callable[..., Any], variables: Sequence[Any], extra: Sequence[An
     if lab is not None and lab not in order:
       order.append(lab)
   taskgraphs, by_label = _taskgraphs(order, specs, num_devices)
+  strategy_lib.warn_scopes_outside_trace(
+      any(d is not None for d in defined) or any(
+          (f := _innermost_frame(n)) is not None and not f.default for n in program.nodes))
   node_tg = tuple(by_label[labels[n.index]] for n in program.nodes)
   input_tg, input_explicit = [], []
   for i, path in enumerate(input_paths):
