@@ -9,9 +9,11 @@ See README.md for the whole picture; each name below documents itself.
 """
 
 from epljax import hlo, io, nn
+from epljax.checkpoint import Checkpointer
 from epljax.config import Config
 from epljax.env import Cluster, Env, init
-from epljax.errors import ConfigError, EPLError, PlanError, ScopeError, StateError
+from epljax.errors import (CheckpointError, ConfigError, EPLError, NonFiniteError, PlanError,
+                           ScopeError, StateError)
 from epljax.memory.remat import GradientCheckError, add_to_collection
 from epljax.plan import Plan
 from epljax.sharding.annotations import annotate
@@ -22,12 +24,15 @@ from epljax.train import Trainer
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
+    "Checkpointer",
     "Cluster",
     "Config",
     "ConfigError",
     "EPLError",
     "Env",
     "GradientCheckError",
+    "NonFiniteError",
     "Plan",
     "PlanError",
     "ScopeError",

@@ -64,7 +64,8 @@ class Checkpointer:
     self.directory = path if "://" in path else os.path.abspath(path)
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
                                            enable_async_checkpointing=True)
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                          item_handlers=ocp.StandardCheckpointHandler())
     self._sigterm = _SigtermFlag.install() if jax.process_count() == 1 else None
 
   # -- saving ------------------------------------------------------------------------------
@@ -110,6 +111,9 @@ class Checkpointer:
     step = int(step)
     saved = self._manager.item_metadata(step)
     saved = getattr(saved, "tree", saved)
+    if not isinstance(saved, dict) or "params" not in saved:
+      raise CheckpointError(f"Step {step} in {self.directory} is not an epl.Checkpointer "
+                            "checkpoint (no 'params' in it); restore it with Orbax directly.")
     user = built.user_state
     target = dict(user.abstract())
     _check_same_model(saved, target, self.directory, step)
