@@ -37,6 +37,7 @@ from epljax import batch as batch_lib
 from epljax.build import Built, UserFns, build
 from epljax.env import Env
 from epljax.errors import EPLError, NonFiniteError, PlanError, StateError
+from epljax.launch import worker as launch_worker
 from epljax.plan import Plan
 from epljax.step import TrainState
 
@@ -120,6 +121,7 @@ class Trainer:
     self._check_state(built, state)
     batch = self.shard_batch(batch)
     state, metrics = built.step_jit(state, batch)
+    launch_worker.heartbeat()   # the launcher's --hang_timeout (throttled; one write at most)
     checks, built.first_step_checks = built.first_step_checks, []
     for check in checks:   # features that verify the first step (one host sync, once)
       check(metrics)

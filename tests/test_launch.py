@@ -15,7 +15,7 @@ def test_one_host_cpu_workers_get_a_local_coordinator_and_their_cpu_devices():
   workers = jobs.plan_workers(job, environ, gpus=0, port=6001)
   assert [w.index for w in workers] == [0, 1]
   for i, w in enumerate(workers):
-    assert w.argv == (sys.executable, "train.py", "--lr", "0.1")
+    assert w.argv == (sys.executable, jobs.RUN_SCRIPT, "train.py", "--lr", "0.1")
     assert w.env[runtime.COORDINATOR] == "127.0.0.1:6001"
     assert w.env[runtime.BIND] == "127.0.0.1:6001"          # never listens beyond this host
     assert (w.env[runtime.NUM_WORKERS], w.env[runtime.WORKER_INDEX]) == ("2", str(i))
@@ -55,6 +55,8 @@ def test_multi_host_runs_one_worker_per_host_with_the_first_entry_as_coordinator
     (dict(num_workers=1, machine_list=("a:99999",)), r"with a port from 1 to 65535"),
     (dict(num_workers=0), r"must be at least 1"),
     (dict(init_timeout=0), r"--init_timeout 0 must be a positive number"),
+    (dict(grace_period=-1), r"--grace_period -1 must be 0 or more seconds"),
+    (dict(hang_timeout=-5), r"--hang_timeout -5 must be 0 \(never\) or more seconds"),
 ])
 def test_bad_flags_are_refused_with_the_fix(kwargs, message):
   with pytest.raises(LaunchError, match=message):
@@ -65,8 +67,12 @@ def test_cli_reads_epl_flags_and_keeps_script_arguments_unchanged(tmp_path):
   script = tmp_path / "run.sh"
   script.write_text("echo hi\n")
   job = cli.job_from_args(["--num_workers", "2", "--gpu_per_worker", "1", "--debug", "True",
-                           "--log_dir", "logs", str(script), "--num_workers", "x y", "--debug"])
+                           "--log_dir", "logs", "--grace_period", "12", "--hang_timeout", "0",
+                           str(script), "--num_workers", "x y", "--debug"])
   assert (job.num_workers, job.gpu_per_worker, job.debug, job.log_dir) == (2, 1, True, "logs")
+  assert (job.grace_period, job.hang_timeout) == (12, 0)
+  defaults = cli.job_from_args(["--num_workers", "1", "--gpu_per_worker", "1", str(script)])
+  assert (defaults.grace_period, defaults.hang_timeout) == (30, 600)
   assert job.args == ("--num_workers", "x y", "--debug")
   assert not cli.job_from_args(["--num_workers", "1", "--gpu_per_worker", "1", "--debug",
                                 "false", str(script)]).debug

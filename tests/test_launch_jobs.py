@@ -111,8 +111,8 @@ def test_a_failing_worker_stops_the_job_and_is_named_with_its_log(tmp_path):
                               tmp_path / "logs", script, timeout=120)
   assert code == 3, out
   assert seconds < 60, seconds
-  assert (f"worker 1 exited with code 3; stopped the 1 other running worker(s). Its log: "
-          f"{tmp_path / 'logs' / 'worker_1.log'}") in out
+  assert (f"worker 1 (on {os.uname().nodename}) exited with code 3; stopped the 1 other "
+          f"running worker(s). Its log: {tmp_path / 'logs' / 'worker_1.log'}") in out
   pids = [int((tmp_path / f"pid{i}").read_text()) for i in range(2)]
   assert wait_gone(pids) == []
 
@@ -135,7 +135,9 @@ def test_ctrl_c_stops_every_worker(tmp_path):
   finally:
     kill_group(proc)
   assert proc.returncode == 130, out
-  assert "received SIGINT: stopping all 2 worker(s)" in out
+  assert "received SIGINT: forwarded to the 2 running worker(s)" in out
+  assert "every worker ended after SIGINT: worker 0 was killed by SIGINT, worker 1 was " \
+         "killed by SIGINT" in out
   assert wait_gone(pids) == []
 
 

@@ -18,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from epljax.launch.runtime import DEFAULT_INIT_TIMEOUT, LaunchError, WorkerEnv
 
 CPU_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+DEFAULT_GRACE_PERIOD = 30.0   # seconds a signalled worker has to save and exit by itself
+DEFAULT_HANG_TIMEOUT = 600.0  # seconds without a step or a line of output that end the job
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +35,8 @@ class Job:
   debug: bool = False
   platform: str = "auto"          # auto | gpu | cpu
   init_timeout: float = DEFAULT_INIT_TIMEOUT
+  grace_period: float = DEFAULT_GRACE_PERIOD
+  hang_timeout: float = DEFAULT_HANG_TIMEOUT
 
   def __post_init__(self):
     if self.num_workers < 1 or self.gpu_per_worker < 1:
@@ -56,6 +60,10 @@ class Job:
       raise LaunchError(f"--platform {self.platform!r} must be auto, gpu or cpu.")
     if not self.init_timeout > 0:
       raise LaunchError(f"--init_timeout {self.init_timeout} must be a positive number of seconds.")
+    if not self.grace_period >= 0:
+      raise LaunchError(f"--grace_period {self.grace_period} must be 0 or more seconds.")
+    if not self.hang_timeout >= 0:
+      raise LaunchError(f"--hang_timeout {self.hang_timeout} must be 0 (never) or more seconds.")
 
   @property
   def local_workers(self) -> tuple[int, ...]:
@@ -74,10 +82,15 @@ class Worker:
   log_path: str | None
 
 
+RUN_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run_script.py")
+
+
 def command(script: str, args: Sequence[str]) -> tuple[str, ...]:
-  """A ``.py`` runs with this interpreter, anything else with bash; arguments unchanged."""
-  runner = sys.executable if script.endswith(".py") else (shutil.which("bash") or "/bin/bash")
-  return (runner, script, *args)
+  """A ``.py`` runs with this interpreter (through ``run_script``), anything else with bash;
+  arguments unchanged."""
+  if script.endswith(".py"):
+    return (sys.executable, RUN_SCRIPT, script, *args)
+  return (shutil.which("bash") or "/bin/bash", script, *args)
 
 
 def gpu_count() -> int:

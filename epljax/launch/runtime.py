@@ -29,6 +29,7 @@ from collections.abc import Mapping
 import jax
 
 from epljax.errors import EPLError
+from epljax.launch import worker as worker_side
 
 COORDINATOR = "EPL_COORDINATOR_ADDRESS"
 BIND = "EPL_COORDINATOR_BIND_ADDRESS"
@@ -99,16 +100,20 @@ def scheduler_processes(environ: Mapping[str, str]) -> int:
 def initialize(environ: Mapping[str, str] | None = None) -> None:
   """Initializes ``jax.distributed`` once if this process is one of several (module doc)."""
   environ = os.environ if environ is None else environ
+  worker_side.open_heartbeat(environ)
   if jax.distributed.is_initialized():
     return
   worker = WorkerEnv.from_environ(environ)
   if worker is not None:
     if worker.num_workers > 1:
       _initialize_launched(worker)
+    else:
+      worker_side.watch_stop_signals()
     return
   if scheduler_processes(environ) > 1:
     _call_initialize(dict(initialization_timeout=math.ceil(init_timeout(environ))),
                      "the scheduler's environment (Slurm or Open MPI)")
+    worker_side.fail_fast()
 
 
 def _initialize_launched(worker: WorkerEnv) -> None:
@@ -124,6 +129,7 @@ def _initialize_launched(worker: WorkerEnv) -> None:
   if worker.bind_address:
     kwargs["coordinator_bind_address"] = worker.bind_address
   _call_initialize(kwargs, f"the launcher's environment ({COORDINATOR}={worker.coordinator})")
+  worker_side.fail_fast()
 
 
 def _call_initialize(kwargs: dict, source: str) -> None:
