@@ -27,16 +27,17 @@
   parameter whose path or shape differs. Feature state is restored for the features both
   runs have; a feature the checkpoint lacks starts from its initial state.
 - **Preemption**: ``reached_preemption(step)`` is True on every process at the same step once
-  any process got SIGTERM (JAX's preemption sync service across processes, started by
-  ``jax.distributed.initialize``; a SIGTERM flag in a single process). Save at that step and
-  exit; the launcher forwards SIGTERM to its workers and waits for them.
+  any process got SIGTERM (``epljax.launch.stop_requested``: JAX's preemption sync service
+  across processes, started by ``jax.distributed.initialize``; a SIGTERM flag in a single
+  process, set up by the first call, after which SIGTERM no longer ends the process by
+  itself). Save at that step and exit; ``python -m epljax.launch`` forwards SIGTERM to its
+  workers and gives them ``--grace_period`` seconds.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import threading
 from typing import Any
 
 import jax
@@ -44,6 +45,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from epljax.errors import CheckpointError
+from epljax.launch import worker as launch_worker
 from epljax.step import TrainState
 
 
@@ -66,7 +68,7 @@ class Checkpointer:
                                            enable_async_checkpointing=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_handlers=ocp.StandardCheckpointHandler())
-    self._sigterm = _SigtermFlag.install() if jax.process_count() == 1 else None
+    self._watching = False
 
   # -- saving ------------------------------------------------------------------------------
   def save(self, step: int, state: TrainState, trainer: Any = None) -> None:
@@ -131,9 +133,13 @@ class Checkpointer:
   def reached_preemption(self, step: int) -> bool:
     """True when a preemption notice (SIGTERM) arrived and ``step`` is the step at which
     every process saves; call it at every step on every process (module doc)."""
-    if self._sigterm is not None:
-      return self._sigterm.is_set()
-    return bool(self._manager.reached_preemption(int(step)))
+    if not self._watching:
+      self._watching = True
+      # One process: SIGTERM sets stop_requested's flag, unless a handler is there already
+      # (the launcher's, set by epl.init, or the user's own).
+      if jax.process_count() == 1 and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        launch_worker.watch_stop_signals()
+    return bool(launch_worker.stop_requested(int(step)))
 
 
 def _built_for(state: Any, trainer: Any):
@@ -192,32 +198,3 @@ def _match_features(saved: dict, initial: dict) -> dict:
     out[name] = jax.tree.map(lambda g, i: g.astype(np.asarray(i).dtype), got, init) \
         if same else init
   return out
-
-
-class _SigtermFlag:
-  """A process-wide SIGTERM flag for single-process runs (the preemption sync service needs
-  ``jax.distributed``); chains to a previous Python handler."""
-
-  _flag: threading.Event | None = None
-
-  @classmethod
-  def install(cls) -> threading.Event | None:
-    if cls._flag is not None:
-      return cls._flag
-    if threading.current_thread() is not threading.main_thread():
-      return None   # signal handlers can only be set from the main thread
-    flag = threading.Event()
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def handler(signum, frame):
-      if flag.is_set():   # a second SIGTERM: nobody checked the first, end as SIGTERM does
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-        return
-      flag.set()
-      if callable(previous) and previous not in (signal.SIG_IGN, signal.SIG_DFL):
-        previous(signum, frame)
-
-    signal.signal(signal.SIGTERM, handler)
-    cls._flag = flag
-    return flag
