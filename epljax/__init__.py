@@ -15,7 +15,9 @@ from epljax.env import Cluster, Env, init
 from epljax.errors import (CheckpointError, ConfigError, EPLError, NonFiniteError, PlanError,
                            ScopeError, StateError)
 from epljax.memory.remat import GradientCheckError, add_to_collection
+from epljax.metrics import MetricsWriter
 from epljax.plan import Plan
+from epljax.progress import Progress, progress
 from epljax.sharding.annotations import annotate
 from epljax.step import TrainState
 from epljax.strategy import TaskGraph, replicate, set_default_strategy, split
@@ -32,9 +34,11 @@ __all__ = [
     "EPLError",
     "Env",
     "GradientCheckError",
+    "MetricsWriter",
     "NonFiniteError",
     "Plan",
     "PlanError",
+    "Progress",
     "ScopeError",
     "StateError",
     "TaskGraph",
@@ -46,6 +50,7 @@ __all__ = [
     "init",
     "io",
     "nn",
+    "progress",
     "replicate",
     "set_default_strategy",
     "split",
