@@ -136,6 +136,10 @@ class Progress:
       return None
     return self._flops * steps_per_second / (peak * 1e12)
 
+  def write(self, line: str) -> None:
+    """Prints ``line`` (to stdout) above the bar, without breaking it."""
+    self.bar.write(line)
+
   def close(self) -> None:
     if self._steps:
       self.refresh()
