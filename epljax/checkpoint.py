@@ -166,7 +166,15 @@ def _keystr(path) -> str:
 
 
 def _flat(tree: Any) -> dict[str, tuple]:
-  return {_keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  return {_keystr(p): _stored_shape(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _stored_shape(x: Any) -> tuple:
+  """The shape as stored: typed PRNG keys (NNX RNG state) are stored as their key data."""
+  dtype = getattr(x, "dtype", None)
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return tuple(jax.eval_shape(jax.random.key_data, x).shape)
+  return tuple(x.shape)
 
 
 def _check_same_model(saved: Any, target: dict, directory: str, step: int) -> None:

@@ -136,7 +136,8 @@ class Trainer:
 
   def eval_step(self, state: TrainState, batch: Any) -> dict[str, Any]:
     """The forward pass alone over the global batch: ``{"loss", "examples"}`` (and ``"aux"``
-    with ``has_aux``, ``"tokens"`` when known); no gradient, no update, ``state`` is kept."""
+    with ``has_aux``, ``"tokens"`` when known); no gradient, no update, ``state`` is kept.
+    With pipeline stages the forward runs unpipelined, on the gathered parameters."""
     built = self._require()
     self._check_state(built, state)
     batch = self.shard_batch(batch)

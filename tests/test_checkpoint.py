@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import flax.linen as nn
+from flax import nnx
 import jax
 import numpy as np
 import optax
@@ -61,7 +62,7 @@ def numpy_tree(tree):
   return jax.tree.map(lambda x: np.array(x), tree)
 
 
-def run(trainer, state, steps, ckpt=None):
+def run(trainer, state, steps, ckpt=None, keep=True):
   """Trains ``steps`` (indices into BATCHES); saves after step SAVED when ``ckpt`` is given."""
   losses, saved = [], None
   for i in steps:
@@ -69,7 +70,7 @@ def run(trainer, state, steps, ckpt=None):
     losses.append(float(metrics["loss"]))
     if ckpt is not None and i + 1 == SAVED:
       ckpt.save(SAVED, state)
-      saved = numpy_tree(trainer.variables(state))
+      saved = numpy_tree(trainer.variables(state)) if keep else None
   return state, losses, saved
 
 
@@ -214,3 +215,30 @@ def test_resume_after_kill_9_gives_the_uninterrupted_losses(tmp_path):
   assert sorted(second) == list(range(start + 1, steps + 1))
   for step, loss in {**first, **second}.items():
     assert loss == expected[step], f"step {step}: {loss} != {expected[step]}"
+
+
+class NNXNet(nnx.Module):
+  """Parameters, BatchNorm statistics and dropout RNG state (typed keys) in one module."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.dense1 = nnx.Linear(20, 16, rngs=rngs)
+    self.bn = nnx.BatchNorm(16, momentum=0.9, rngs=rngs)
+    self.dropout = nnx.Dropout(0.25, rngs=rngs)
+    self.dense2 = nnx.Linear(16, 10, rngs=rngs)
+
+  def __call__(self, x):
+    return self.dense2(self.dropout(nnx.relu(self.bn(self.dense1(x)))))
+
+
+def test_nnx_model_state_and_rng_resume_exactly(tmp_path):
+  epl.init()
+  epl.set_default_strategy(epl.replicate(1))
+  trainer = epl.Trainer(
+      lambda rng, b: NNXNet(nnx.Rngs(params=rng, dropout=jax.random.fold_in(rng, 1))),
+      lambda model, b: cross_entropy(model(b["x"]), b["y"]), optax.adamw(1e-2))
+  state = trainer.init(jax.random.key(0), BATCHES[0])
+  ckpt = epl.Checkpointer(tmp_path)
+  state, losses, _ = run(trainer, state, range(STEPS), ckpt, keep=False)
+  ckpt.wait()
+  state, after, _ = run(trainer, ckpt.restore(trainer), range(SAVED, STEPS), keep=False)
+  assert after == losses[SAVED:]   # dropout masks and batch statistics continue exactly
