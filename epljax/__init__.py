@@ -9,11 +9,15 @@ See README.md for the whole picture; each name below documents itself.
 """
 
 from epljax import hlo, io, nn
+from epljax.checkpoint import Checkpointer
 from epljax.config import Config
 from epljax.env import Cluster, Env, init
-from epljax.errors import ConfigError, EPLError, PlanError, ScopeError, StateError
+from epljax.errors import (CheckpointError, ConfigError, EPLError, NonFiniteError, PlanError,
+                           ScopeError, StateError)
 from epljax.memory.remat import GradientCheckError, add_to_collection
+from epljax.metrics import MetricsWriter
 from epljax.plan import Plan
+from epljax.progress import Progress, progress
 from epljax.sharding.annotations import annotate
 from epljax.step import TrainState
 from epljax.strategy import TaskGraph, replicate, set_default_strategy, split
@@ -22,14 +26,19 @@ from epljax.train import Trainer
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
+    "Checkpointer",
     "Cluster",
     "Config",
     "ConfigError",
     "EPLError",
     "Env",
     "GradientCheckError",
+    "MetricsWriter",
+    "NonFiniteError",
     "Plan",
     "PlanError",
+    "Progress",
     "ScopeError",
     "StateError",
     "TaskGraph",
@@ -41,6 +50,7 @@ __all__ = [
     "init",
     "io",
     "nn",
+    "progress",
     "replicate",
     "set_default_strategy",
     "split",

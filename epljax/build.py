@@ -38,6 +38,7 @@ from epljax.sharding import annotations
 from epljax.sharding import specs as specs_lib
 from epljax.sharding.capture import Capture, capture, defining_frames
 from epljax.step import TrainState
+from epljax.user_state import UserState
 from epljax.variables import Model
 
 
@@ -68,6 +69,16 @@ class Built:
   user_params: Callable[[Any], Any]   # TrainState.params -> the user's tree (pipeline: unpack)
   state_treedef: Any                  # of the TrainState that init and train_step return
   first_step_checks: list = dataclasses.field(default_factory=list)
+  eval_jit: Any = None
+  user_state: Any = None              # epljax.user_state.UserState: what checkpoints hold
+
+  def to_user(self, state: TrainState) -> dict:
+    """The state in the user's structure (params, optimizer and model state; never packed)."""
+    return self.user_state.to_user(state)
+
+  def from_user(self, tree: dict) -> TrainState:
+    """``to_user``'s tree -> a ``TrainState`` in this trainer's layout and shardings."""
+    return self.user_state.from_user(tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,9 +149,12 @@ def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
   jits, user_params = compile_functions(fns, var, where, features, fstate, ctx, rows)
   plan = make_plan(var, cap, where, features, fstate, jits, batch, rows)
   state_shardings = jits.pop("state_shardings")
+  user = UserState(state_shardings=state_shardings, params_shape=var.params_shape,
+                   state_shape=var.state_shape, optimizer=fns.optimizer, feature_state=fstate,
+                   pipe=where.pipe)
   return Built(var.model, cap, where.layout, where.batch_plan, state_shardings, plan=plan,
                user_params=user_params, state_treedef=jax.tree.structure(state_shardings),
-               first_step_checks=[f.after_first_step for f in features],
+               first_step_checks=[f.after_first_step for f in features], user_state=user,
                **jits)
 
 
@@ -278,6 +292,11 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
     params = state.params if pipe is None else pipe.unpack(state.params)
     return forward(params, state.model_state, micro, state.feature_state)[0]
 
+  def evaluate(state, global_batch):
+    params = state.params if pipe is None else pipe.unpack(state.params)
+    return step_lib.eval_step(forward, prepare, fns.has_aux)(state.replace(params=params),
+                                                             global_batch)
+
   step = step_lib.train_step(gradients, update, features, prepare, fns.has_aux)
   traced = functools.partial(_traced_in_session, mesh=mesh)
   options = communication.compiler_options(features, var.params_shape) or None
@@ -292,6 +311,7 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
                     out_shardings=(replicated, base.params if pipe is None else user_tree_sh)),
       loss_jit=jit(traced(first_loss), in_shardings=(state_sh, batch_sh),
                    out_shardings=replicated),
+      eval_jit=jit(traced(evaluate), in_shardings=(state_sh, batch_sh)),
   ), user_params
 
 

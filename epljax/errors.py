@@ -25,3 +25,11 @@ class PlanError(EPLError, ValueError):
 
 class StateError(EPLError, RuntimeError):
   """A call made before what it needs exists (``epl.init``, ``Trainer.init``)."""
+
+
+class CheckpointError(EPLError, ValueError):
+  """A checkpoint that cannot be saved or restored as asked (missing, of another model)."""
+
+
+class NonFiniteError(EPLError, FloatingPointError):
+  """Training stopped: too many steps in a row had a non-finite loss or gradients."""

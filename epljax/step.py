@@ -8,9 +8,17 @@
   ``lax.scan``; one micro batch is a plain call), averaged as EPL does. The reduction over
   replicas is GSPMD's: the gradient of a loss traced over the whole batch is already the mean
   over replicas;
-- ``apply_optimizer``: the optax update.
+- ``apply_optimizer``: the optax update, applied only when the step is finite.
 
 Features (``epljax.features``) wrap each piece; ``train_step`` chains them.
+
+Non-finite steps: ``train_step`` checks the loss and the reduced gradients; when any is not
+finite the update is not applied (parameters and optimizer state come back bit for bit) and
+``metrics["finite"]`` is False. The verdict travels to ``apply_optimizer`` under
+``fstate[STEP_FINITE]`` for the update alone (it is not kept in the state), so the skip sits
+innermost, inside what features do around the update (ZeRO's layouts, offload's memory
+spaces), and features that react to overflow themselves (the dynamic loss scale) still see the
+non-finite gradients.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ import jax.numpy as jnp
 import optax
 
 from epljax.features import BuildContext, Feature, ForwardFn, GradientFn, UpdateFn, loss_scale
+
+STEP_FINITE = "step_finite"   # fstate key of the update's "apply this step" flag (module doc)
 
 
 @flax.struct.dataclass
@@ -99,8 +109,16 @@ def map_optimizer_state(optimizer: optax.GradientTransformation, fn: Callable[[A
 
 def apply_optimizer(optimizer: optax.GradientTransformation) -> UpdateFn:
   def update(params, opt_state, grads, fstate):
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, fstate
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    finite = fstate.get(STEP_FINITE)
+    if finite is None:
+      return new_params, new_opt_state, fstate
+    # A select, not a cond: elementwise, it fuses into the update and runs wherever the
+    # update runs (on the host under offload v1), and a skipped step keeps the old bits.
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    return (jax.tree.map(keep, new_params, params),
+            jax.tree.map(keep, new_opt_state, opt_state), fstate)
 
   return update
 
@@ -128,8 +146,15 @@ def train_step(gradients: GradientFn, update: UpdateFn, features: Sequence[Featu
     fstate = state.feature_state
     loss, aux, grads, model_state = gradients(state.params, state.model_state,
                                               prepare_batch(batch), fstate)
-    params, opt_state, fstate = update(state.params, state.opt_state, grads, fstate)
-    metrics = {"loss": loss}
+    grad_norm, finite = norm_and_finite(loss, grads)
+    params, opt_state, fstate = update(state.params, state.opt_state, grads,
+                                       {**fstate, STEP_FINITE: finite})
+    fstate = {k: v for k, v in fstate.items() if k != STEP_FINITE}
+    # Model state (BatchNorm statistics) of a non-finite step is not kept either.
+    model_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), model_state,
+                               state.model_state)
+    metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite,
+               "step": state.step + 1}
     if has_aux:
       metrics["aux"] = aux
     for f in features:
@@ -138,3 +163,36 @@ def train_step(gradients: GradientFn, update: UpdateFn, features: Sequence[Featu
                          model_state=model_state, feature_state=fstate), metrics
 
   return step
+
+
+def norm_and_finite(loss: jax.Array, grads: Any) -> tuple[jax.Array, jax.Array]:
+  """The global norm of the gradients (float32), and whether the loss and every gradient are
+  finite (a norm can overflow where no gradient does, so the check is per element)."""
+  leaves = jax.tree.leaves(in_device_memory(grads))
+  if not leaves:
+    return jnp.zeros((), jnp.float32), jnp.isfinite(loss)
+  norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves))
+  finite = jnp.logical_and(jnp.isfinite(loss),
+                           jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in leaves])))
+  return norm, finite
+
+
+def eval_step(forward: ForwardFn, prepare_batch: Callable[[Any], Any], has_aux: bool):
+  """``(state, batch) -> metrics``: the loss (mean over micro batches) and aux of the forward
+  pass alone; no gradient, no update, the state is not changed."""
+
+  def evaluate(state: TrainState, batch: Any):
+    micro = prepare_batch(batch)
+
+    def one(b):
+      loss, aux, _ = forward(state.params, state.model_state, b, state.feature_state)
+      return loss, aux
+
+    losses, auxes = jax.lax.map(one, micro)
+    metrics = {"loss": jnp.mean(losses)}
+    if has_aux:
+      metrics["aux"] = (jax.tree.map(lambda x: x[0], auxes)
+                        if jax.tree.leaves(micro)[0].shape[0] == 1 else auxes)
+    return metrics
+
+  return evaluate

@@ -23,17 +23,21 @@ function (a ``shard_map`` loop over micro batches) instead of ``step.accumulate_
 
 from __future__ import annotations
 
+import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 
 from epljax import batch as batch_lib
 from epljax import env as env_lib
 from epljax.build import Built, UserFns, build
 from epljax.env import Env
-from epljax.errors import EPLError, PlanError, StateError
+from epljax.errors import EPLError, NonFiniteError, PlanError, StateError
 from epljax.launch import worker as launch_worker
 from epljax.plan import Plan
 from epljax.step import TrainState
@@ -58,11 +62,25 @@ class Trainer:
     clip_norm: clip the gradients to this global norm before the optimizer; whether each
       replica clips its own gradients (EPL's default) or the reduced ones follows
       ``communication.clip_after_allreduce`` (``epljax.communication``).
+    max_nonfinite_steps: a step whose loss or gradients are not finite is not applied
+      (``metrics["finite"]`` is False); after this many in a row ``train_step`` raises
+      ``NonFiniteError`` naming the step. The check reads each step's flag at the next call,
+      so the host never waits for the device (the error comes one call late). None: never.
+    tokens_key: the batch leaf (a key of a dict batch) whose size is the step's token count,
+      ``metrics["tokens"]``; by default the first integer leaf with two or more dimensions
+      (token ids), if any.
+
+  ``metrics`` of ``train_step``: ``loss``, ``grad_norm`` (global norm of the reduced
+  gradients), ``finite``, ``step`` (the step just taken), ``examples`` (rows of the global
+  batch), ``tokens`` (when known, see ``tokens_key``) and ``step_time`` (host seconds since the
+  previous ``train_step`` returned, the first call: its own time, compilation included);
+  ``aux`` with ``has_aux``; features add theirs (``loss_scale``).
   """
 
   def __init__(self, init_fn: Callable[[Any, Any], Any], loss_fn: Callable[[Any, Any], Any],
                optimizer: optax.GradientTransformation, has_aux: bool = False, *,
-               mutable: Sequence[str] = (), clip_norm: float | None = None):
+               mutable: Sequence[str] = (), clip_norm: float | None = None,
+               max_nonfinite_steps: int | None = 20, tokens_key: str | None = None):
     env = Env.get()
     if not (callable(getattr(optimizer, "init", None))
             and callable(getattr(optimizer, "update", None))):
@@ -79,7 +97,16 @@ class Trainer:
     self._config = env.config
     self._cluster = env.cluster
     self._env_seen = env              # the last Env checked against self._config
+    if max_nonfinite_steps is not None and (not isinstance(max_nonfinite_steps, int)
+                                            or max_nonfinite_steps < 1):
+      raise EPLError(f"max_nonfinite_steps={max_nonfinite_steps!r}: use a positive int, or "
+                     "None to never stop on non-finite steps.")
+    self.max_nonfinite_steps = max_nonfinite_steps
+    self.tokens_key = tokens_key
     self._built: Built | None = None
+    self._pending: tuple[Any, Any] | None = None   # (finite, step) of the last step
+    self._nonfinite_run = 0
+    self._last_return: float | None = None
 
   # -- public API --------------------------------------------------------------------------
   def init(self, rng: jax.Array | int, batch: Any) -> TrainState:
@@ -93,16 +120,36 @@ class Trainer:
 
   def train_step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
     """One global step over all micro batches; ``metrics["loss"]`` is the global mean loss."""
+    start = time.perf_counter()
     built = self._require()
     if Env._current is not self._env_seen:
       self._env_seen = env_lib.kept_config(self._config)
     self._check_state(built, state)
-    state, metrics = built.step_jit(state, self.shard_batch(batch))
+    batch = self.shard_batch(batch)
+    state, metrics = built.step_jit(state, batch)
     launch_worker.heartbeat()   # the launcher's --hang_timeout (throttled; one write at most)
     checks, built.first_step_checks = built.first_step_checks, []
     for check in checks:   # features that verify the first step (one host sync, once)
       check(metrics)
+    metrics.update(self._counts(batch))
+    now = time.perf_counter()
+    metrics["step_time"] = now - (start if self._last_return is None else self._last_return)
+    self._last_return = now
+    previous, self._pending = self._pending, (metrics["finite"], metrics["step"])
+    if previous is not None:
+      self._watch_nonfinite(*previous)
     return state, metrics
+
+  def eval_step(self, state: TrainState, batch: Any) -> dict[str, Any]:
+    """The forward pass alone over the global batch: ``{"loss", "examples"}`` (and ``"aux"``
+    with ``has_aux``, ``"tokens"`` when known); no gradient, no update, ``state`` is kept.
+    With pipeline stages the forward runs unpipelined, on the gathered parameters."""
+    built = self._require()
+    self._check_state(built, state)
+    batch = self.shard_batch(batch)
+    metrics = dict(built.eval_jit(state, batch))
+    metrics.update(self._counts(batch))
+    return metrics
 
   def loss_and_grads(self, state: TrainState, batch: Any) -> tuple[jax.Array, Any]:
     """The mean loss and the reduced gradients the next step would apply (no update)."""
@@ -144,6 +191,36 @@ class Trainer:
   def plan(self) -> Plan:
     return self._require().plan
 
+  def _counts(self, batch: Any) -> dict[str, int]:
+    """Examples (and tokens) of a global batch, from its shapes (no device sync)."""
+    leaves = jax.tree.leaves(batch)
+    out = {"examples": int(leaves[0].shape[0])} if leaves else {}
+    if self.tokens_key is not None:
+      if not (isinstance(batch, dict) and self.tokens_key in batch):
+        keys = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+        raise EPLError(f"tokens_key={self.tokens_key!r} is not a key of the batch ({keys}); "
+                       "name the batch entry holding the token ids.")
+      out["tokens"] = int(np.prod(jnp.shape(batch[self.tokens_key])))
+    else:
+      ids = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.integer) and x.ndim >= 2]
+      if ids:
+        out["tokens"] = int(np.prod(ids[0].shape))
+    return out
+
+  def _watch_nonfinite(self, finite: jax.Array, step: jax.Array) -> None:
+    if bool(finite):
+      self._nonfinite_run = 0
+      return
+    self._nonfinite_run += 1
+    limit = self.max_nonfinite_steps
+    if limit is not None and self._nonfinite_run >= limit:
+      self._nonfinite_run = 0
+      raise NonFiniteError(
+          f"Step {int(step)} is the {limit}th step in a row whose loss or gradients are not "
+          f"finite (Trainer(max_nonfinite_steps={limit})); none of them was applied. Look for "
+          "NaN/Inf in the input batches, lower the learning rate, or resume from a checkpoint; "
+          "with communication.fp16, lower communication.fp16_scale.")
+
   # -- building ----------------------------------------------------------------------------
   def _require(self) -> Built:
     if self._built is None:
@@ -170,4 +247,27 @@ class Trainer:
     fns = UserFns(self.init_fn, self.loss_fn, self.optimizer, self.has_aux, self.mutable,
                   self.clip_norm)
     self._built = build(fns, self._config, self._cluster, rng, batch)
+    self._pending, self._nonfinite_run, self._last_return = None, 0, None
+    _TRAINERS.add(self)
     return self._built
+
+
+_TRAINERS: weakref.WeakSet[Trainer] = weakref.WeakSet()
+
+
+def trainer_of(state: Any) -> Built | None:
+  """The plan of the live Trainer whose states look like ``state`` (structure and shardings),
+  for ``Checkpointer.save`` called without a trainer."""
+  if not isinstance(state, TrainState):
+    return None
+  leaves, treedef = jax.tree.flatten(state)
+  for trainer in list(_TRAINERS):
+    built = trainer._built
+    if built is None or built.state_treedef != treedef:
+      continue
+    shardings = jax.tree.leaves(built.state_shardings,
+                                is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    if all(hasattr(x, "sharding") and x.sharding.is_equivalent_to(s, x.ndim)
+           for x, s in zip(leaves, shardings)):
+      return built
+  return None

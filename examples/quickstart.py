@@ -37,6 +37,8 @@ def main(argv=None) -> list[float]:
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--micro_batch", type=int, default=10, help="rows per replica per step")
   parser.add_argument("--plan", action="store_true", help="print the parallel plan")
+  parser.add_argument("--peak_tflops", type=float, default=None,
+                      help="device peak for the progress bar's MFU (default: known chips)")
   args = parser.parse_args(argv)
 
   epl.init()                                                  # EPL
@@ -64,11 +66,13 @@ def main(argv=None) -> list[float]:
   if args.plan:
     print(trainer.plan, "\n")
   losses = []
-  for step in range(args.steps):
-    mine = epl.io.process_slice(batch_at(step), trainer.plan)                  # EPL: my rows
-    state, metrics = trainer.train_step(state, mine)
-    losses.append(float(metrics["loss"]))
-    print(f"Iteration {step + 1} , Loss: {losses[-1]:.6f} .")
+  with epl.progress(total=args.steps, trainer=trainer, peak_tflops=args.peak_tflops) as bar:
+    for step in range(args.steps):
+      mine = epl.io.process_slice(batch_at(step), trainer.plan)                # EPL: my rows
+      state, metrics = trainer.train_step(state, mine)
+      losses.append(float(metrics["loss"]))
+      bar.update(metrics)     # loss, steps/s, tokens/s, MFU (where the peak is known)
+      bar.write(f"Iteration {step + 1} , Loss: {losses[-1]:.6f} .")
   print("Train Finished.")
   return losses
 

@@ -1,0 +1,244 @@
+"""epl.Checkpointer: exact continuation, restore into other strategies, refused checkpoints,
+and resume after kill -9 of a process that saved."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+
+import flax.linen as nn
+from flax import nnx
+import jax
+import numpy as np
+import optax
+import pytest
+
+import epljax as epl
+from helpers import TOL, assert_trees_close, classification_batch, cross_entropy
+
+ROWS, STEPS, SAVED = 64, 4, 2
+BATCHES = [classification_batch(ROWS, seed=i) for i in range(STEPS)]
+
+
+class Net(nn.Module):
+  """The same parameter tree whatever ``mode`` places it with: plain data parallelism,
+  tensor parallelism (``split``) or two pipeline stages (``pipe``)."""
+  mode: str = "dp"
+  hidden: int = 32
+
+  @nn.compact
+  def __call__(self, x):
+    if self.mode == "split":
+      with epl.split(4, name="mlp"):
+        h = nn.relu(nn.Dense(self.hidden)(x))
+        return nn.Dense(10)(h)
+    first = epl.replicate(1, name="stage_0") if self.mode == "pipe" else contextlib.nullcontext()
+    second = epl.replicate(1, name="stage_1") if self.mode == "pipe" else contextlib.nullcontext()
+    with first:
+      h = nn.relu(nn.Dense(self.hidden)(x))
+    with second:
+      return nn.Dense(10)(h)
+
+
+CONFIGS = {"dp": {}, "split": {}, "zero": {"zero.level": "v1"},
+           "pipe": {"pipeline.num_micro_batch": 4}}
+
+
+def make_trainer(kind: str, hidden: int = 32):
+  epl.init(CONFIGS[kind])
+  if kind in ("dp", "zero"):
+    epl.set_default_strategy(epl.replicate(1))
+  model = Net("dp" if kind == "zero" else kind, hidden)
+  trainer = epl.Trainer(lambda rng, b: model.init(rng, b["x"]),
+                        lambda v, b: cross_entropy(model.apply(v, b["x"]), b["y"]),
+                        optax.adam(1e-2))
+  return trainer, trainer.init(jax.random.key(0), BATCHES[0])
+
+
+def numpy_tree(tree):
+  return jax.tree.map(lambda x: np.array(x), tree)
+
+
+def run(trainer, state, steps, ckpt=None, keep=True):
+  """Trains ``steps`` (indices into BATCHES); saves after step SAVED when ``ckpt`` is given."""
+  losses, saved = [], None
+  for i in steps:
+    state, metrics = trainer.train_step(state, BATCHES[i])
+    losses.append(float(metrics["loss"]))
+    if ckpt is not None and i + 1 == SAVED:
+      ckpt.save(SAVED, state)
+      saved = numpy_tree(trainer.variables(state)) if keep else None
+  return state, losses, saved
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """Every run of the module, trained here (a jitted step traces on first use, under the
+  strategy scopes of the moment): {name: (losses, ...)}."""
+  root = tmp_path_factory.mktemp("ckpt")
+  out = {}
+  sources = {}
+  for kind in ("dp", "pipe", "zero"):
+    trainer, state = make_trainer(kind)
+    ckpt = epl.Checkpointer(root / kind, max_to_keep=2)
+    _, losses, saved = run(trainer, state, range(STEPS), ckpt)
+    ckpt.wait()
+    sources[kind] = (ckpt, losses, saved)
+    out[f"{kind}_ref"] = losses
+    if kind == "dp":
+      out["dp_plan_trainer"] = (trainer, state)
+  # Restores: (source checkpoint, restoring trainer kind)
+  dp_trainer, _ = out.pop("dp_plan_trainer")
+  targets = {"dp": dp_trainer}
+  for source, kind in [("dp", "dp"), ("dp", "split"), ("pipe", "dp"), ("dp", "pipe"),
+                       ("zero", "dp")]:
+    if kind not in targets:
+      targets[kind] = make_trainer(kind)[0]
+    trainer = targets[kind]
+    ckpt, losses, saved = sources[source]
+    state = ckpt.restore(trainer)
+    restored = numpy_tree(trainer.variables(state))
+    assert int(state.step) == SAVED
+    _, after, _ = run(trainer, state, range(SAVED, STEPS))
+    out[f"{source}->{kind}"] = (after, losses[SAVED:], restored, saved)
+  out["sources"] = sources
+  out["trainers"] = targets
+  return out
+
+
+def test_restore_continues_exactly_as_the_uninterrupted_run(runs):
+  after, expected, restored, saved = runs["dp->dp"]
+  assert after == expected                        # bit for bit
+  assert_trees_close(restored, saved, dict(rtol=0, atol=0))
+
+
+@pytest.mark.parametrize("case", ["dp->split", "pipe->dp", "dp->pipe", "zero->dp"])
+def test_restore_into_another_strategy_continues_the_run(runs, case):
+  after, expected, restored, saved = runs[case]
+  assert_trees_close(restored, saved, dict(rtol=0, atol=0))   # the saved values, exactly
+  np.testing.assert_allclose(after, expected, **TOL)
+  # ... and all the runs are the same training (the strategies match the plain reference).
+  np.testing.assert_allclose(runs["pipe_ref"], runs["dp_ref"], **TOL)
+  np.testing.assert_allclose(runs["zero_ref"], runs["dp_ref"], **TOL)
+
+
+def test_restored_state_has_the_trainer_shardings(runs):
+  trainer = runs["trainers"]["pipe"]
+  ckpt = runs["sources"]["dp"][0]
+  state = ckpt.restore(trainer)
+  built = trainer._require()
+  for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(
+      built.state_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))):
+    assert x.sharding.is_equivalent_to(s, x.ndim)
+  # A pipeline's checkpoint holds the user's tree, not the packed buffers.
+  meta = runs["sources"]["pipe"][0]._manager.item_metadata(SAVED).tree
+  assert set(meta["params"]) == {"Dense_0", "Dense_1"}
+  assert tuple(meta["params"]["Dense_0"]["kernel"].shape) == (20, 32)
+  assert tuple(meta["opt_state"][0]["mu"]["Dense_1"]["kernel"].shape) == (32, 10)
+
+
+def test_latest_step_max_to_keep_and_refusals(runs, tmp_path):
+  trainer = runs["trainers"]["dp"]
+  ckpt = epl.Checkpointer(tmp_path / "keep", max_to_keep=2)
+  assert ckpt.latest_step() is None
+  with pytest.raises(epl.CheckpointError, match="No checkpoint in .*nothing to restore"):
+    ckpt.restore(trainer)
+  state = runs["sources"]["dp"][0].restore(trainer)
+  for step in (1, 2, 3):
+    ckpt.save(step, state)
+  ckpt.wait()
+  assert ckpt.latest_step() == 3 and ckpt.all_steps() == [2, 3]
+  with pytest.raises(epl.CheckpointError, match="Step 3 is already saved"):
+    ckpt.save(3, state)
+  with pytest.raises(epl.CheckpointError, match=r"No checkpoint of step 1 .* steps \[2, 3\]"):
+    ckpt.restore(trainer, step=1)
+
+
+def test_checkpoint_of_another_model_names_the_first_mismatch(runs):
+  trainer, _ = make_trainer("dp", hidden=16)
+  ckpt = runs["sources"]["dp"][0]
+  with pytest.raises(epl.CheckpointError,
+                     match=r"at 'params/Dense_0/bias' it holds shape \(32,\), the "
+                           r"trainer has shape \(16,\)"):
+    ckpt.restore(trainer)
+
+
+# -- kill -9 of a process that saved, then resume ------------------------------------------
+
+WORKER = os.path.join(os.path.dirname(__file__), "launch_scripts", "ckpt_worker.py")
+
+
+def _env():
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return env
+
+
+def _losses(text: str) -> dict[int, str]:
+  return {int(line.split()[1]): line.split()[2] for line in text.splitlines()
+          if line.startswith("LOSS ")}
+
+
+@pytest.mark.slow
+def test_resume_after_kill_9_gives_the_uninterrupted_losses(tmp_path):
+  steps = 8
+  cmd = [sys.executable, WORKER, "--steps", str(steps), "--every", "2"]
+  reference = subprocess.run([*cmd, "--dir", str(tmp_path / "ref")], env=_env(),
+                             capture_output=True, text=True, timeout=300)
+  assert reference.returncode == 0, reference.stderr[-3000:]
+  expected = _losses(reference.stdout)
+  assert sorted(expected) == list(range(1, steps + 1))
+
+  run_dir = str(tmp_path / "run")
+  victim = subprocess.Popen([*cmd, "--dir", run_dir, "--sleep", "0.3"], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  seen = []
+  for line in victim.stdout:
+    seen.append(line)
+    if line.startswith("LOSS 5 "):    # it saved step 4 (committed or in flight) and goes on
+      victim.send_signal(signal.SIGKILL)
+      break
+  victim.wait(timeout=60)
+  assert victim.returncode == -signal.SIGKILL
+  first = _losses("".join(seen))
+  resumed = subprocess.run([*cmd, "--dir", run_dir], env=_env(), capture_output=True,
+                           text=True, timeout=300)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  start = int(resumed.stdout.split("RESUMED ")[1].split()[0])
+  assert start in (2, 4)   # the last committed save: 4, or 2 if 4 was still being written
+  second = _losses(resumed.stdout)
+  assert sorted(second) == list(range(start + 1, steps + 1))
+  for step, loss in {**first, **second}.items():
+    assert loss == expected[step], f"step {step}: {loss} != {expected[step]}"
+
+
+class NNXNet(nnx.Module):
+  """Parameters, BatchNorm statistics and dropout RNG state (typed keys) in one module."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.dense1 = nnx.Linear(20, 16, rngs=rngs)
+    self.bn = nnx.BatchNorm(16, momentum=0.9, rngs=rngs)
+    self.dropout = nnx.Dropout(0.25, rngs=rngs)
+    self.dense2 = nnx.Linear(16, 10, rngs=rngs)
+
+  def __call__(self, x):
+    return self.dense2(self.dropout(nnx.relu(self.bn(self.dense1(x)))))
+
+
+def test_nnx_model_state_and_rng_resume_exactly(tmp_path):
+  epl.init()
+  epl.set_default_strategy(epl.replicate(1))
+  trainer = epl.Trainer(
+      lambda rng, b: NNXNet(nnx.Rngs(params=rng, dropout=jax.random.fold_in(rng, 1))),
+      lambda model, b: cross_entropy(model(b["x"]), b["y"]), optax.adamw(1e-2))
+  state = trainer.init(jax.random.key(0), BATCHES[0])
+  ckpt = epl.Checkpointer(tmp_path)
+  state, losses, _ = run(trainer, state, range(STEPS), ckpt, keep=False)
+  ckpt.wait()
+  state, after, _ = run(trainer, ckpt.restore(trainer), range(SAVED, STEPS), keep=False)
+  assert after == losses[SAVED:]   # dropout masks and batch statistics continue exactly

@@ -1,0 +1,168 @@
+"""Non-finite steps are never applied; the step's metrics (grad_norm, finite, examples, tokens,
+step_time); eval_step."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+
+import epljax as epl
+from helpers import MLP, TOL, classification_batch, cross_entropy, linen_fns
+
+EXACT = dict(rtol=0, atol=0)
+
+
+def nan_batch(rows=32, seed=1):
+  batch = classification_batch(rows, seed=seed)
+  batch["x"][3, 5] = np.nan
+  return batch
+
+
+def host(tree):
+  return jax.tree.map(lambda x: np.array(x), tree)
+
+
+def assert_same_bits(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def make(config=None, *, model=None, strategy=True, optimizer=None, **kwargs):
+  epl.init(config or {})
+  if strategy:
+    epl.set_default_strategy(epl.replicate(1))
+  init_fn, loss_fn = linen_fns(model or MLP())
+  trainer = epl.Trainer(init_fn, loss_fn, optimizer or optax.adam(1e-2), **kwargs)
+  return trainer, trainer.init(jax.random.key(0), classification_batch(32))
+
+
+class TwoStages(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    with epl.replicate(1, name="stage_0"):
+      h = nn.relu(nn.Dense(16)(x))
+    with epl.replicate(1, name="stage_1"):
+      return nn.Dense(10)(h)
+
+
+CASES = {
+    "data_parallel": dict(),
+    "zero_v1": dict(config={"zero.level": "v1"}),
+    "pipeline": dict(config={"pipeline.num_micro_batch": 2}, model=TwoStages(), strategy=False),
+    # fp16 all-reduce: the NaN travels through the float16 reduction.
+    "fp16_allreduce": dict(config={"communication.fp16": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_nan_batch_leaves_the_state_bit_identical(case):
+  trainer, state = make(**CASES[case], max_nonfinite_steps=3)
+  state, metrics = trainer.train_step(state, classification_batch(32))   # one good step
+  assert bool(metrics["finite"]) and int(metrics["step"]) == 1
+  before = host(state)
+  state, metrics = trainer.train_step(state, nan_batch())
+  assert not bool(metrics["finite"])
+  assert not np.isfinite(float(metrics["loss"]))
+  after = host(state)
+  assert_same_bits(after.params, before.params)
+  assert_same_bits(after.opt_state, before.opt_state)
+  assert int(after.step) == 2                    # the step is counted, not applied
+  # ... and the next good step trains as if the bad one had not happened.
+  good = classification_batch(32, seed=2)
+  state, metrics = trainer.train_step(state, good)
+  assert bool(metrics["finite"])
+  never_bad = jax.device_put(before, trainer._require().state_shardings)
+  never_bad, expected = trainer.train_step(never_bad, good)
+  assert float(metrics["loss"]) == float(expected["loss"])
+  assert_same_bits(host(state).params, host(never_bad).params)
+
+
+def test_fp16_allreduce_overflow_is_caught_and_skipped():
+  # fp16_scale x gradient beyond float16's 65504: the all-reduce overflows to inf.
+  trainer, state = make({"communication.fp16": True, "communication.fp16_scale": 2 ** 20})
+  before = host(state)
+  batch = classification_batch(32)
+  batch["x"] = batch["x"] * 100.0
+  state, metrics = trainer.train_step(state, batch)
+  assert np.isfinite(float(metrics["loss"])) and not bool(metrics["finite"])
+  assert_same_bits(host(state).params, before.params)
+  assert_same_bits(host(state).opt_state, before.opt_state)
+
+
+def test_training_stops_after_max_nonfinite_steps_in_a_row():
+  trainer, state = make(max_nonfinite_steps=2)
+  state, _ = trainer.train_step(state, nan_batch())
+  state, _ = trainer.train_step(state, classification_batch(32))   # the run is broken
+  state, _ = trainer.train_step(state, nan_batch())
+  state, _ = trainer.train_step(state, nan_batch())
+  # The flags are read one call late (the host never waits for the device).
+  with pytest.raises(epl.NonFiniteError, match=r"Step 4 is the 2th step in a row .* not "
+                     r"finite \(Trainer\(max_nonfinite_steps=2\)\)"):
+    trainer.train_step(state, classification_batch(32))
+
+
+def test_max_nonfinite_steps_is_checked():
+  with pytest.raises(epl.EPLError, match=r"max_nonfinite_steps=0: use a positive int"):
+    epl.Trainer(lambda r, b: {}, lambda v, b: 0.0, optax.sgd(0.1), max_nonfinite_steps=0)
+
+
+@pytest.fixture(scope="module")
+def dp_run():
+  trainer, state = make(optimizer=optax.sgd(0.1))
+  batch = classification_batch(32)
+  loss, grads = trainer.loss_and_grads(state, batch)
+  evaluated = trainer.eval_step(state, batch)
+  params = host(state.params)
+  state, metrics = trainer.train_step(state, batch)
+  norm = np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64)))
+                     for g in jax.tree.leaves(grads)))
+  return dict(loss=float(loss), norm=float(norm), eval=evaluated,
+              metrics=metrics, params=params, state=state, trainer=trainer)
+
+
+def test_metrics_carry_grad_norm_counts_and_step_time(dp_run):
+  m = dp_run["metrics"]
+  np.testing.assert_allclose(float(m["loss"]), dp_run["loss"], **TOL)
+  np.testing.assert_allclose(float(m["grad_norm"]), dp_run["norm"], **TOL)
+  assert bool(m["finite"]) and int(m["step"]) == 1
+  assert m["examples"] == 32 and "tokens" not in m      # no integer token array
+  assert isinstance(m["step_time"], float) and m["step_time"] > 0
+
+
+def test_eval_step_is_the_forward_loss_without_an_update(dp_run):
+  ev = dp_run["eval"]
+  np.testing.assert_allclose(float(ev["loss"]), dp_run["loss"], **TOL)
+  assert ev["examples"] == 32 and set(ev) == {"loss", "examples"}
+
+
+class TokenModel(nn.Module):
+  @nn.compact
+  def __call__(self, ids):
+    return nn.Dense(16)(nn.Embed(16, 8)(ids))
+
+
+def test_tokens_are_counted_from_the_token_ids_and_eval_gives_aux():
+  epl.init()
+  epl.set_default_strategy(epl.replicate(1))
+  model = TokenModel()
+
+  def loss_fn(v, b):
+    logits = model.apply(v, b["ids"])
+    return cross_entropy(logits, b["ids"]), {"first": logits[:, 0, 0]}
+
+  trainer = epl.Trainer(lambda r, b: model.init(r, b["ids"]), loss_fn, optax.sgd(0.1),
+                        has_aux=True)
+  batch = {"ids": np.arange(16 * 6, dtype=np.int32).reshape(16, 6) % 16}
+  state = trainer.init(jax.random.key(0), batch)
+  ev = trainer.eval_step(state, batch)
+  loss, _ = trainer.loss_and_grads(state, batch)
+  np.testing.assert_allclose(float(ev["loss"]), float(loss), **TOL)
+  assert ev["tokens"] == 96 and ev["examples"] == 16 and ev["aux"]["first"].shape == (16,)
+  _, metrics = trainer.train_step(state, batch)
+  assert metrics["tokens"] == 96
+  with pytest.raises(epl.EPLError, match=r"tokens_key='tokens' is not a key of the batch"):
+    epl.Trainer(lambda r, b: model.init(r, b["ids"]), loss_fn, optax.sgd(0.1), has_aux=True,
+                tokens_key="tokens")._counts(batch)
