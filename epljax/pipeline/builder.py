@@ -32,6 +32,7 @@ from epljax.errors import PlanError
 from epljax.features import BuildContext, Feature, GradientFn, loss_scale
 from epljax.mesh import DATA, MODEL, STAGE, Layout
 from epljax.pipeline import packing, runtime
+from epljax.pipeline.auto import check_balance
 from epljax.pipeline.partition import Stage, cut_stages, shared_params
 from epljax.pipeline.schedules import Schedule, make_schedule
 from epljax.plan import leaf_bytes_per_device
@@ -85,6 +86,7 @@ class Pipeline:
     self.branch_of: list[int] = []
     self._stored: list[NamedSharding] | None = None
     self.param_paths: list[str] = [f"leaf {i}" for i in range(len(self.param_avals))]
+    self.balance: list[str] = []   # per stage: estimated FLOPs and parameter bytes
 
   # -- storage ------------------------------------------------------------------------------
   # TrainState.params is the user's parameter tree itself: any optax optimizer (masks,
@@ -201,6 +203,7 @@ class Pipeline:
     lines.append(f"params    {_kib(self.param_bytes_per_device)} per device as stored (the "
                  f"user's leaves, sharded over stage); {_kib(self.packed_bytes_per_device)} "
                  "packed for the largest stage inside the step")
+    lines += [f"balance   {row}" for row in self.balance]
     for i, holders in self.shared.items():
       names = ", ".join(f"'{self.stages[h].name}'" for h in holders)
       lines.append(f"tied      '{self.param_paths[i]}' held by stages {names}; their gradients "
@@ -253,6 +256,8 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
   pipe = Pipeline(stages, p_leaves, p_def, b_leaves, aux_avals,
                   found["aux_def"] if has_aux else None, schedule, layout, batch_axes)
   pipe.param_paths = list(param_paths)
+  pipe.balance = check_balance(global_capture, layout.stage_of, layout.num_stages,
+                               [s.name for s in stages])
   return pipe
 
 
