@@ -28,8 +28,8 @@ def test_plan_shows_stages_schedule_and_bubble():
   assert plan.micro_batch_per_replica == 4
   text = str(plan)
   assert "schedule PreferBackward" in text
-  assert "PreferBackward (1F1B): 6 ticks, bubble (S-1)/(M+S-1) = 1/5 = 20%" in text
-  assert "keeps at most 3 micro batches per stage" in text
+  assert "PreferBackward (1F1B): 10 ticks, bubble (S-1)/(M+S-1) = 1/5 = 20%" in text
+  assert "keeps at most 2 micro batches per stage" in text
   lines = text.splitlines()
   table = lines[lines.index("pipeline stages") + 1:][:3]
   assert table[0].split() == ["stage", "task", "graph", "params", "bytes/device",
