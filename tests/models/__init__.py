@@ -1,0 +1,88 @@
+"""A zoo of tiny models with the structure of real model families, written here (none of their
+code): what a new user brings to epljax. Each entry is a ``ZooModel``; ``ZOO`` maps names to them.
+
+- ``gemma``: fused einsum q/kv/out kernels, grouped-query attention, RMSNorm, gated MLP, tied
+  embedding, alternating local/global attention.
+- ``llama``: layers under ``nn.scan``, Flax logical axis names on every parameter, separate
+  q/k/v/o, SwiGLU, untied head.
+- ``gpt2``: Dense q/k/v, LayerNorm, GELU MLP, learned positions, tied embedding.
+- ``vit``: convolutional patch embedding, class token, encoder blocks, classification head.
+- ``mlp_loop``: a residual MLP stack built in a Python loop inside one module.
+
+``ZooModel.megatron`` says, per parameter path (regular expressions, full match), the
+PartitionSpec Megatron-style tensor parallelism gives it over the mesh axis ``"model"``:
+attention split by heads (the output projection on its heads dimension, i.e. row), MLPs column
+then row, embeddings by vocabulary, norms replicated. ``expected_specs`` turns that into a
+tree like the variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax.core import meta
+from jax.sharding import PartitionSpec as P
+
+import epljax as epl
+from models import common, gemma, gpt2, llama, mlp_loop, vit
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooModel:
+  name: str
+  init_fn: Callable[[Any, dict], Any]        # (rng, batch) -> variables
+  loss_fn: Callable[[Any, dict], Any]        # (variables, batch) -> mean loss
+  make_batch: Callable[[int], dict]          # rows -> deterministic numpy batch
+  annotate_pattern: str                      # module-path regex a user splits for Megatron TP
+  megatron: dict[str, tuple]                 # parameter path regex -> expected spec entries
+  logical_rules: tuple | None = None         # Flax logical axis rules, when the model has names
+  deep: bool = False                         # 1e-4 instead of 1e-5
+
+  def annotate_rules(self, device_count: int = 2) -> dict:
+    """The one-line ``epl.annotate`` a user writes: ``{pattern: epl.split(device_count)}``."""
+    return {self.annotate_pattern: epl.split(device_count)}
+
+  def expected_spec(self, path: str) -> P:
+    """The Megatron spec of the parameter at ``path`` (as the plan prints paths)."""
+    hits = [spec for pattern, spec in self.megatron.items() if re.fullmatch(pattern, path)]
+    if len(hits) != 1:
+      raise KeyError(f"{self.name}: {len(hits)} Megatron expectations match {path!r}")
+    return P(*hits[0])
+
+  def expected_specs(self, variables) -> dict[str, P]:
+    """``{path: spec}`` for every parameter of ``variables`` (boxed or not)."""
+    leaves = jax.tree_util.tree_flatten_with_path(meta.unbox(variables))[0]
+    return {path: self.expected_spec(path) for path in (keypath(k) for k, _ in leaves)}
+
+
+def keypath(path) -> str:
+  """A tree path as the plan prints it: ``params/layer_0/attn/q_einsum/w``."""
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+ZOO: dict[str, ZooModel] = {
+    "gemma": ZooModel(
+        "gemma", gemma.init_fn, gemma.loss_fn,
+        lambda rows: common.token_batch(rows, 16, gemma.VOCAB),
+        gemma.ANNOTATE, gemma.MEGATRON, deep=True),
+    "llama": ZooModel(
+        "llama", llama.init_fn, llama.loss_fn,
+        lambda rows: common.token_batch(rows, 16, llama.VOCAB),
+        llama.ANNOTATE, llama.MEGATRON, logical_rules=llama.LOGICAL_RULES, deep=True),
+    "gpt2": ZooModel(
+        "gpt2", gpt2.init_fn, gpt2.loss_fn,
+        lambda rows: common.token_batch(rows, gpt2.LENGTH, gpt2.VOCAB),
+        gpt2.ANNOTATE, gpt2.MEGATRON),
+    "vit": ZooModel(
+        "vit", vit.init_fn, vit.loss_fn,
+        lambda rows: common.image_batch(rows, vit.SIZE, vit.CHANNELS, vit.CLASSES),
+        vit.ANNOTATE, vit.MEGATRON),
+    "mlp_loop": ZooModel(
+        "mlp_loop", mlp_loop.init_fn, mlp_loop.loss_fn,
+        lambda rows: common.regression_batch(rows, mlp_loop.FEATURES, mlp_loop.OUTPUTS),
+        mlp_loop.ANNOTATE, mlp_loop.MEGATRON, deep=True),
+}
