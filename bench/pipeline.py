@@ -3,6 +3,7 @@ unpipelined model.
 
     python bench/pipeline.py            # print the tables
     python bench/pipeline.py --record   # and append them to bench/RESULTS.md
+    python bench/pipeline.py --compile  # compile time and HLO size vs depth (pipeline_compile.py)
 
 A residual MLP of 8 blocks cut into S=4 stages of 2 blocks (``set_default_strategy`` between
 them, EPL's BERT style) on 8 devices: 2 pipeline replicas. For M in {4, 8, 16, 32} micro
@@ -141,7 +142,21 @@ def main(argv=None) -> None:
   parser.add_argument("--micro", type=int, nargs="+", default=[4, 8, 16, 32])
   parser.add_argument("--pairs", type=int, default=10)
   parser.add_argument("--record", action="store_true")
+  parser.add_argument("--compile", action="store_true",
+                      help="only compile time and HLO size vs depth, next to a hand-written GPipe")
   args = parser.parse_args(argv)
+  if args.compile:
+    import pipeline_compile as pc
+    body = table(["blocks", "epljax trace+compile s", "hand-written s", "ratio",
+                  "epljax HLO kchars", "hand-written HLO kchars", "HLO ratio"], pc.measure())
+    body += (f"\n\nResidual MLP blocks of width {pc.WIDTH}, S={pc.S} stages, M={pc.M} micro "
+             f"batches of {pc.ROWS} rows, 2 replicas on 8 devices. epljax: Trainer.init + lower + "
+             "compile of the step; hand-written: blocks stacked on the stage axis, a scan over a "
+             "stage's blocks, a GPipe tick loop with ppermute in shard_map, jax.grad through it.")
+    print(body)
+    if args.record:
+      record("Pipeline compile cost vs depth (bench/pipeline.py --compile)", body)
+    return
   memory, timing = [], []
   for micro in args.micro:
     m, t = measure(micro, args.pairs)
