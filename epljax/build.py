@@ -31,7 +31,7 @@ from epljax import step as step_lib
 from epljax import strategy as strategy_lib
 from epljax.errors import PlanError
 from epljax.features import BuildContext, Feature, StateShardings
-from epljax.mesh import AXES, MODEL, Layout, build_mesh
+from epljax.mesh import MODEL, Layout, abstract_mesh, build_mesh
 from epljax.pipeline.auto import auto_stage_cuts, check_auto
 from epljax.plan import Leaf, Plan, leaf_bytes_per_device, tree_bytes_per_device
 from epljax.sharding import annotations
@@ -103,7 +103,7 @@ class Placement:
 
 # The mesh is not known before the capture; a provisional one with the same axis names lets
 # model code that asks for the mesh (NNX eager sharding) trace.
-_PROVISIONAL = jax.sharding.AbstractMesh((1,) * len(AXES), AXES)
+_PROVISIONAL = abstract_mesh()
 
 
 def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:

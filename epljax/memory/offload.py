@@ -18,6 +18,7 @@ backend) and the state stays on the device.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import warnings
 
 import jax
@@ -34,6 +35,19 @@ def host_memory_kind(device: jax.Device) -> str | None:
   """``"pinned_host"`` when ``device`` can address it, else None."""
   kinds = {m.kind for m in device.addressable_memories()}
   return HOST if HOST in kinds else None
+
+
+def run_on_host(fn, *args):
+  """``fn(*args)`` computed by the host, its results in host memory.
+
+  jax 0.10's ``compute_on`` is a context manager; jax 0.11's wraps a function and names the
+  results' memory spaces.
+  """
+  if "out_memory_spaces" not in inspect.signature(compute_on).parameters:   # jax 0.10
+    with compute_on("device_host"):
+      return fn(*args)
+  return compute_on(fn, compute_type="device_host",
+                    out_memory_spaces=jax.memory.Space.Host)(*args)
 
 
 def on_host(sharding: NamedSharding) -> NamedSharding:
@@ -90,8 +104,7 @@ class Offload(Feature):
       if not self.active:
         return fn(params, opt_state, grads, fstate)
       grads = jax.device_put(grads, jax.memory.Space.Host)
-      with compute_on("device_host"):
-        return fn(params, opt_state, grads, fstate)
+      return run_on_host(fn, params, opt_state, grads, fstate)
 
     return on_host_update
 

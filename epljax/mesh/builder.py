@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from epljax.config import ClusterConfig
 from epljax.errors import PlanError
@@ -27,6 +27,14 @@ from epljax.strategy import TaskGraph
 
 DATA, STAGE, MODEL = "data", "stage", "model"
 AXES = (DATA, STAGE, MODEL)
+# GSPMD decides every intermediate sharding (Auto). jax 0.11 makes a bare AbstractMesh
+# Explicit, where Flax's logical-axis constraints become assertions: always say Auto.
+_AUTO = (AxisType.Auto,) * len(AXES)
+
+
+def abstract_mesh(sizes: Sequence[int] = (1,) * len(AXES)) -> AbstractMesh:
+  """An abstract (data, stage, model) mesh with GSPMD-decided (Auto) axes, on every jax."""
+  return AbstractMesh(tuple(sizes), AXES, axis_types=_AUTO)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +89,8 @@ def build_mesh(taskgraphs: Sequence[TaskGraph], devices: Sequence[jax.Device],
   else:  # spread each replica over hosts: consecutive devices go to different replicas
     grid = grid.reshape(stages, per_stage, replicas).transpose(2, 0, 1)
   stage_of = tuple(0 if colocated else i for i in range(len(taskgraphs)))
-  return Layout(Mesh(grid, AXES), replicas, stages, per_stage, stage_of, colocated)
+  mesh = Mesh(grid, AXES, axis_types=_AUTO)
+  return Layout(mesh, replicas, stages, per_stage, stage_of, colocated)
 
 
 def _listing(taskgraphs: Sequence[TaskGraph]) -> str:
