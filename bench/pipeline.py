@@ -4,6 +4,7 @@ unpipelined model.
     python bench/pipeline.py            # print the tables
     python bench/pipeline.py --record   # and append them to bench/RESULTS.md
     python bench/pipeline.py --compile  # compile time and HLO size vs depth (pipeline_compile.py)
+    python bench/pipeline.py --memory   # 1F1B stash (S - s per stage) and temp memory vs M
 
 A residual MLP of 8 blocks cut into S=4 stages of 2 blocks (``set_default_strategy`` between
 them, EPL's BERT style) on 8 devices: 2 pipeline replicas. For M in {4, 8, 16, 32} micro
@@ -142,6 +143,8 @@ def main(argv=None) -> None:
   parser.add_argument("--micro", type=int, nargs="+", default=[4, 8, 16, 32])
   parser.add_argument("--pairs", type=int, default=10)
   parser.add_argument("--record", action="store_true")
+  parser.add_argument("--memory", action="store_true",
+                      help="only 1F1B / GPipe stash slots and temp memory vs micro batches")
   parser.add_argument("--compile", action="store_true",
                       help="only compile time and HLO size vs depth, next to a hand-written GPipe")
   args = parser.parse_args(argv)
@@ -156,6 +159,17 @@ def main(argv=None) -> None:
     print(body)
     if args.record:
       record("Pipeline compile cost vs depth (bench/pipeline.py --compile)", body)
+    return
+  if args.memory:
+    import pipeline_compile as pc
+    body = table(["M", "schedule", "ticks", "kept per stage s (S - s for 1F1B)", "stash slots",
+                  "temp MiB/dev"], pc.memory_rows())
+    body += (f"\n\n{pc.S} stages x 2 residual blocks of width {pc.WIDTH}, {pc.ROWS} rows per micro "
+             "batch and replica, 2 replicas on 8 devices; temp bytes from memory_analysis() of the "
+             "compiled step (an SPMD program: every device allocates the S-slot stash).")
+    print(body)
+    if args.record:
+      record("Pipeline 1F1B memory vs S - s (bench/pipeline.py --memory)", body)
     return
   memory, timing = [], []
   for micro in args.micro:

@@ -147,3 +147,25 @@ def measure(depths=(4, 24, 48)) -> list[list]:
                  f"{epl_hlo / 1e3:.0f}", f"{hand_hlo / 1e3:.0f}", f"{epl_hlo / hand_hlo:.1f}x"])
     print(f"L={layers} done", flush=True)
   return rows
+
+
+def memory_rows(micros=(4, 8, 16), layers: int = 8) -> list[list]:
+  """Per-device temp bytes (``memory_analysis``) and stash slots of 1F1B and GPipe vs M."""
+  rows = []
+  for micro in micros:
+    for strategy in ("PreferBackward", "PreferForward"):
+      epl.init({"pipeline.num_micro_batch": micro, "pipeline.strategy": strategy})
+      model = Deep(layers)
+      b = batch(2 * micro * ROWS)
+
+      def loss_fn(variables, bt, model=model):
+        logits = model.apply(variables, bt["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, bt["y"]).mean()
+
+      trainer = epl.Trainer(lambda k, bt, model=model: model.init(k, bt["x"]), loss_fn,
+                            optax.sgd(0.1))
+      trainer.init(jax.random.key(0), b)
+      sched = trainer.plan.pipeline.schedule
+      rows.append([micro, strategy, sched.num_ticks, str(sched.kept_per_stage),
+                   sched.num_slots, f"{trainer.plan.memory.temp_size_in_bytes / 2**20:.2f}"])
+  return rows

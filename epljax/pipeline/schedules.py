@@ -58,7 +58,8 @@ class Schedule:
   @property
   def kept_per_stage(self) -> list[int]:
     """The most micro batches each stage keeps for their backward at any one time."""
-    return [_peak_live(self.forward[:, s], self.backward[:, s]) for s in range(self.num_stages)]
+    return [int(_peak_live(self.forward[:, s], self.backward[:, s]))
+            for s in range(self.num_stages)]
 
   def describe(self) -> str:
     return (f"{self.strategy} ({NAMES[self.strategy]}): {self.num_ticks} ticks, bubble "
