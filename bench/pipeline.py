@@ -3,6 +3,8 @@ unpipelined model.
 
     python bench/pipeline.py            # print the tables
     python bench/pipeline.py --record   # and append them to bench/RESULTS.md
+    python bench/pipeline.py --compile  # compile time and HLO size vs depth (pipeline_compile.py)
+    python bench/pipeline.py --memory   # 1F1B stash (S - s per stage) and temp memory vs M
 
 A residual MLP of 8 blocks cut into S=4 stages of 2 blocks (``set_default_strategy`` between
 them, EPL's BERT style) on 8 devices: 2 pipeline replicas. For M in {4, 8, 16, 32} micro
@@ -141,7 +143,34 @@ def main(argv=None) -> None:
   parser.add_argument("--micro", type=int, nargs="+", default=[4, 8, 16, 32])
   parser.add_argument("--pairs", type=int, default=10)
   parser.add_argument("--record", action="store_true")
+  parser.add_argument("--memory", action="store_true",
+                      help="only 1F1B / GPipe stash slots and temp memory vs micro batches")
+  parser.add_argument("--compile", action="store_true",
+                      help="only compile time and HLO size vs depth, next to a hand-written GPipe")
   args = parser.parse_args(argv)
+  if args.compile:
+    import pipeline_compile as pc
+    body = table(["blocks", "epljax trace+compile s", "hand-written s", "ratio",
+                  "epljax HLO kchars", "hand-written HLO kchars", "HLO ratio"], pc.measure())
+    body += (f"\n\nResidual MLP blocks of width {pc.WIDTH}, S={pc.S} stages, M={pc.M} micro "
+             f"batches of {pc.ROWS} rows, 2 replicas on 8 devices. epljax: Trainer.init + lower + "
+             "compile of the step; hand-written: blocks stacked on the stage axis, a scan over a "
+             "stage's blocks, a GPipe tick loop with ppermute in shard_map, jax.grad through it.")
+    print(body)
+    if args.record:
+      record("Pipeline compile cost vs depth (bench/pipeline.py --compile)", body)
+    return
+  if args.memory:
+    import pipeline_compile as pc
+    body = table(["M", "schedule", "ticks", "kept per stage s (S - s for 1F1B)", "stash slots",
+                  "temp MiB/dev"], pc.memory_rows())
+    body += (f"\n\n{pc.S} stages x 2 residual blocks of width {pc.WIDTH}, {pc.ROWS} rows per micro "
+             "batch and replica, 2 replicas on 8 devices; temp bytes from memory_analysis() of the "
+             "compiled step (an SPMD program: every device allocates the S-slot stash).")
+    print(body)
+    if args.record:
+      record("Pipeline 1F1B memory vs S - s (bench/pipeline.py --memory)", body)
+    return
   memory, timing = [], []
   for micro in args.micro:
     m, t = measure(micro, args.pairs)

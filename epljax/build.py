@@ -222,21 +222,23 @@ def place(fns: UserFns, var: Variables, cap: Capture, micro_shapes: Any, rows: i
       state_shape=var.state_shape, param_paths=list(var.paths[:var.num_params]),
       state_paths=list(var.paths[var.num_params:]), micro_shapes=micro_shapes,
       global_capture=cap, layout=layout, batch_axes=axes, config=config.pipeline,
-      optimizer=fns.optimizer, num_devices=len(cluster.devices), capture_options=options)
+      num_devices=len(cluster.devices), capture_options=options)
   shapes = [tuple(x.shape) for x in var.leaves]
   user = annotations.user_specs(list(var.paths), shapes, var.model.metadata, dict(mesh.shape))
   leaf_specs = specs_lib.variable_specs(cap, layout, shapes, user)
   named = [NamedSharding(mesh, s.spec) for s in leaf_specs]
   n_p = var.num_params
   replicated = NamedSharding(mesh, P())
+  # Pipeline stages keep the user's tree too, each leaf also sharded over ``stage``.
   param_sh = (jax.tree.unflatten(jax.tree.structure(var.params_shape), named[:n_p])
-              if pipe is None else pipe.param_shardings)
-  trained_shape = var.params_shape if pipe is None else pipe.packed_shape
+              if pipe is None else pipe.param_shardings([s.spec for s in leaf_specs[:n_p]]))
+  trained_shape = var.params_shape
   opt_shape = jax.eval_shape(fns.optimizer.init, trained_shape)
   shardings = StateShardings(
       params=param_sh,
-      opt_state=step_lib.map_optimizer_state(fns.optimizer, lambda _, s: s, opt_shape, param_sh,
-                                             non_params=lambda _: replicated),
+      opt_state=step_lib.map_optimizer_state(
+          fns.optimizer, lambda _, s: s if pipe is None else pipe.state_sharding(_, s),
+          opt_shape, param_sh, non_params=lambda _: replicated),
       model_state=jax.tree.unflatten(jax.tree.structure(var.state_shape), named[n_p:]))
   return Placement(layout, bplan, leaf_specs, pipe, trained_shape, opt_shape, shardings)
 
@@ -260,16 +262,10 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
   make_gradients = (communication.replica_gradients(features, ctx)
                     or (lambda fwd: step_lib.accumulate_gradients(fwd, num_micro)))
   if pipe is not None:
-    kinds = {s.memory_kind for s in jax.tree.leaves(
-        base.params, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))}
-    on_host = bool(kinds) and all(k is not None and "host" in k for k in kinds)
-    space = jax.memory.Space.Host if on_host else None
-    make_gradients = lambda _: pipe.gradients(features, ctx, space)  # noqa: E731
+    make_gradients = lambda _: pipe.gradients(features, ctx)  # noqa: E731
   forward, gradients, update = step_lib.build(forward, make_gradients, fns.optimizer,
                                               features, ctx)
-  user_tree_sh = jax.tree.map(lambda _: replicated, var.params_shape)
-  user_params = (lambda p: p) if pipe is None else jax.jit(pipe.unpack,
-                                                           out_shardings=user_tree_sh)
+  user_params = lambda p: p  # noqa: E731   (pipeline stages keep the user's tree too)
 
   def prepare(global_batch):
     return batch_lib.micro_batches(global_batch, where.batch_plan, mesh)
@@ -277,7 +273,6 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
   def init_state(r, global_batch):
     first = jax.tree.map(lambda x: x[:rows // num_micro], global_batch)
     _, params, model_state = Model.split(fns.init_fn(r, first))
-    params = params if pipe is None else pipe.pack(params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=fns.optimizer.init(params), model_state=model_state,
                       feature_state=fstate)
@@ -285,12 +280,11 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
   def loss_and_grads(state, global_batch):
     loss, _, grads, _ = gradients(state.params, state.model_state, prepare(global_batch),
                                   state.feature_state)
-    return loss, grads if pipe is None else pipe.unpack(grads)
+    return loss, grads
 
   def first_loss(state, global_batch):
     micro = jax.tree.map(lambda x: x[0], prepare(global_batch))
-    params = state.params if pipe is None else pipe.unpack(state.params)
-    return forward(params, state.model_state, micro, state.feature_state)[0]
+    return forward(state.params, state.model_state, micro, state.feature_state)[0]
 
   def evaluate(state, global_batch):
     params = state.params if pipe is None else pipe.unpack(state.params)
@@ -308,7 +302,7 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
       step_jit=jit(traced(step), in_shardings=(state_sh, batch_sh),
                    out_shardings=(state_sh, None), donate_argnums=0),
       grads_jit=jit(traced(loss_and_grads), in_shardings=(state_sh, batch_sh),
-                    out_shardings=(replicated, base.params if pipe is None else user_tree_sh)),
+                    out_shardings=(replicated, base.params)),
       loss_jit=jit(traced(first_loss), in_shardings=(state_sh, batch_sh),
                    out_shardings=replicated),
       eval_jit=jit(traced(evaluate), in_shardings=(state_sh, batch_sh)),
@@ -328,9 +322,7 @@ def make_plan(var: Variables, cap: Capture, where: Placement, features: Sequence
   abstract_batch = batch_lib.global_shapes(
       batch, lambda nd: NamedSharding(mesh, specs_lib.batch_spec(axes, nd)))
   n_p = var.num_params
-  named = [NamedSharding(mesh, s.spec) for s in where.leaf_specs]
-  final = ((jax.tree.leaves(base.params) if pipe is None else named[:n_p])
-           + jax.tree.leaves(base.model_state))
+  final = jax.tree.leaves(base.params) + jax.tree.leaves(base.model_state)
   leaves = [
       Leaf(path, tuple(x.shape), str(x.dtype), sh.spec,
            leaf_bytes_per_device(x.shape, x.dtype, sh),

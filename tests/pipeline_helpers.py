@@ -111,10 +111,12 @@ def count_compiles():
     logger.removeHandler(handler)
 
 
-def check_matches_reference(model: nn.Module, batch, optimizer, *, steps: int = 2, tol=TOL):
+def check_matches_reference(model: nn.Module | None, batch, optimizer, *, steps: int = 2,
+                            tol=TOL, fns=None):
   """Loss, gradients, parameters after ``steps`` equal single-device training; one compile of
-  the step; shardings and dtypes kept. Returns the trainer and its final state."""
-  init_fn, loss_fn = linen_fns(model)
+  the step; shardings and dtypes kept. Returns the trainer and its final state. ``fns``:
+  ``(init_fn, loss_fn)`` instead of a Linen classifier ``model``."""
+  init_fn, loss_fn = fns or linen_fns(model)
   trainer = epl.Trainer(init_fn, loss_fn, optimizer)
   state = trainer.init(jax.random.key(0), batch)
   shardings = jax.tree.map(lambda x: x.sharding, state)

@@ -20,13 +20,20 @@ def test_matches_single_device_reference(case):
   """Loss, gradients and parameters after 2 steps equal single-device training (1e-5); one
   compile of the step; shardings and dtypes kept (``run_case`` checks all of it)."""
   _, _, _, (replicas, stages, per_stage), _, distinct = CASES[case]
-  trainer, _ = run_case(case)
+  trainer, state = run_case(case)
   plan = trainer.plan
   assert (plan.num_replicas, plan.num_stages) == (replicas, stages)
   assert dict(plan.mesh.shape) == {"data": replicas, "stage": stages, "model": per_stage}
   assert len(plan.pipeline.branches) == distinct
-  # Activations and gradients move between stages; gradients are reduced over replicas.
-  assert {c.kind for c in plan.collectives} == {"collective-permute", "all-reduce"}
+  # Activations and gradients move between stages; gradients are reduced over replicas; the
+  # stored parameters (the user's leaves, sharded over stage) are gathered into their stage's
+  # buffer and the gradients scattered back, moving at most the parameters' bytes each way.
+  kinds = {c.kind for c in plan.collectives}
+  assert {"collective-permute", "all-reduce"} <= kinds <= {
+      "collective-permute", "all-reduce", "all-gather", "all-to-all"}
+  moved = sum(c.bytes for c in plan.collectives if c.kind in ("all-gather", "all-to-all"))
+  total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.variables(state)))
+  assert moved <= 4 * total
   # One conditional for the forward slot and one for the backward slot of a tick, each with a
   # branch per distinct stage and an empty one for idle (bubble) slots.
   branches = re.findall(r"conditional\(.*?branch_computations=\{([^}]*)\}",
@@ -84,7 +91,7 @@ def test_skips_integer_activations_and_aux_are_routed_to_the_last_stage():
   # h0, k, mean(h0) from s0 and h2 from s2 reach s3; the (4, 1) scale does not travel.
   assert sorted(incoming[3]) == sorted([((4, 16), "float32"), ((4,), "int32"), ((), "float32"),
                                         ((4, 16), "float32")])
-  variables = trainer.variables(state)
+  variables = jax.tree.map(np.asarray, trainer.variables(state))   # the step donates the state
   _, metrics = trainer.train_step(state, batch)
   # Micro batch m: chunk m of each of the 2 replicas' 16 rows; aux is the mean over both.
   for m in range(4):

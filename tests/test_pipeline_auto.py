@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import epljax as epl
-from epljax.pipeline.auto import auto_stage_cuts, node_flops
+from epljax.pipeline.auto import StageBalanceWarning, auto_stage_cuts, node_flops, stage_balance
 from helpers import classification_batch, linen_fns
 from pipeline_helpers import Block, check_matches_reference
 
@@ -73,23 +73,46 @@ def test_auto_parallel_errors(config, model, message):
     trainer.init(jax.random.key(0), classification_batch(32))
 
 
-def test_no_cut_splits_a_parameter_or_a_loop():
+def test_no_cut_splits_a_loop_and_a_weight_tied_across_the_model_is_held_by_both_stages():
   class Tied(nn.Module):
     @nn.compact
     def __call__(self, x):
       w = self.param("w", nn.initializers.lecun_normal(), (20, 20))
       h = jax.nn.relu(x @ w)
       h = jax.lax.fori_loop(0, 3, lambda i, v: jax.nn.tanh(v) * 0.9, h)
-      return nn.Dense(10)(h @ w)       # w used at both ends: no cut can separate its uses
+      h = Block(20)(Block(20)(h))
+      return nn.Dense(10)(h @ w)       # w used at both ends: tied
 
   epl.init({**AUTO, "pipeline.num_stages": 2})
-  init_fn, loss_fn = linen_fns(Tied())
-  trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))
-  state = trainer.init(jax.random.key(0), classification_batch(32))
+  trainer, _ = check_matches_reference(Tied(), classification_batch(32), optax.adam(1e-2))
   cap = trainer._built.capture
   cuts = auto_stage_cuts(cap, 2)
-  uses = sorted({n.index for n, _ in cap.program.uses_of_input(
-      list(cap.input_paths).index("params/w"))})
-  assert cuts[0] > uses[-1] or cuts[0] <= uses[0]
-  assert trainer.plan.num_stages == 2
-  trainer.train_step(state, classification_batch(32))
+  loop = [n.index for n in cap.program.nodes if {"while", "scan"} & set(n.enclosing)]
+  assert not loop[0] < cuts[0] <= loop[-1]
+  pipe = trainer.plan.pipeline
+  w = pipe.param_paths.index("params/w")
+  assert pipe.shared == {w: (0, 1)}
+  # Balanced: FLOPs within 1.5x of the mean (no StageBalanceWarning), parameters both sides.
+  flops, params = stage_balance(cap, trainer._built.layout.stage_of, 2)
+  assert max(flops) < 1.5 * sum(flops) / 2 and min(params) > 0
+
+
+class Heavy(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    with epl.replicate(1, name="light"):
+      h = nn.Dense(8)(x)
+    with epl.replicate(1, name="heavy"):
+      for _ in range(4):
+        h = nn.Dense(64)(h)
+      return nn.Dense(10)(h)
+
+
+def test_an_unbalanced_stage_plan_says_so():
+  epl.init({"pipeline.num_micro_batch": 2})
+  init_fn, loss_fn = linen_fns(Heavy())
+  trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))
+  with pytest.warns(StageBalanceWarning, match=r"Unbalanced pipeline: stage\(s\) \['heavy'\] "
+                    r"have more than 1.5x the mean FLOPs; .*light .* FLOPs \(0.\d\dx mean\)"):
+    trainer.init(jax.random.key(0), classification_batch(16))
+  assert any(line.startswith("balance   heavy") for line in trainer.plan.pipeline.describe())

@@ -3,9 +3,9 @@ the ``shard_map`` loop that runs them in one SPMD program.
 
 - ``partition.py``: the traced loss -> one ``ClosedJaxpr`` per stage;
 - ``schedules.py``: ``PreferForward`` (GPipe) and ``PreferBackward`` (1F1B) as tick tables;
-- ``packing.py``: stage parameters, activations and residuals as flat per-dtype buffers;
+- ``packing.py``: stage parameters, activations and residuals as flat per-dtype buffers inside
+  the step (the stored parameters are the user's tree);
 - ``runtime.py``: the loop over ticks (``jax.vjp`` per micro batch, ``ppermute`` between stages);
-- ``optimizers.py``: which optax optimizers train packed parameters exactly;
 - ``builder.py``: what ``epl.Trainer`` calls; ``render.py``: the schedule as a picture.
 """
 

@@ -7,16 +7,24 @@ between two equations is a *legal* cut when
 - no loop, branch or custom-derivative call (``scan``, ``while``, ``cond``, ``remat``,
   ``custom_jvp_call``...) has equations on both sides (``jit`` calls are inlined, so cutting
   through them is fine), and
-- no parameter is used on both sides (a stage owns its parameters).
+- no parameter is used on both sides (a layer's weights stay together), except a parameter
+  whose uses lie more than one stage's share of FLOPs apart: a weight *tied* across the model
+  (input and output embeddings). Blocking its span would leave one stage with everything; it
+  is held by every stage that uses it instead (``partition.py``), its gradients summed.
 
-Among the legal places, each cut goes where the running sum of estimated FLOPs (matmuls
-``2 x output x contracted``, everything else one per output element) is closest to an equal
-share. Trace order is a topological order, so activations only ever flow to later stages.
+Among the legal places, each cut goes where the running sums of estimated FLOPs (matmuls
+``2 x output x contracted``, everything else one per output element) and of parameter bytes
+(each parameter counted at its first use) are together closest to equal shares. Trace order
+is a topological order, so activations only ever flow to later stages.
+
+``stage_balance`` measures any stage plan (cut here or by scopes) the same way, and
+``check_balance`` warns when a stage has no work or more than 1.5x the mean FLOPs.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 from epljax.errors import PlanError
@@ -33,21 +41,43 @@ def auto_stage_cuts(capture: Capture, num_stages: int) -> tuple[int, ...]:
   if num_stages > len(nodes):
     raise PlanError(f"pipeline.num_stages={num_stages} with auto.auto_parallel, but the traced "
                     f"loss has only {len(nodes)} equations to divide.")
-  cost = [node_flops(n) for n in nodes]
-  prefix = [0.0]
-  for c in cost:
-    prefix.append(prefix[-1] + c)
-  legal = _legal_cuts(capture)
-  total, cuts, start = prefix[-1], [], 0
+  flops = _prefix([node_flops(n) for n in nodes])
+  params = _prefix(_first_use_bytes(capture))
+  legal = _legal_cuts(capture, flops, flops[-1] / num_stages)
+
+  def distance(c: int, k: int) -> float:
+    share = k / num_stages
+    out = abs(flops[c] / max(flops[-1], 1.0) - share)
+    return out + (abs(params[c] / params[-1] - share) if params[-1] else 0.0)
+
+  cuts, start = [], 0
   for k in range(1, num_stages):
     left = num_stages - 1 - k   # cuts still to place after this one
     options = [c for c in legal if c > start]
     options = options[:len(options) - left] if left else options
     if not options:
       raise PlanError(_TOO_FEW.format(stages=num_stages, legal=len(legal)))
-    start = min(options, key=lambda c: abs(prefix[c] - total * k / num_stages))
+    start = min(options, key=lambda c, k=k: distance(c, k))
     cuts.append(start)
   return tuple(cuts)
+
+
+def _prefix(values: Sequence[float]) -> list[float]:
+  out = [0.0]
+  for v in values:
+    out.append(out[-1] + v)
+  return out
+
+
+def _first_use_bytes(capture: Capture) -> list[float]:
+  """Per node: the bytes of the parameters first used there."""
+  out = [0.0] * len(capture.program.nodes)
+  for leaf in range(len(capture.input_paths)):
+    uses = [n.index for n, _ in capture.program.uses_of_input(leaf)]
+    if uses:
+      aval = capture.program.closed_jaxpr.jaxpr.invars[leaf].aval
+      out[min(uses)] += math.prod(aval.shape) * aval.dtype.itemsize
+  return out
 
 
 def node_flops(node: Node) -> float:
@@ -64,7 +94,7 @@ def node_flops(node: Node) -> float:
   return float(out)
 
 
-def _legal_cuts(capture: Capture) -> list[int]:
+def _legal_cuts(capture: Capture, flops: Sequence[float], share: float) -> list[int]:
   nodes = capture.program.nodes
   blocked = [False] * (len(nodes) + 1)
   blocked[0] = blocked[len(nodes)] = True
@@ -73,10 +103,12 @@ def _legal_cuts(capture: Capture) -> list[int]:
     before, after = _opaque(nodes[i - 1]), _opaque(nodes[i])
     if set(before) & set(after):
       blocked[i] = True
-  # Between two uses of one parameter.
+  # Between two uses of one parameter, unless they are more than a stage's share apart (tied).
   for leaf in range(len(capture.input_paths)):
     uses = sorted({n.index for n, _ in capture.program.uses_of_input(leaf)})
-    for i in range(uses[0] + 1, uses[-1] + 1) if uses else ():
+    if not uses or flops[uses[-1]] - flops[uses[0] + 1] > share:
+      continue
+    for i in range(uses[0] + 1, uses[-1] + 1):
       blocked[i] = True
   return [i for i in range(len(nodes) + 1) if not blocked[i]]
 
@@ -108,3 +140,49 @@ Use fewer stages (pipeline.num_stages), or cut the model yourself with
 
 def stage_names(num_stages: int) -> Sequence[str]:
   return [f"stage_{i}" for i in range(num_stages)]
+
+
+def stage_balance(capture: Capture, stage_of: Sequence[int], num_stages: int
+                  ) -> tuple[list[float], list[int]]:
+  """Estimated FLOPs and parameter bytes per stage (a tied parameter counts in each stage
+  using it), from the capture's nodes and ``stage_of`` (task graph -> stage)."""
+  flops = [0.0] * num_stages
+  params = [0] * num_stages
+  for n in capture.program.nodes:
+    tg = capture.node_taskgraph[n.index]
+    if tg >= 0:
+      flops[stage_of[tg]] += node_flops(n)
+  jaxpr = capture.program.closed_jaxpr.jaxpr
+  for leaf in range(len(capture.input_paths)):
+    stages = {stage_of[capture.node_taskgraph[n.index]]
+              for n, _ in capture.program.uses_of_input(leaf)
+              if capture.node_taskgraph[n.index] >= 0}
+    aval = jaxpr.invars[leaf].aval
+    for s in stages:
+      params[s] += math.prod(aval.shape) * aval.dtype.itemsize
+  return flops, params
+
+
+class StageBalanceWarning(UserWarning):
+  """A stage plan with a stage that has no work, or far more than the others."""
+
+
+def check_balance(capture: Capture, stage_of: Sequence[int], num_stages: int,
+                  names: Sequence[str], limit: float = 1.5) -> list[str]:
+  """Warns (``StageBalanceWarning``) when a stage has no work or more than ``limit`` x the mean
+  FLOPs; returns the plan lines of the balance."""
+  flops, params = stage_balance(capture, stage_of, num_stages)
+  mean = sum(flops) / num_stages
+  rows = [f"{names[s]} {flops[s]:.3g} FLOPs ({flops[s] / mean if mean else 0:.2f}x mean), "
+          f"{params[s]} B of parameters" for s in range(num_stages)]
+  idle = [names[s] for s in range(num_stages) if flops[s] == 0]
+  heavy = [names[s] for s in range(num_stages) if mean and flops[s] > limit * mean]
+  if idle or heavy:
+    what = (f"stage(s) {idle} have no work" if idle else
+            f"stage(s) {heavy} have more than {limit}x the mean FLOPs")
+    warnings.warn(
+        f"Unbalanced pipeline: {what}; the step runs at the pace of the slowest stage. "
+        f"Estimated per micro batch: {'; '.join(rows)}. Move the stage boundaries (the "
+        "`epl.replicate(..., name=...)` scopes or set_default_strategy calls), or let "
+        "auto.auto_parallel cut the model.", StageBalanceWarning, stacklevel=4)
+  return rows

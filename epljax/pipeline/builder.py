@@ -3,12 +3,13 @@
 ``plan_pipeline`` is called by ``Trainer._build`` when the mesh has more than one stage. It
 traces the loss once more at the shapes one replica sees per micro batch, cuts the stages
 (``partition.py``), picks the schedule (``schedules.py``), checks what pipelines cannot do
-(model state, split stages, optimizers that are not elementwise) and returns a ``Pipeline``:
+(model state, split stages) and returns a ``Pipeline``:
 
-- ``packed_shape`` / ``param_shardings``: ``TrainState.params`` is ``{dtype: (S, size)}``
-  sharded over ``stage``, so each device holds only its stage's parameters;
-- ``pack`` / ``unpack``: between the user's parameter tree and that storage (``Trainer.init``
-  and ``Trainer.variables``);
+- ``param_shardings``: ``TrainState.params`` is the user's parameter tree, each leaf sharded
+  over ``stage`` too, so the optimizer (any optax one) and checkpoints see the user's leaves;
+- ``pack`` / ``gradients_of``: inside the step, between that tree and the loop's per-stage
+  ``{dtype: (S, size)}`` buffers (a parameter used by two stages is copied to both, its two
+  gradients summed);
 - ``gradients(features, ctx)``: the ``GradientFn`` of the step (``runtime.py``), with every
   feature's ``forward`` hook around each stage's forward.
 """
@@ -22,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -30,10 +32,12 @@ from epljax.errors import PlanError
 from epljax.features import BuildContext, Feature, GradientFn, loss_scale
 from epljax.mesh import DATA, MODEL, STAGE, Layout
 from epljax.pipeline import packing, runtime
-from epljax.pipeline.optimizers import check_optimizer
-from epljax.pipeline.partition import Stage, cut_stages
+from epljax.pipeline.auto import check_balance
+from epljax.pipeline.partition import Stage, cut_stages, shared_params
 from epljax.pipeline.schedules import Schedule, make_schedule
+from epljax.plan import leaf_bytes_per_device
 from epljax.sharding.capture import Capture, capture
+from epljax.step import in_device_memory
 from epljax.strategy import REPLICATE
 
 
@@ -80,34 +84,73 @@ class Pipeline:
     self.buffers: runtime.Buffers | None = None
     self.branches: list[runtime.Branch] = []
     self.branch_of: list[int] = []
+    self._stored: list[NamedSharding] | None = None
+    self.param_paths: list[str] = [f"leaf {i}" for i in range(len(self.param_avals))]
+    self.balance: list[str] = []   # per stage: estimated FLOPs and parameter bytes
 
   # -- storage ------------------------------------------------------------------------------
-  @property
-  def packed_shape(self) -> dict[str, jax.ShapeDtypeStruct]:
-    n = len(self.stages)
-    return {k: jax.ShapeDtypeStruct((n, size), k) for k, size in self.sizes.items()}
+  # TrainState.params is the user's parameter tree itself: any optax optimizer (masks,
+  # multi_transform, adafactor), ZeRO and checkpoints see the user's leaves. Each leaf is also
+  # sharded over ``stage`` (on its largest dimension the stage count divides), so a device holds
+  # about 1/S of the parameters and of the optimizer state. Inside the step the leaves are
+  # packed into the loop's ``{dtype: (S, size)}`` buffers (``pack``) and the packed gradients
+  # come back as the user's tree (``gradients_of``: a leaf held by several stages gets the sum).
+  def param_shardings(self, specs: Sequence[P]) -> Any:
+    """Per user leaf: its spec (from the stage's strategy) with ``stage`` added."""
+    size = self.mesh.shape[STAGE]
+    out = [NamedSharding(self.mesh, add_axis(spec, tuple(a.shape), STAGE, size) or spec)
+           for spec, a in zip(specs, self.param_avals)]
+    self._stored = out
+    return jax.tree.unflatten(self.params_def, out)
 
-  @property
-  def param_shardings(self) -> dict[str, NamedSharding]:
-    return {k: NamedSharding(self.mesh, P(STAGE)) for k in self.sizes}
+  def state_sharding(self, leaf: Any, param_sharding: NamedSharding) -> NamedSharding:
+    """An optimizer-state leaf of a parameter: the parameter's sharding when the shapes agree,
+    else (factored moments, adafactor) the leaf's own largest dimension over ``stage``."""
+    spec = param_sharding.spec
+    if len(spec) <= len(leaf.shape) and all(
+        e is None or leaf.shape[d] % _size(self.mesh, e) == 0 for d, e in enumerate(spec)):
+      return param_sharding
+    size = self.mesh.shape[STAGE]
+    return NamedSharding(self.mesh, add_axis(P(), tuple(leaf.shape), STAGE, size) or P(),
+                         memory_kind=param_sharding.memory_kind)
 
   def pack(self, params: Any) -> dict[str, jax.Array]:
     """The user's parameter tree -> ``{dtype: (S, size)}`` (traceable)."""
     return _pack(jax.tree.leaves(params), self.stages, self.layouts, self.sizes)
 
   def unpack(self, packed: dict[str, jax.Array]) -> Any:
-    """``{dtype: (S, size)}`` -> the user's parameter tree (traceable)."""
-    leaves = _unpack(packed, self.stages, self.layouts, len(self.param_avals))
+    """``{dtype: (S, size)}`` -> the user's parameter tree (a leaf held by several stages: the
+    first stage's copy)."""
+    leaves = _unpack(packed, self.stages, self.layouts, self.param_avals, total=False)
+    return jax.tree.unflatten(self.params_def, leaves)
+
+  def gradients_of(self, packed: dict[str, jax.Array]) -> Any:
+    """Packed gradients -> the user's tree; a leaf held by several stages gets their sum (the
+    transpose of ``pack``, which copies it to each)."""
+    leaves = _unpack(packed, self.stages, self.layouts, self.param_avals, total=True)
     return jax.tree.unflatten(self.params_def, leaves)
 
   @property
+  def shared(self) -> dict[int, tuple[int, ...]]:
+    """Parameter leaf -> its stages, for the leaves held by several stages (tied weights)."""
+    return shared_params(self.stages)
+
+  @property
   def param_bytes_per_device(self) -> int:
+    """The user's leaves as stored (sharded over ``stage``)."""
+    if self._stored is None:
+      return packing.nbytes(self.sizes)
+    return sum(leaf_bytes_per_device(a.shape, a.dtype, sh)
+               for a, sh in zip(self.param_avals, self._stored))
+
+  @property
+  def packed_bytes_per_device(self) -> int:
+    """One stage's packed parameters inside the step (the largest stage)."""
     return packing.nbytes(self.sizes)
 
   # -- the step -----------------------------------------------------------------------------
-  def gradients(self, features: Sequence[Feature], ctx: BuildContext,
-                param_space=None) -> GradientFn:
-    """``param_space``: the packed parameters' ``jax.memory.Space`` if not device memory."""
+  def gradients(self, features: Sequence[Feature], ctx: BuildContext) -> GradientFn:
+    """The step's ``GradientFn`` over the user's parameter tree (packed inside the step)."""
     fns = []
     for stage in self.stages:
       fn = stage
@@ -115,7 +158,7 @@ class Pipeline:
         fn = f.forward(fn, ctx)
       fns.append(fn)
     self.branches, self.branch_of = runtime.distinct_branches(
-        self.stages, fns, self.param_avals, self.batch_avals, self.stash, param_space)
+        self.stages, fns, self.param_avals, self.batch_avals, self.stash)
     self.buffers = runtime.buffer_sizes(self.branches)
     run = runtime.pipelined_gradients(
         self.branches, self.branch_of, self.aux_avals, self.schedule, self.mesh,
@@ -126,7 +169,8 @@ class Pipeline:
     def gradients(params, model_state, micro, fstate):
       scale = loss_scale(fstate)
       seed = jnp.ones((), jnp.float32) if scale is None else jnp.asarray(scale, jnp.float32)
-      loss, aux, grads = run(params, jax.tree.leaves(micro), seed)
+      loss, aux, packed = run(self.pack(in_device_memory(params)), jax.tree.leaves(micro), seed)
+      grads = self.gradients_of(packed)
       aux = None if aux_def is None else jax.tree.unflatten(
           aux_def, [a[0] for a in aux] if single else aux)
       return loss, aux, grads, model_state
@@ -156,15 +200,21 @@ class Pipeline:
       lines.append(
           f"stash     {self.stash}: {self.schedule.num_slots} micro batches (+1 scratch slot) x "
           f"{_kib(per_slot)} per device; {len(self.branches)} distinct stage functions")
-    lines.append(f"params    {_kib(self.param_bytes_per_device)} per device (the largest stage, "
-                 "packed)")
+    lines.append(f"params    {_kib(self.param_bytes_per_device)} per device as stored (the "
+                 f"user's leaves, sharded over stage); {_kib(self.packed_bytes_per_device)} "
+                 "packed for the largest stage inside the step")
+    lines += [f"balance   {row}" for row in self.balance]
+    for i, holders in self.shared.items():
+      names = ", ".join(f"'{self.stages[h].name}'" for h in holders)
+      lines.append(f"tied      '{self.param_paths[i]}' held by stages {names}; their gradients "
+                   "are summed")
     return lines
 
 
 def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, state_shape: Any,
                   param_paths: Sequence[str], state_paths: Sequence[str], micro_shapes: Any,
                   global_capture: Capture, layout: Layout, batch_axes: tuple[str, ...],
-                  config: PipelineConfig, optimizer: Any, num_devices: int,
+                  config: PipelineConfig, num_devices: int,
                   capture_options: dict | None = None) -> Pipeline:
   """Checks, local capture, stages, schedule (see the module doc). ``micro_shapes``: one
   micro batch of all replicas; ``capture_options``: as the Trainer's own capture had them, so
@@ -205,16 +255,10 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
                   stacklevel=3)
   pipe = Pipeline(stages, p_leaves, p_def, b_leaves, aux_avals,
                   found["aux_def"] if has_aux else None, schedule, layout, batch_axes)
-  check_optimizer(optimizer, params_shape, param_paths,
-                  lambda small: _packer(small, stages))
+  pipe.param_paths = list(param_paths)
+  pipe.balance = check_balance(global_capture, layout.stage_of, layout.num_stages,
+                               [s.name for s in stages])
   return pipe
-
-
-def _packer(leaves: Sequence[Any], stages: Sequence[Stage]):
-  layouts = [packing.Layout.of([leaves[i] for i in s.params]) for s in stages]
-  sizes = packing.padded_sizes(layouts)
-  return (lambda values: _pack(values, stages, layouts, sizes),
-          lambda packed: _unpack(packed, stages, layouts, len(leaves)))
 
 
 def _pack(leaves, stages, layouts, sizes) -> dict[str, jax.Array]:
@@ -222,12 +266,33 @@ def _pack(leaves, stages, layouts, sizes) -> dict[str, jax.Array]:
   return {k: jnp.stack([r[k] for r in rows]) for k in sizes}
 
 
-def _unpack(packed, stages, layouts, count) -> list[Any]:
-  leaves: list[Any] = [None] * count
+def _unpack(packed, stages, layouts, avals, *, total: bool) -> list[Any]:
+  leaves: list[Any] = [None] * len(avals)
   for s, layout in zip(stages, layouts):
     for i, value in zip(s.params, layout.unpack({k: v[s.index] for k, v in packed.items()})):
-      leaves[i] = value
-  return leaves
+      if leaves[i] is None:
+        leaves[i] = value
+      elif total:
+        leaves[i] = leaves[i] + value
+  # A leaf no stage holds (a parameter the loss never reads) has a zero gradient.
+  return [jnp.zeros(a.shape, a.dtype) if x is None else x for x, a in zip(leaves, avals)]
+
+
+def _size(mesh, entry) -> int:
+  names = entry if isinstance(entry, tuple) else (entry,)
+  return int(np.prod([mesh.shape[n] for n in names]))
+
+
+def add_axis(spec: P, shape: tuple[int, ...], axis: str, size: int) -> P | None:
+  """``spec`` with ``axis`` on the largest free dimension ``size`` divides, or None."""
+  entries = list(spec) + [None] * (len(shape) - len(spec))
+  free = [d for d, e in enumerate(entries) if e is None and shape[d] % size == 0
+          and shape[d] >= size]
+  if size == 1 or not free:
+    return None
+  dim = max(free, key=lambda d: (shape[d], -d))
+  entries[dim] = axis
+  return P(*entries)
 
 
 def _kib(n: int) -> str:

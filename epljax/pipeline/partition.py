@@ -12,7 +12,10 @@ two devices). Each stage becomes one ``ClosedJaxpr``:
              -> (loss, aux leaves...)                for the last stage
 
 The outgoing activations of stage ``s`` are the values computed on stages ``<= s`` and used
-after it (a value used two stages later passes through the stage in between). Every stage
+after it (a value used two stages later passes through the stage in between). Parameters never
+travel: every stage that reads a parameter takes it as its own input, so a parameter used by two
+stages (tied input and output embeddings) is held by both and the pipeline sums its two
+gradients (``Stage.params`` of both name it; ``shared_params`` lists them). Every stage
 reads the batch itself, so labels reach the last stage without travelling; values computed
 from the batch alone (masks, one-hot labels) are recomputed where they are used rather than
 sent. A value flowing from a later stage to an earlier one is an error naming both.
@@ -63,6 +66,7 @@ class Stage:
   name: str
   jaxpr: jcore.ClosedJaxpr
   params: tuple[int, ...]        # variable leaf indices, in the order the jaxpr takes them
+                                 # (a parameter read by several stages is in each of them)
   incoming: tuple[Any, ...]      # avals
   outgoing: tuple[Any, ...]      # avals
   last: bool
@@ -217,15 +221,22 @@ class _Cutter:
       while pending:
         for k in self.items[pending.pop()].inputs:
           read(k)
-    # Boundary b carries the values made on stages <= b and read after b.
+    # Boundary b carries the values made on stages <= b and read after b (parameters are
+    # inputs of every stage that reads them, never sent).
     boundary: list[list[_Key]] = [[] for _ in range(n_stages - 1)]
-    made = [(k, self.param_stage[k.index]) for k in self.inputs[:self.num_params]]
-    made += [(k, item.stage) for item in self.items for k in item.outputs if k is not None]
+    made = [(k, item.stage) for item in self.items for k in item.outputs if k is not None]
     for k, p in made:
       if k not in self.batch_only:
         for b in range(p, max(used_at.get(k, {p}))):
           boundary[b].append(k)
     return tuple(self._stage(s, sorted(members[s]), boundary) for s in range(n_stages))
+
+  def _read_params(self) -> set[int]:
+    if not hasattr(self, "_read"):
+      self._read = {k.index for item in self.items for k in item.inputs
+                    if isinstance(k, _Key) and k.kind == "param"}
+      self._read |= {k.index for k in self.outputs if isinstance(k, _Key) and k.kind == "param"}
+    return self._read
 
   def _stage(self, s: int, member: list[int], boundary: list[list[_Key]]) -> Stage:
     last = s == self.num_stages - 1
@@ -249,10 +260,15 @@ class _Cutter:
     order = []
     for i in member:
       for k in self.items[i].inputs:
-        if isinstance(k, _Key) and k.kind == "param" and self.param_stage[k.index] == s:
-          if k.index not in order:
-            order.append(k.index)
-    order += [i for i in range(self.num_params) if self.param_stage[i] == s and i not in order]
+        if isinstance(k, _Key) and k.kind == "param" and k.index not in order:
+          order.append(k.index)
+    if last:
+      order += [k.index for k in self.outputs
+                if isinstance(k, _Key) and k.kind == "param" and k.index not in order]
+    read = self._read_params()
+    # A parameter no stage reads is held (with a zero gradient) by the stage of its task graph.
+    order += [i for i in range(self.num_params)
+              if i not in read and self.param_stage[i] == s and i not in order]
     incoming = boundary[s - 1] if s > 0 else []
     invars = [new(self.inputs[i]) for i in order] + [new(k) for k in incoming]
     invars += [new(k) for k in self.inputs[self.num_params:]]
@@ -276,6 +292,15 @@ class _Cutter:
     jaxpr = jcore.Jaxpr(constvars, invars, outvars, eqns, effects, info)
     return Stage(s, self.names[s], jcore.ClosedJaxpr(jaxpr, consts), tuple(order),
                  tuple(k.aval for k in incoming), tuple(k.aval for k in outgoing), last)
+
+
+def shared_params(stages: Sequence[Stage]) -> dict[int, tuple[int, ...]]:
+  """Parameter leaf -> the stages holding it, for the parameters held by more than one."""
+  holders: dict[int, list[int]] = {}
+  for stage in stages:
+    for i in stage.params:
+      holders.setdefault(i, []).append(stage.index)
+  return {i: tuple(h) for i, h in holders.items() if len(h) > 1}
 
 
 def _resolve(alias: dict, v: Any) -> Any:

@@ -6,20 +6,21 @@ one stage down and gradients one stage up (``ppermute``). A schedule is therefor
 ``(ticks, stages)`` integer tables: the micro batch of each slot (``-1``: idle) and the stash
 slot that keeps what the backward needs between a micro batch's forward and its backward.
 
-Both schedules run forward ``m`` on stage ``s`` at tick ``m + s``:
+- ``PreferForward`` (GPipe): forward ``m`` on stage ``s`` at tick ``m + s``; the backwards
+  start after the last forward, last micro batch first: ``2M + 2S - 3`` ticks, each with a
+  forward and a backward slot; stage ``s`` keeps all ``M`` micro batches. With forward time
+  ``f`` and backward time ``b`` a step takes ``(M + S - 1)(f + b)``.
+- ``PreferBackward`` (1F1B, EPL's default): the textbook one-forward-one-backward. Forward
+  ``m`` on stage ``s`` at tick ``s + 2m``, its backward at tick ``2S - 1 - s + 2m`` (the tick
+  after its forward left the last stage, one stage up per tick). The two have different
+  parities on a stage, so a stage runs a forward *or* a backward in a tick: ``2M + 2S - 2``
+  ticks of ``max(f, b)``, and stage ``s`` keeps at most ``S - s`` micro batches (a micro batch
+  enters every other tick and its round trip takes ``2(S - 1 - s) + 1`` ticks), however large
+  ``M`` is. (Running a forward and a backward in every tick, as GPipe does, would make the
+  round trip twice as long in ticks and keep ``2(S - s) - 1``.)
 
-- ``PreferForward`` (GPipe): the backwards start after the last forward, last micro batch
-  first: ``2M + 2S - 3`` ticks; stage ``s`` keeps all ``M`` micro batches.
-- ``PreferBackward`` (1F1B, EPL's default): the backward of ``m`` starts on the last stage in
-  the very tick its forward arrives and climbs one stage per tick: ``M + 2S - 2`` ticks;
-  stage ``s`` keeps at most ``2(S - s) - 1`` micro batches (``2S - 1`` on the first), however
-  large ``M`` is. That is the lockstep price: a micro batch's round trip from stage ``s`` to
-  the last stage and back takes ``2(S - 1 - s)`` ticks while one micro batch enters per tick.
-
-Idle slots skip their compute (a ``lax.cond``), so a tick costs what its busiest stage does.
-In both schedules ``S - 1`` ticks have only forwards, ``S - 1`` only backwards and ``M`` both;
-with forward time ``f`` and backward time ``b`` a step takes ``(M + S - 1)(f + b)`` against
-``M(f + b)`` without stages: the bubble fraction is ``(S - 1) / (M + S - 1)``.
+Idle slots skip their compute (a ``lax.switch`` to an empty branch), so a tick costs what its
+busiest stage does. Either way the bubble fraction is ``(S - 1) / (M + S - 1)``.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ class Schedule:
   @property
   def kept_per_stage(self) -> list[int]:
     """The most micro batches each stage keeps for their backward at any one time."""
-    return [_peak_live(self.forward[:, s], self.backward[:, s]) for s in range(self.num_stages)]
+    return [int(_peak_live(self.forward[:, s], self.backward[:, s]))
+            for s in range(self.num_stages)]
 
   def describe(self) -> str:
     return (f"{self.strategy} ({NAMES[self.strategy]}): {self.num_ticks} ticks, bubble "
@@ -72,12 +74,18 @@ def make_schedule(strategy: str, num_stages: int, num_micro_batch: int) -> Sched
     raise ValueError(f"pipeline.strategy must be one of {sorted(NAMES)}, got {strategy!r}.")
   s_count, m_count = num_stages, num_micro_batch
   if strategy == PREFER_BACKWARD:
-    ticks = m_count + 2 * s_count - 2
+    ticks = 2 * m_count + 2 * s_count - 2
 
-    def backward_tick(m, s):   # right after its forward left the last stage, one stage a tick
-      return m + 2 * (s_count - 1) - s
+    def forward_tick(m, s):
+      return s + 2 * m
+
+    def backward_tick(m, s):   # the tick after its forward on the last stage, one stage a tick
+      return 2 * s_count - 1 - s + 2 * m
   else:
     ticks = 2 * m_count + 2 * s_count - 3
+
+    def forward_tick(m, s):
+      return m + s
 
     def backward_tick(m, s):   # after the last forward, last micro batch first
       return (m_count + s_count - 2) + (m_count - 1 - m) + (s_count - 1 - s)
@@ -85,7 +93,7 @@ def make_schedule(strategy: str, num_stages: int, num_micro_batch: int) -> Sched
   backward = np.full((ticks, s_count), IDLE, np.int32)
   for m in range(m_count):
     for s in range(s_count):
-      forward[m + s, s] = m
+      forward[forward_tick(m, s), s] = m
       backward[backward_tick(m, s), s] = m
   forward_slot, backward_slot, slots = _assign_slots(forward, backward)
   schedule = Schedule(strategy, s_count, m_count, forward, backward, forward_slot, backward_slot,

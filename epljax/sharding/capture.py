@@ -13,7 +13,9 @@ Rules, in order:
 5. A model with no annotation at all is one ``replicate(1)`` task graph: data parallelism.
 
 A parameter belongs to the task graph of the equations that use it. A parameter used by two
-task graphs is an error: EPL places task graphs on different devices, so the choice matters
+named ``replicate`` task graphs belongs to the first (pipeline stages each hold it: tied
+embeddings). Any other parameter used by two task graphs is an error: EPL places task graphs
+on different devices, so the choice matters
 and epljax will not guess. One exception is EPL's MoE pattern: a variable *defined* under a
 ``split`` scope (its initializer traced inside it) belongs to that split task graph even when
 the code using it is outside the scope.
@@ -286,6 +288,13 @@ def _input_taskgraph(used: set[int], defined: int | None, taskgraphs: tuple[Task
     if len(others) <= 1:
       return defined
     used = used | {defined}
+  if len(used) > 1 and all(taskgraphs[t].strategy == strategy_lib.REPLICATE
+                           and not taskgraphs[t].name.startswith("taskgraph_") for t in used):
+    # Named replicated task graphs may share a parameter: on the same devices it is one
+    # parameter; as pipeline stages (tied embeddings) every stage using it holds it and the
+    # pipeline sums its gradients. It is listed under the first. (An unnamed scope entered
+    # twice is an error below: most likely one scope meant as one task graph.)
+    return min(used)
   if len(used) > 1:
     names = " and ".join(f"'{taskgraphs[t].name}' ({taskgraphs[t].strategy}"
                          f"({taskgraphs[t].device_count}))" for t in sorted(used))
@@ -297,9 +306,9 @@ _SHARED_PARAM = """\
 Parameter '{path}' (shape {shape}) is used by two task graphs: {names}.
 A parameter belongs to the one task graph whose operations use it, and different task graphs
 may live on different devices, so epljax will not pick one. Either
-  - use the parameter inside one scope only. Pipeline stages each hold and train their own
-    parameters, so a weight tied across stages (input and output embeddings) must become two
-    parameters, one per stage; or
+  - use the parameter inside one scope only, or only inside named `epl.replicate` scopes
+    (pipeline stages: a weight tied across stages, like input and output embeddings, is held
+    by each stage and its gradients summed); or
   - if an unnamed scope was entered twice (a loop, or the model called twice in the loss),
     give it a name, e.g. `with epl.replicate(1, name="encoder"):`, so every entry is one task
     graph."""

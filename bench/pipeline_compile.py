@@ -1,0 +1,171 @@
+"""Pipeline compile cost against depth, next to a hand-written ``shard_map`` GPipe.
+
+    python bench/pipeline.py --compile [--record]
+
+The same residual MLP (``Block`` of ``bench/pipeline.py``, width 256) with L in {4, 24, 48}
+blocks, S=4 stages (``set_default_strategy`` every L/4 blocks), M=8 micro batches, 2 replicas
+on 8 devices:
+
+- epljax: ``trainer.init`` (trace, capture, stage cut, plan) plus lowering and compiling the
+  train step; HLO size = characters of the compiled step's HLO text;
+- hand-written: the blocks' parameters stacked ``(S, L/S, ...)`` on the ``stage`` axis, one
+  ``lax.scan`` over a stage's blocks, a GPipe loop of ``M + S - 1`` ticks with ``ppermute`` in a
+  ``shard_map`` over ``(data, stage)``, ``jax.grad`` through it and an SGD update, lowered and
+  compiled the same way (its program does not grow with depth: the scan body is one block).
+"""
+
+from __future__ import annotations
+
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import epljax as epl
+
+S, M, WIDTH, ROWS, FEATURES, CLASSES = 4, 8, 256, 16, 32, 10
+
+
+class Block(nn.Module):
+  @nn.compact
+  def __call__(self, h):
+    return h + nn.Dense(WIDTH)(nn.gelu(nn.Dense(WIDTH)(nn.LayerNorm()(h))))
+
+
+class Deep(nn.Module):
+  layers: int
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(WIDTH)(x)
+    for i in range(self.layers):
+      if i % (self.layers // S) == 0:
+        epl.set_default_strategy(epl.replicate(1))
+      h = Block()(h)
+    return nn.Dense(CLASSES)(h)
+
+
+def batch(rows: int) -> dict:
+  rng = np.random.default_rng(0)
+  return {"x": rng.normal(size=(rows, FEATURES)).astype(np.float32),
+          "y": rng.integers(0, CLASSES, rows).astype(np.int32)}
+
+
+def epljax_cost(layers: int) -> tuple[float, int]:
+  epl.init({"pipeline.num_micro_batch": M})
+  model = Deep(layers)
+  b = batch(2 * M * ROWS)
+
+  def loss_fn(variables, bt):
+    logits = model.apply(variables, bt["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, bt["y"]).mean()
+
+  start = time.perf_counter()
+  trainer = epl.Trainer(lambda k, bt: model.init(k, bt["x"]), loss_fn, optax.sgd(0.1))
+  state = trainer.init(jax.random.key(0), b)
+  compiled = trainer.lower(state, b).compile()
+  return time.perf_counter() - start, len(compiled.as_text())
+
+
+def _block(p, h):
+  mu = h.mean(-1, keepdims=True)
+  var = ((h - mu) ** 2).mean(-1, keepdims=True)
+  y = (h - mu) * lax.rsqrt(var + 1e-6) * p["scale"] + p["bias"]
+  return h + nn.gelu(y @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+
+
+def handwritten_cost(layers: int) -> tuple[float, int]:
+  """A GPipe written by hand over stacked blocks (see the module doc)."""
+  mesh = Mesh(np.array(jax.devices()[:2 * S]).reshape(2, S), ("data", "stage"))
+  per = layers // S
+  k = jax.random.split(jax.random.key(0), 4)
+  params = {
+      "stem": jax.random.normal(k[0], (FEATURES, WIDTH)) * 0.1,
+      "head": jax.random.normal(k[1], (WIDTH, CLASSES)) * 0.1,
+      "blocks": {"w1": jax.random.normal(k[2], (S, per, WIDTH, WIDTH)) * 0.05,
+                 "w2": jax.random.normal(k[3], (S, per, WIDTH, WIDTH)) * 0.05,
+                 "b1": jnp.zeros((S, per, WIDTH)), "b2": jnp.zeros((S, per, WIDTH)),
+                 "scale": jnp.ones((S, per, WIDTH)), "bias": jnp.zeros((S, per, WIDTH))}}
+  specs = {"stem": P(), "head": P(), "blocks": jax.tree.map(lambda _: P("stage"),
+                                                            params["blocks"])}
+  shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+
+  def pipeline(blocks, h):          # h: (M, rows, WIDTH) per replica; stage-local blocks
+    stage = lax.axis_index("stage")
+    blocks = jax.tree.map(lambda x: x[0], blocks)
+
+    def run_stage(x):
+      return lax.scan(lambda c, p: (_block(p, c), None), x, blocks)[0]
+
+    def tick(carry, t):
+      inbox, outs = carry
+      x = jnp.where(stage == 0, h[jnp.minimum(t, M - 1)], inbox)
+      y = run_stage(x)
+      m = t - (S - 1)
+      outs = jnp.where((stage == S - 1) & (m >= 0),
+                       outs.at[jnp.clip(m, 0, M - 1)].set(y), outs)
+      inbox = lax.ppermute(y, "stage", [(i, (i + 1) % S) for i in range(S)])
+      return (inbox, outs), None
+
+    (_, outs), _ = lax.scan(tick, (jnp.zeros_like(h[0]), jnp.zeros_like(h)),
+                            jnp.arange(M + S - 1))
+    return lax.psum(jnp.where(stage == S - 1, outs, 0.0), "stage")
+
+  run = jax.shard_map(pipeline, mesh=mesh, in_specs=(P("stage"), P(None, "data")),
+                      out_specs=P(None, "data"), check_vma=False)
+
+  def loss(p, bt):
+    h = bt["x"].reshape(M, -1, FEATURES) @ p["stem"]
+    logits = run(p["blocks"], h) @ p["head"]
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, bt["y"].reshape(M, -1)).mean()
+
+  def step(p, bt):
+    grads = jax.grad(loss)(p, bt)
+    return jax.tree.map(lambda a, g: a - 0.1 * g, p, grads)
+
+  b = batch(2 * M * ROWS)
+  data = NamedSharding(mesh, P("data"))
+  start = time.perf_counter()
+  compiled = jax.jit(step, in_shardings=(shard, data), out_shardings=shard).lower(
+      params, b).compile()
+  return time.perf_counter() - start, len(compiled.as_text())
+
+
+def measure(depths=(4, 24, 48)) -> list[list]:
+  rows = []
+  for layers in depths:
+    hand_s, hand_hlo = handwritten_cost(layers)
+    epl_s, epl_hlo = epljax_cost(layers)
+    rows.append([layers, f"{epl_s:.1f}", f"{hand_s:.1f}", f"**{epl_s / hand_s:.1f}x**",
+                 f"{epl_hlo / 1e3:.0f}", f"{hand_hlo / 1e3:.0f}", f"{epl_hlo / hand_hlo:.1f}x"])
+    print(f"L={layers} done", flush=True)
+  return rows
+
+
+def memory_rows(micros=(4, 8, 16), layers: int = 8) -> list[list]:
+  """Per-device temp bytes (``memory_analysis``) and stash slots of 1F1B and GPipe vs M."""
+  rows = []
+  for micro in micros:
+    for strategy in ("PreferBackward", "PreferForward"):
+      epl.init({"pipeline.num_micro_batch": micro, "pipeline.strategy": strategy})
+      model = Deep(layers)
+      b = batch(2 * micro * ROWS)
+
+      def loss_fn(variables, bt, model=model):
+        logits = model.apply(variables, bt["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, bt["y"]).mean()
+
+      trainer = epl.Trainer(lambda k, bt, model=model: model.init(k, bt["x"]), loss_fn,
+                            optax.sgd(0.1))
+      trainer.init(jax.random.key(0), b)
+      sched = trainer.plan.pipeline.schedule
+      rows.append([micro, strategy, sched.num_ticks, str(sched.kept_per_stage),
+                   sched.num_slots, f"{trainer.plan.memory.temp_size_in_bytes / 2**20:.2f}"])
+  return rows
