@@ -77,7 +77,7 @@ def megatron_minimum(name: str, rows_per_replica: int, gradient_bytes: int,
 def tensor_bytes(found) -> int:
   """Result bytes of the collectives' non-scalar arrays (scalars: the loss, norms)."""
   return sum(c.bytes for c in found) - sum(
-      4 for c in found for shape in c.shapes if shape.endswith("[]"))
+      hlo._nbytes(shape[:-2], "") for c in found for shape in c.shapes if shape.endswith("[]"))
 
 
 def activation_arrays(found, shape: str) -> int:

@@ -150,8 +150,7 @@ def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
   plan = make_plan(var, cap, where, features, fstate, jits, batch, rows)
   state_shardings = jits.pop("state_shardings")
   user = UserState(state_shardings=state_shardings, params_shape=var.params_shape,
-                   state_shape=var.state_shape, optimizer=fns.optimizer, feature_state=fstate,
-                   pipe=where.pipe)
+                   state_shape=var.state_shape, optimizer=fns.optimizer, feature_state=fstate)
   return Built(var.model, cap, where.layout, where.batch_plan, state_shardings, plan=plan,
                user_params=user_params, state_treedef=jax.tree.structure(state_shardings),
                first_step_checks=[f.after_first_step for f in features], user_state=user,

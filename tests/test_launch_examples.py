@@ -19,12 +19,14 @@ NUMBER = re.compile(r"-?\d+\.\d+")
 def _lines(text, prefix=""):
   """The example's own lines (worker 0's under the launcher), without timings."""
   out = []
-  for line in text.splitlines():
+  for line in text.split("\n"):
     if not line.startswith(prefix):
       continue
-    line = line[len(prefix):]
+    line = line[len(prefix):].split("\r")[-1]   # what a terminal shows after the bar's redraws
     if (line.startswith("epljax:") or "epljax.launch:" in line or "[Gloo]" in line
         or "peer ranks" in line or re.match(r"[IWEF]\d{4} ", line)):   # the runtimes' logs
+      continue
+    if not line.strip() or re.search(r"\d+%\|", line):   # worker 0's progress bar redraws
       continue
     out.append(re.sub(r"\(\d+(\.\d+)? s\)", "", line).rstrip())
   return out

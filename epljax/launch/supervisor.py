@@ -84,7 +84,9 @@ class _Running:
     try:
       for raw in iter(self.proc.stdout.readline, b""):
         self.last_output = time.monotonic()
-        line = raw.decode("utf-8", "replace").rstrip("\n")
+        # A progress bar redraws its line with carriage returns: keep what a terminal would
+        # show at the end of it, so each line of the log is one prefixed line.
+        line = raw.decode("utf-8", "replace").rstrip("\n").rstrip("\r").split("\r")[-1]
         self.tail.append(line)
         if log:
           log.write(line + "\n")

@@ -41,8 +41,9 @@ def auto_stage_cuts(capture: Capture, num_stages: int) -> tuple[int, ...]:
   if num_stages > len(nodes):
     raise PlanError(f"pipeline.num_stages={num_stages} with auto.auto_parallel, but the traced "
                     f"loss has only {len(nodes)} equations to divide.")
-  flops = _prefix([node_flops(n) for n in nodes])
-  params = _prefix(_first_use_bytes(capture))
+  node_costs, first_bytes = [node_flops(n) for n in nodes], _first_use_bytes(capture)
+  _warn_opaque_giants(capture, node_costs, first_bytes, num_stages)
+  flops, params = _prefix(node_costs), _prefix(first_bytes)
   legal = _legal_cuts(capture, flops, flops[-1] / num_stages)
 
   def distance(c: int, k: int) -> float:
@@ -60,6 +61,33 @@ def auto_stage_cuts(capture: Capture, num_stages: int) -> tuple[int, ...]:
     start = min(options, key=lambda c, k=k: distance(c, k))
     cuts.append(start)
   return tuple(cuts)
+
+
+def _warn_opaque_giants(capture: Capture, flops: Sequence[float], first_bytes: Sequence[float],
+                        num_stages: int, limit: float = 1.5) -> None:
+  """Warns (``StageBalanceWarning``) when one loop, branch or custom-derivative call the cut
+  cannot enter holds more than ``limit`` stages' shares of the FLOPs or parameter bytes: the
+  layers of an ``nn.scan`` are one such call, so no cut can balance them."""
+  groups: dict[int, list] = {}   # outermost opaque call -> [primitive, path, FLOPs, bytes]
+  for n in capture.program.nodes:
+    ids = _opaque(n)
+    if not ids:
+      continue
+    name = next(p for p in n.enclosing if p not in _TRANSPARENT)
+    g = groups.setdefault(ids[0], [name, "/".join(n.module_frames[:2]), 0.0, 0.0])
+    g[2] += flops[n.index]
+    g[3] += first_bytes[n.index]
+  total_flops, total_bytes = sum(flops), sum(first_bytes)
+  for name, path, f, b in groups.values():
+    share = max(f / total_flops if total_flops else 0.0, b / total_bytes if total_bytes else 0.0)
+    if share * num_stages > limit:
+      warnings.warn(
+          f"auto.auto_parallel cannot balance {num_stages} stages: one `{name}` (at "
+          f"{path or 'the top level'}) holds {share:.0%} of the model's estimated FLOPs or "
+          "parameter bytes, and the automatic cut does not enter loops, branches or "
+          "custom-derivative calls. Layers under `nn.scan` are one such loop: write them as a "
+          "Python loop (or `nn.remat` per layer) for auto.auto_parallel, or cut the stages "
+          "with `epl.replicate(..., name=...)` scopes.", StageBalanceWarning, stacklevel=4)
 
 
 def _prefix(values: Sequence[float]) -> list[float]:

@@ -30,13 +30,15 @@ def loss_fn(variables, batch):
   return jnp.mean(jnp.square(MODEL.apply(variables, batch["x"]) - batch["y"]))
 
 
-# Dense_0 is the stem, Dense_{2i+1} / Dense_{2i+2} the up / down of block i, Dense_17 the head.
+# Dense_0 is the stem, Dense_17 the head. In block i, Flax names the down projection first (it
+# is constructed before the up projection it is applied to): Dense_{2i+1} is the down
+# (HIDDEN -> WIDTH), Dense_{2i+2} the up (WIDTH -> HIDDEN).
 # Megatron: each up column, each down row; stem and head replicated. The one module has no
 # submodules to name, so the annotate rule takes the whole model.
 def megatron() -> dict:
   specs = {r"params/Dense_(0|17)/(kernel|bias)": ()}
   for i in range(DEPTH):
-    up, down = 2 * i + 1, 2 * i + 2
+    down, up = 2 * i + 1, 2 * i + 2
     specs[rf"params/Dense_{up}/kernel"] = (None, "model")
     specs[rf"params/Dense_{up}/bias"] = ("model",)
     specs[rf"params/Dense_{down}/kernel"] = ("model", None)
