@@ -115,7 +115,7 @@ def zoo_row(name: str) -> list:
   row = [name]
   for forward in (True, False):
     lowered = trainer.lower_loss(state, batch) if forward else trainer.lower(state, batch)
-    found = hlo.collectives(lowered.compile().as_text())
+    found = hlo.executed_collectives(lowered.compile().as_text())
     minimum = megatron_minimum(name, per_replica, grads, forward_only=forward)
     measured = tensor_bytes(found)
     row += [summary(found), f"{activation_arrays(found, act)} / {minimum['activation arrays']}",

@@ -70,6 +70,61 @@ def collectives(hlo_text: str, include_trivial: bool = False) -> list[Collective
   return [c for c in found if include_trivial or c.group_size != 1]
 
 
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
+_CALLEE = re.compile(r"\b(?P<kind>body|condition|to_apply|calls|true_computation|"
+                     r"false_computation)=%?(?P<name>[\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
+
+
+def executed_collectives(hlo_text: str, include_trivial: bool = False) -> list[Collective]:
+  """``collectives``, each as many times as one run of the program executes it.
+
+  A collective inside a ``while`` body (a ``lax.scan`` over layers under ``nn.scan``, the
+  pipeline's tick loop, gradient accumulation) runs once per iteration, but stands once in
+  the text. Bodies are multiplied by the trip count XLA annotates (``known_trip_count``);
+  a loop without one (a data-dependent ``while_loop``) counts once per entry, and a
+  conditional's branches each count as if taken.
+  """
+  bodies: dict[str, list[str]] = {}
+  entry, current = None, None
+  for line in hlo_text.splitlines():
+    head = _COMPUTATION.match(line) if not line.startswith((" ", "\t", "}")) else None
+    if head:
+      current = head["name"]
+      bodies[current] = []
+      entry = current if line.startswith("ENTRY") else entry
+    elif current is not None and line.startswith("}"):
+      current = None
+    elif current is not None:
+      bodies[current].append(line)
+  if entry is None:   # a fragment without computations: every collective once
+    return collectives(hlo_text, include_trivial)
+  callers: dict[str, list[tuple[str, int]]] = {}
+  for name, lines in bodies.items():
+    for line in lines:
+      trips = _TRIPS.search(line)
+      for m in _CALLEE.finditer(line):
+        times = int(trips["n"]) if trips and m["kind"] in ("body", "condition") else 1
+        callers.setdefault(m["name"], []).append((name, times))
+      for m in _BRANCHES.finditer(line):
+        for callee in re.findall(r"%?([\w.\-]+)", m["names"]):
+          callers.setdefault(callee, []).append((name, 1))
+  runs: dict[str, int] = {entry: 1}
+
+  def times_run(name: str) -> int:
+    if name not in runs:
+      runs[name] = 0   # guards against a cycle (none in valid HLO)
+      runs[name] = sum(times_run(c) * t for c, t in callers.get(name, ()))
+    return runs[name]
+
+  out: list[Collective] = []
+  for name, lines in bodies.items():
+    found = collectives("\n".join(lines), include_trivial)
+    out += found * times_run(name)
+  return out
+
+
 def summarize(found: Iterable[Collective]) -> dict[str, tuple[int, int]]:
   """{kind: (count, total result bytes)} in a fixed order."""
   out: dict[str, tuple[int, int]] = {}

@@ -99,7 +99,8 @@ class Plan:
 
   @property
   def collectives(self) -> list[hlo.Collective]:
-    return hlo.collectives(self.compiled.as_text())
+    """Every collective one step executes (those in loops once per iteration)."""
+    return hlo.executed_collectives(self.compiled.as_text())
 
   @property
   def activation_bytes(self) -> int | None:

@@ -22,3 +22,27 @@ def test_collectives_are_read_with_their_bytes_and_groups():
   assert len(hlo.collectives(HLO, include_trivial=True)) == 5   # + the one-device groups
   assert hlo.summarize(found) == {"all-reduce": (1, 8196), "all-gather": (2, 3072),
                                   "reduce-scatter": (1, 8)}
+
+
+def test_collectives_in_a_scanned_loop_count_once_per_iteration():
+  """A scan over 3 layers whose matmul contracts a split dimension: one all-reduce stands in
+  the loop body and runs 3 times, in the forward and again in the backward."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = Mesh(jax.devices()[:2], ("model",))
+
+  def loss(w, x):
+    return jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)[0].sum()
+
+  w = jax.device_put(jnp.ones((3, 8, 8)), NamedSharding(mesh, P(None, "model", None)))
+  x = jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, P()))
+  forward = jax.jit(loss).lower(w, x).compile().as_text()
+  layer = "f32[4,8]"
+  assert sum(c.shapes == (layer,) for c in hlo.collectives(forward)) == 1
+  assert sum(c.shapes == (layer,) for c in hlo.executed_collectives(forward)) == 3
+  backward = jax.jit(jax.grad(loss)).lower(w, x).compile().as_text()
+  executed = hlo.executed_collectives(backward)
+  assert len(executed) == 3 * len(hlo.collectives(backward)) > 0   # every one is in a loop
