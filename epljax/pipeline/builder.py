@@ -202,11 +202,17 @@ class Pipeline:
   def describe(self) -> list[str]:
     """Lines for the plan: the schedule and what one device keeps."""
     lines = [f"schedule  {self.schedule.describe()}"]
+    n_stages, virtual = self.schedule.num_stages, self.schedule.num_virtual_stages
+    if virtual > 1:
+      lines.append("chunks    " + "; ".join(
+          f"stage {s}: " + ", ".join(f"'{self.stages[c].name}'" for c in self.rows[
+              s * virtual:(s + 1) * virtual]) for s in range(n_stages)))
     if self.buffers is not None:
       per_slot = packing.nbytes(self.buffers.residuals) + (
           packing.nbytes(self.buffers.payload) if self.buffers.keep_inputs else 0)
+      kept = "micro batches" if virtual == 1 else "micro batch chunks"
       lines.append(
-          f"stash     {self.stash}: {self.schedule.num_slots} micro batches (+1 scratch slot) x "
+          f"stash     {self.stash}: {self.schedule.num_slots} {kept} (+1 scratch slot) x "
           f"{_kib(per_slot)} per device; {len(self.branches)} distinct stage functions")
     lines.append(f"params    {_kib(self.param_bytes_per_device)} per device as stored (the "
                  f"user's leaves, sharded over stage); {_kib(self.packed_bytes_per_device)} "
