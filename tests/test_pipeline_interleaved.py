@@ -27,11 +27,11 @@ class FourScopes(nn.Module):
   def __call__(self, x):
     x = x * 0.5
     with epl.replicate(1, name="a"):
-      h = nn.relu(nn.Dense(32)(x))
+      h = nn.relu(nn.Dense(24)(x))
     with epl.replicate(1, name="b"):
-      h = nn.tanh(nn.Dense(24)(h))
+      h = nn.tanh(nn.Dense(20)(h))
     with epl.replicate(1, name="c"):
-      h = nn.gelu(nn.Dense(12)(h))
+      h = nn.gelu(nn.Dense(16)(h))
     with epl.replicate(1, name="d"):
       return nn.Dense(10)(h)
 

@@ -8,7 +8,8 @@ stage
 2. runs the backward of its micro batch (if any) from the stashed residuals and the gradient
    received from the next stage (the loss scale on the last stage), adds the parameter
    gradient to its accumulator and hands the activation gradient to the previous stage;
-3. moves both with one ``ppermute`` each along the ``stage`` axis.
+3. moves both with one ``ppermute`` each along the ``stage`` axis (round the ring with virtual
+   stages: stage ``s`` holds chunks ``s, s + S, ...``, its ``v`` parameter rows).
 
 The backward is written out per micro batch (not left to autodiff of the loop), which is what
 lets 1F1B free a micro batch's residuals as soon as its backward ran. Stages that differ are
