@@ -15,7 +15,8 @@ from epljax.errors import ConfigError, PlanError
 from epljax.pipeline import PipelineWarning, make_schedule
 from epljax.pipeline.render import render_schedule, schedule_text
 from epljax.pipeline.schedules import check_schedule
-from helpers import classification_batch, linen_fns
+from helpers import DEEP_TOL, TOL, classification_batch, linen_fns
+from models import ZOO, ZooModel
 from pipeline_helpers import Block, Stack, adamw, check_matches_reference
 
 
@@ -59,8 +60,11 @@ CASES = {
     "scopes_s2_v2_gpipe": (_config(4, 2, "PreferForward"), FourScopes(), 64, (4, 2), 4),
     # S=4, v=2: two groups of S micro batches go round the ring twice.
     "stack_s4_v2_1f1b": (_config(8, 2), Stack(stages=8), 64, (2, 4), 8),
-    "auto_s2_v2_1f1b": (_config(4, 2, **{"auto.auto_parallel": True,
-                                         "pipeline.num_stages": 2}), Plain(), 64, (4, 2), 4),
+    # The zoo's GPT-2 cut into S x v = 4 chunks by auto.auto_parallel: attention, and the tied
+    # embedding held by chunk 0 (stage 0) and chunk 3 (stage 1).
+    "gpt2_auto_s2_v2_1f1b": (_config(2, 2, **{"auto.auto_parallel": True,
+                                              "pipeline.num_stages": 2}), ZOO["gpt2"], 16,
+                             (4, 2), 4),
 }
 
 
@@ -70,6 +74,10 @@ def run_case(name):
   epl.init(config)
   with warnings.catch_warnings():
     warnings.simplefilter("error", PipelineWarning)
+    if isinstance(model, ZooModel):
+      return check_matches_reference(
+          None, model.make_batch(rows), optax.sgd(0.1, momentum=0.9),
+          fns=(model.init_fn, model.loss_fn), tol=DEEP_TOL if model.deep else TOL)
     return check_matches_reference(model, classification_batch(rows), adamw())
 
 
@@ -133,7 +141,8 @@ def test_micro_batches_must_fill_groups_of_stages():
 # -- against the single-device reference ----------------------------------------------------
 @pytest.mark.parametrize("name", [
     "stack_s2_v2_1f1b", "scopes_s2_v2_gpipe",
-    pytest.param("stack_s4_v2_1f1b", marks=pytest.mark.slow), "auto_s2_v2_1f1b"])
+    pytest.param("stack_s4_v2_1f1b", marks=pytest.mark.slow),
+    pytest.param("gpt2_auto_s2_v2_1f1b", marks=pytest.mark.slow)])
 def test_interleaved_matches_single_device(name):
   _, _, _, (replicas, stages), chunks = CASES[name]
   trainer, _ = run_case(name)
@@ -142,6 +151,8 @@ def test_interleaved_matches_single_device(name):
   pipe = plan.pipeline
   assert len(pipe.stages) == chunks and pipe.schedule.num_virtual_stages == chunks // stages
   assert "interleaved" in pipe.describe()[0]
+  if name.startswith("gpt2"):
+    assert pipe.shared == {pipe.param_paths.index("params/wte/embedding"): (0, 3)}
 
 
 def test_activations_go_round_the_ring():
