@@ -117,12 +117,12 @@ class Pipeline:
                          memory_kind=param_sharding.memory_kind)
 
   def pack(self, params: Any) -> dict[str, jax.Array]:
-    """The user's parameter tree -> ``{dtype: (S, size)}`` (traceable)."""
+    """The user's parameter tree -> ``{dtype: (S x v, size)}`` (traceable; rows: ``rows``)."""
     return _pack(jax.tree.leaves(params), self._by_row(self.stages), self._by_row(self.layouts),
                  self.sizes)
 
   def unpack(self, packed: dict[str, jax.Array]) -> Any:
-    """``{dtype: (S, size)}`` -> the user's parameter tree (a leaf held by several stages: the
+    """``{dtype: (S x v, size)}`` -> the user's parameter tree (a leaf held by several stages: the
     first stage's copy)."""
     leaves = _unpack(packed, self._by_row(self.stages), self._by_row(self.layouts),
                      self.param_avals, total=False)

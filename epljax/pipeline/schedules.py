@@ -36,7 +36,7 @@ per tick in the steady state and keeps ``vS + S - 1 - 2s`` chunks at most, whate
 (Megatron's warm-up plus one: ``S + (S - 1 - 2s)/v`` stages' worth); with GPipe the backwards
 follow all forwards as above and a stage keeps all ``vM`` chunks. The bubble is
 ``(S - 1) / (vM + S - 1)`` (about ``v`` times smaller), for ``v`` times as many ``ppermute``
-hops; ``M`` must be a multiple of ``S``.
+hops per micro batch; ``M`` must be a multiple of ``S``.
 """
 
 from __future__ import annotations
