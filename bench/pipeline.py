@@ -5,6 +5,7 @@ unpipelined model.
     python bench/pipeline.py --record   # and append them to bench/RESULTS.md
     python bench/pipeline.py --compile  # compile time and HLO size vs depth (pipeline_compile.py)
     python bench/pipeline.py --memory   # 1F1B stash (S - s per stage) and temp memory vs M
+    python bench/pipeline.py --interleaved   # 1F1B vs interleaved 1F1B (v=2 chunks per stage)
 
 A residual MLP of 8 blocks cut into S=4 stages of 2 blocks (``set_default_strategy`` between
 them, EPL's BERT style) on 8 devices: 2 pipeline replicas. For M in {4, 8, 16, 32} micro
@@ -18,6 +19,11 @@ batches of 64 rows per replica:
   over ``cost_analysis()`` of the unpipelined loss-and-gradient on the same rows;
 - step time over the unpipelined model's (the same model without the stage cuts, data
   parallel over the same 8 devices with the same M micro batches), timed alternately.
+
+``--interleaved``: the same model cut into 8 chunks of one block, v=2 per stage
+(``pipeline.num_virtual_stages``), next to 1F1B on 4 stages of 2 blocks: the bubble measured
+from the tick table against ``(S - 1) / (vM + S - 1)``, kept chunks, temp memory, executed
+FLOPs, and step time against 1F1B's.
 """
 
 import os
@@ -48,14 +54,15 @@ class Block(nn.Module):
 
 class Net(nn.Module):
   cut: bool = True
+  chunks: int = STAGES     # stage task graphs: S x v
 
   @nn.compact
   def __call__(self, x):
     h = nn.Dense(WIDTH)(x)
-    for _ in range(STAGES):
+    for _ in range(self.chunks):
       if self.cut:
         epl.set_default_strategy(epl.replicate(1))
-      for _ in range(BLOCKS):
+      for _ in range(STAGES * BLOCKS // self.chunks):
         h = Block()(h)
     return nn.Dense(10)(h)
 
@@ -95,9 +102,11 @@ def executed_flops(trainer) -> float:
   costs = runtime.branch_flops(pipe.branches, pipe.aux_avals, pipe.batch_avals)
   sched = pipe.schedule
   total = 0.0
-  for s in range(sched.num_stages):
-    fwd, bwd = costs[pipe.branch_of[s]]
-    total += (sched.forward[:, s] >= 0).sum() * fwd + (sched.backward[:, s] >= 0).sum() * bwd
+  for c in range(sched.num_chunks):   # chunk c on stage c % S as the stage's chunk c // S
+    s, j = c % sched.num_stages, c // sched.num_stages
+    fwd, bwd = costs[pipe.branch_of[c]]
+    total += (((sched.forward[:, s] >= 0) & (sched.forward_chunk[:, s] == j)).sum() * fwd
+              + ((sched.backward[:, s] >= 0) & (sched.backward_chunk[:, s] == j)).sum() * bwd)
   return total
 
 
@@ -138,6 +147,39 @@ def measure(micro: int, pairs: int) -> tuple[list, list]:
   return memory, timing
 
 
+def measure_interleaved(micro: int, pairs: int, virtual: int = 2) -> list:
+  """1F1B (S stages) and interleaved 1F1B (S x v chunks) of the same model and batch."""
+  rows = 2 * micro * ROWS
+  batch = batch_of(rows)
+  _, _, loss_fn = trainer_for(Net(cut=False), {"pipeline.num_micro_batch": micro}, batch)
+  reference = unpipelined_flops(loss_fn, micro * ROWS)
+  runs = []
+  for v in (1, virtual):
+    config = {"pipeline.num_micro_batch": micro, "pipeline.num_virtual_stages": v}
+    trainer, state, _ = trainer_for(Net(chunks=STAGES * v), config, batch)
+    runs.append((v, trainer, {"state": state}, trainer.shard_batch(batch)))
+  out = []
+  for v, trainer, _, _ in runs:
+    sched = trainer.plan.pipeline.schedule
+    out.append([micro, sched.name, v, sched.num_ticks, f"{sched.measured_bubble():.3f}",
+                f"{(STAGES - 1) / (v * micro + STAGES - 1):.3f}", sched.num_slots,
+                f"{trainer.plan.memory.temp_size_in_bytes / 2**20:.2f}",
+                f"{executed_flops(trainer) / reference:.3f}"])
+
+  def step(run):
+    def go():
+      _, trainer, box, b = run
+      box["state"], m = trainer.train_step(box["state"], b)
+      return m["loss"]
+    return go
+
+  r = paired_ratio(step(runs[1]), step(runs[0]), pairs=pairs)
+  out[0].append(f"{r['second_s'] * 1e3:.1f}")
+  out[1].append(f"{r['first_s'] * 1e3:.1f} (**{r['ratio']:.2f}**x, {r['ratio_q1']:.2f}-"
+                f"{r['ratio_q3']:.2f})")
+  return out
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--micro", type=int, nargs="+", default=[4, 8, 16, 32])
@@ -147,7 +189,31 @@ def main(argv=None) -> None:
                       help="only 1F1B / GPipe stash slots and temp memory vs micro batches")
   parser.add_argument("--compile", action="store_true",
                       help="only compile time and HLO size vs depth, next to a hand-written GPipe")
+  parser.add_argument("--interleaved", action="store_true",
+                      help="only 1F1B vs interleaved 1F1B (pipeline.num_virtual_stages=2)")
   args = parser.parse_args(argv)
+  if args.interleaved:
+    rows = []
+    for micro in args.micro:
+      rows += measure_interleaved(micro, args.pairs)
+      print(f"M={micro} done", flush=True)
+    body = table(["M", "schedule", "v", "ticks", "bubble (tick table)", "(S-1)/(vM+S-1)",
+                  "kept slots", "temp MiB/dev", "executed FLOPs / unpipelined",
+                  "step ms (interleaved / 1F1B)"], rows)
+    body += (f"\n\nS={STAGES} stages, {STAGES * BLOCKS} residual blocks of width {WIDTH}: 1F1B "
+             f"runs {BLOCKS} blocks per stage, interleaved 1F1B 2 chunks of "
+             f"{BLOCKS // 2} block per stage (chunk c on stage c % S); {ROWS} rows per micro "
+             "batch and replica, 2 pipeline replicas on 8 devices. Bubble: 1 - work / time from "
+             "the tick table (a lockstep tick lasts as long as its busiest stage's slots, a "
+             "stage's forward = backward = 1, a chunk's 1/v). Kept slots: stash slots per "
+             "device (1F1B: micro batches of a stage; interleaved: micro batch chunks, half "
+             "the size). Temp bytes from memory_analysis() of the compiled step; executed "
+             "FLOPs: busy slots x per-branch cost_analysis over the unpipelined "
+             "loss-and-gradient; step time: median over pairs, timed alternately.")
+    print(body)
+    if args.record:
+      record("Pipeline interleaved 1F1B vs 1F1B (bench/pipeline.py --interleaved)", body)
+    return
   if args.compile:
     import pipeline_compile as pc
     body = table(["blocks", "epljax trace+compile s", "hand-written s", "ratio",

@@ -133,7 +133,8 @@ def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
   cap = capture_loss(var, micro_shapes, len(cluster.devices), **options)
   if config.auto.auto_parallel:   # EPL's automatic pipeline partitioning
     check_auto(cap, config.pipeline.num_stages)
-    options["stage_cuts"] = auto_stage_cuts(cap, config.pipeline.num_stages)
+    options["stage_cuts"] = auto_stage_cuts(   # S x v chunks with virtual stages
+        cap, config.pipeline.num_stages * config.pipeline.num_virtual_stages)
     cap = capture_loss(var, micro_shapes, len(cluster.devices), **options)
   where = place(fns, var, cap, micro_shapes, rows, config, cluster, options)
   mesh = where.layout.mesh
@@ -208,7 +209,8 @@ def capture_options(var: Variables) -> dict[str, Any]:
 def place(fns: UserFns, var: Variables, cap: Capture, micro_shapes: Any, rows: int, config,
           cluster, options: dict[str, Any]) -> Placement:
   """Step 3: mesh, batch layout, variable specs, pipeline packing, base shardings."""
-  layout = build_mesh(cap.taskgraphs, cluster.devices, config.cluster)
+  layout = build_mesh(cap.taskgraphs, cluster.devices, config.cluster,
+                      config.pipeline.num_virtual_stages)
   _check_layout(layout, cap, config.pipeline.num_stages)
   mesh = layout.mesh
   axes = specs_lib.batch_axes(cap, layout)

@@ -28,6 +28,11 @@ class PipelineConfig:
   strategy: str = key(
       "PreferBackward", "Pipeline schedule: PreferBackward (1F1B) or PreferForward (GPipe).",
       allowed=("PreferBackward", "PreferForward"))
+  num_virtual_stages: int = key(
+      1, "Beyond EPL: model chunks per pipeline stage (interleaved schedule, Megatron's "
+      "virtual stages). With v > 1 the S*v task graphs (scopes, or auto.auto_parallel's cuts) "
+      "are chunks and stage s runs chunks s, s+S, ...: the bubble shrinks to "
+      "(S-1)/(v*M+S-1). num_micro_batch must be a multiple of S.", minimum=1)
 
 
 @dataclasses.dataclass(frozen=True)

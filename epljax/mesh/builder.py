@@ -44,8 +44,10 @@ class Layout:
   num_replicas: int
   num_stages: int
   devices_per_stage: int
-  stage_of: tuple[int, ...]        # per task graph: its pipeline stage (0 when colocated)
+  stage_of: tuple[int, ...]        # per task graph: its pipeline stage (0 when colocated);
+                                   # its chunk with virtual stages, on stage chunk % num_stages
   colocated: bool
+  num_virtual_stages: int = 1
 
   @property
   def devices_per_replica(self) -> int:
@@ -53,10 +55,12 @@ class Layout:
 
 
 def build_mesh(taskgraphs: Sequence[TaskGraph], devices: Sequence[jax.Device],
-               cluster: ClusterConfig) -> Layout:
-  """Task graphs + devices -> ``Layout`` (see the module doc for the rules)."""
+               cluster: ClusterConfig, virtual_stages: int = 1) -> Layout:
+  """Task graphs + devices -> ``Layout`` (see the module doc for the rules). With
+  ``virtual_stages = v > 1`` the task graphs are pipeline chunks, ``v`` per stage."""
   counts = [tg.device_count for tg in taskgraphs]
   colocated = cluster.colocate_split_and_replicate or len(taskgraphs) == 1
+  _check_virtual(taskgraphs, virtual_stages, colocated)
   if len(set(counts)) > 1:
     what = ("colocated task graphs share their devices" if colocated else
             "task graphs that are not colocated are pipeline stages, and every stage")
@@ -66,7 +70,7 @@ def build_mesh(taskgraphs: Sequence[TaskGraph], devices: Sequence[jax.Device],
         + ("" if colocated else ", or set cluster.colocate_split_and_replicate=True to put "
            "them on the same devices") + ".")
   per_stage = counts[0]
-  stages = 1 if colocated else len(taskgraphs)
+  stages = 1 if colocated else len(taskgraphs) // virtual_stages
   per_replica = per_stage * stages
   total = len(devices)
   how = (f"{_listing(taskgraphs)}" if colocated or len(taskgraphs) == 1 else
@@ -90,7 +94,27 @@ def build_mesh(taskgraphs: Sequence[TaskGraph], devices: Sequence[jax.Device],
     grid = grid.reshape(stages, per_stage, replicas).transpose(2, 0, 1)
   stage_of = tuple(0 if colocated else i for i in range(len(taskgraphs)))
   mesh = Mesh(grid, AXES, axis_types=_AUTO)
-  return Layout(mesh, replicas, stages, per_stage, stage_of, colocated)
+  return Layout(mesh, replicas, stages, per_stage, stage_of, colocated, virtual_stages)
+
+
+def _check_virtual(taskgraphs: Sequence[TaskGraph], v: int, colocated: bool) -> None:
+  if v == 1:
+    return
+  count = len(taskgraphs)
+  if colocated:
+    raise PlanError(
+        f"pipeline.num_virtual_stages={v} interleaves pipeline stages, but the model's task "
+        f"graphs {_listing(taskgraphs)} are " + ("colocated (cluster.colocate_split_and_"
+        "replicate=True)" if count > 1 else "a single one") + ": there is no pipeline. Cut the "
+        f"model into S x {v} stages (`with epl.replicate(1, name=...)` scopes, or "
+        "auto.auto_parallel with pipeline.num_stages=S), or set pipeline.num_virtual_stages=1.")
+  if count % v or count // v < 2:
+    raise PlanError(
+        f"pipeline.num_virtual_stages={v}: the model has {count} stage task graphs "
+        f"({_listing(taskgraphs)}), which do not make {v} chunks on each of 2 or more "
+        f"pipeline stages. Interleaving S stages needs S x {v} task graphs (chunk c runs on "
+        f"stage c % S): cut the model into {max(2, -(-count // v)) * v} stages, or set "
+        f"pipeline.num_virtual_stages to a divisor of {count} below {count}.")
 
 
 def _listing(taskgraphs: Sequence[TaskGraph]) -> str:

@@ -1,8 +1,9 @@
-"""Pipeline parallelism: stages cut from the captured program, GPipe and 1F1B tick tables, and
-the ``shard_map`` loop that runs them in one SPMD program.
+"""Pipeline parallelism: stages cut from the captured program, GPipe and 1F1B tick tables (also
+interleaved over virtual stages), and the ``shard_map`` loop that runs them in one SPMD program.
 
 - ``partition.py``: the traced loss -> one ``ClosedJaxpr`` per stage;
-- ``schedules.py``: ``PreferForward`` (GPipe) and ``PreferBackward`` (1F1B) as tick tables;
+- ``schedules.py``: ``PreferForward`` (GPipe) and ``PreferBackward`` (1F1B) as tick tables,
+  interleaved with ``pipeline.num_virtual_stages > 1``;
 - ``packing.py``: stage parameters, activations and residuals as flat per-dtype buffers inside
   the step (the stored parameters are the user's tree);
 - ``runtime.py``: the loop over ticks (``jax.vjp`` per micro batch, ``ppermute`` between stages);
@@ -10,6 +11,8 @@ the ``shard_map`` loop that runs them in one SPMD program.
 """
 
 from epljax.pipeline.builder import Pipeline, PipelineWarning, plan_pipeline
+from epljax.pipeline.render import render_schedule
 from epljax.pipeline.schedules import Schedule, make_schedule
 
-__all__ = ["Pipeline", "PipelineWarning", "Schedule", "make_schedule", "plan_pipeline"]
+__all__ = ["Pipeline", "PipelineWarning", "Schedule", "make_schedule", "plan_pipeline",
+           "render_schedule"]

@@ -81,6 +81,8 @@ class Pipeline:
     self.stash = stash or STASH
     self.layouts = [packing.Layout.of([param_avals[i] for i in s.params]) for s in stages]
     self.sizes = packing.padded_sizes(self.layouts)
+    # Packed row r holds chunk rows[r]: stage s's v chunks s, s + S, ... are rows sv..sv+v-1.
+    self.rows = chunk_rows(schedule.num_stages, schedule.num_virtual_stages)
     self.buffers: runtime.Buffers | None = None
     self.branches: list[runtime.Branch] = []
     self.branch_of: list[int] = []
@@ -115,20 +117,26 @@ class Pipeline:
                          memory_kind=param_sharding.memory_kind)
 
   def pack(self, params: Any) -> dict[str, jax.Array]:
-    """The user's parameter tree -> ``{dtype: (S, size)}`` (traceable)."""
-    return _pack(jax.tree.leaves(params), self.stages, self.layouts, self.sizes)
+    """The user's parameter tree -> ``{dtype: (S x v, size)}`` (traceable; rows: ``rows``)."""
+    return _pack(jax.tree.leaves(params), self._by_row(self.stages), self._by_row(self.layouts),
+                 self.sizes)
 
   def unpack(self, packed: dict[str, jax.Array]) -> Any:
-    """``{dtype: (S, size)}`` -> the user's parameter tree (a leaf held by several stages: the
+    """``{dtype: (S x v, size)}`` -> the user's parameter tree (a leaf held by several stages: the
     first stage's copy)."""
-    leaves = _unpack(packed, self.stages, self.layouts, self.param_avals, total=False)
+    leaves = _unpack(packed, self._by_row(self.stages), self._by_row(self.layouts),
+                     self.param_avals, total=False)
     return jax.tree.unflatten(self.params_def, leaves)
 
   def gradients_of(self, packed: dict[str, jax.Array]) -> Any:
     """Packed gradients -> the user's tree; a leaf held by several stages gets their sum (the
     transpose of ``pack``, which copies it to each)."""
-    leaves = _unpack(packed, self.stages, self.layouts, self.param_avals, total=True)
+    leaves = _unpack(packed, self._by_row(self.stages), self._by_row(self.layouts),
+                     self.param_avals, total=True)
     return jax.tree.unflatten(self.params_def, leaves)
+
+  def _by_row(self, per_chunk: Sequence[Any]) -> list[Any]:
+    return [per_chunk[c] for c in self.rows]
 
   @property
   def shared(self) -> dict[int, tuple[int, ...]]:
@@ -194,11 +202,17 @@ class Pipeline:
   def describe(self) -> list[str]:
     """Lines for the plan: the schedule and what one device keeps."""
     lines = [f"schedule  {self.schedule.describe()}"]
+    n_stages, virtual = self.schedule.num_stages, self.schedule.num_virtual_stages
+    if virtual > 1:
+      lines.append("chunks    " + "; ".join(
+          f"stage {s}: " + ", ".join(f"'{self.stages[c].name}'" for c in self.rows[
+              s * virtual:(s + 1) * virtual]) for s in range(n_stages)))
     if self.buffers is not None:
       per_slot = packing.nbytes(self.buffers.residuals) + (
           packing.nbytes(self.buffers.payload) if self.buffers.keep_inputs else 0)
+      kept = "micro batches" if virtual == 1 else "micro batch chunks"
       lines.append(
-          f"stash     {self.stash}: {self.schedule.num_slots} micro batches (+1 scratch slot) x "
+          f"stash     {self.stash}: {self.schedule.num_slots} {kept} (+1 scratch slot) x "
           f"{_kib(per_slot)} per device; {len(self.branches)} distinct stage functions")
     lines.append(f"params    {_kib(self.param_bytes_per_device)} per device as stored (the "
                  f"user's leaves, sharded over stage); {_kib(self.packed_bytes_per_device)} "
@@ -248,7 +262,8 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
     raise AssertionError("the per-replica trace found other task graphs than the global one")
   aux_avals = [v.aval for v in cap.program.closed_jaxpr.jaxpr.outvars[1:]]
   stages = cut_stages(cap, layout.stage_of, len(p_leaves))
-  schedule = make_schedule(config.strategy, layout.num_stages, config.num_micro_batch)
+  schedule = make_schedule(config.strategy, layout.num_stages, config.num_micro_batch,
+                           config.num_virtual_stages)
   if config.num_micro_batch < layout.num_stages:
     warnings.warn(_FEW_MICRO.format(m=config.num_micro_batch, s=layout.num_stages,
                                     bubble=schedule.bubble_fraction), PipelineWarning,
@@ -256,9 +271,16 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
   pipe = Pipeline(stages, p_leaves, p_def, b_leaves, aux_avals,
                   found["aux_def"] if has_aux else None, schedule, layout, batch_axes)
   pipe.param_paths = list(param_paths)
-  pipe.balance = check_balance(global_capture, layout.stage_of, layout.num_stages,
+  pipe.balance = check_balance(global_capture, layout.stage_of, len(stages),
                                [s.name for s in stages])
   return pipe
+
+
+def chunk_rows(num_stages: int, num_virtual_stages: int) -> list[int]:
+  """The chunk of each packed row: stage ``s`` holds chunks ``s, s + S, ..., s + (v - 1)S``
+  (the interleaved layout) as its ``v`` consecutive rows, so sharding the rows over ``stage``
+  gives every device its own chunks."""
+  return [s + j * num_stages for s in range(num_stages) for j in range(num_virtual_stages)]
 
 
 def _pack(leaves, stages, layouts, sizes) -> dict[str, jax.Array]:
@@ -268,8 +290,8 @@ def _pack(leaves, stages, layouts, sizes) -> dict[str, jax.Array]:
 
 def _unpack(packed, stages, layouts, avals, *, total: bool) -> list[Any]:
   leaves: list[Any] = [None] * len(avals)
-  for s, layout in zip(stages, layouts):
-    for i, value in zip(s.params, layout.unpack({k: v[s.index] for k, v in packed.items()})):
+  for row, (s, layout) in enumerate(zip(stages, layouts)):
+    for i, value in zip(s.params, layout.unpack({k: v[row] for k, v in packed.items()})):
       if leaves[i] is None:
         leaves[i] = value
       elif total:

@@ -1,9 +1,12 @@
 """A schedule as text (for the plan) or as a picture (for the README): ticks x stages.
 
-    python -m epljax.pipeline.render docs/pipeline_schedule.png 4 10   # GPipe and 1F1B, S=4, M=10
+    python -m epljax.pipeline.render docs/pipeline_schedule.png 4 8 2   # S=4, M=8, v=2
 
-Each tick of a stage has a forward slot (blue, ``F3`` = forward of micro batch 3) and a
-backward slot (orange, ``B3``); white is pipeline bubble.
+draws GPipe, 1F1B and interleaved 1F1B (``v`` chunks per stage) one above the other. Each
+tick of a stage has a forward slot (blue, ``3`` = micro batch 3) and a backward slot (orange);
+with virtual stages the shade tells the stage's chunk (dark: its first). The x axis is time
+with a stage's whole forward and backward taking 1 each (a chunk's ``1/v``), and a lockstep
+tick as long as its busiest stage, so white is pipeline bubble and the panels compare.
 """
 
 from __future__ import annotations
@@ -11,18 +14,29 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+import numpy as np
+
 from epljax.errors import EPLError
-from epljax.pipeline.schedules import IDLE, NAMES, Schedule, make_schedule
+from epljax.pipeline.schedules import IDLE, Schedule, make_schedule
+
+_FORWARD = ("#2f5f8f", "#6a9fd0", "#a9c9ea", "#d3e4f5")   # chunk 0, 1, ... (then repeat)
+_BACKWARD = ("#d26a0c", "#f5a04e", "#f8c48f", "#fbe1c6")
 
 
 def schedule_text(schedule: Schedule) -> list[str]:
-  """One line per stage, one column per tick: ``F2``, ``B0``, ``F3B1`` or ``.``."""
+  """One line per stage, one column per tick: ``F2``, ``B0``, ``F3B1`` or ``.``; with virtual
+  stages ``F2.1`` is micro batch 2 on the stage's chunk 1 (model chunk ``s + S``)."""
+  chunked = schedule.num_virtual_stages > 1
+
+  def cell(kind, m, j):
+    return "" if m == IDLE else f"{kind}{m}" + (f".{j}" if chunked else "")
+
   cells = []
   for s in range(schedule.num_stages):
     row = []
     for t in range(schedule.num_ticks):
-      f, b = schedule.forward[t, s], schedule.backward[t, s]
-      row.append((f"F{f}" if f != IDLE else "") + (f"B{b}" if b != IDLE else "") or ".")
+      row.append(cell("F", schedule.forward[t, s], schedule.forward_chunk[t, s])
+                 + cell("B", schedule.backward[t, s], schedule.backward_chunk[t, s]) or ".")
     cells.append(row)
   width = max(len(c) for row in cells for c in row)
   return [f"stage {s}  " + " ".join(c.ljust(width) for c in row).rstrip()
@@ -30,7 +44,7 @@ def schedule_text(schedule: Schedule) -> list[str]:
 
 
 def render_schedule(schedules: Schedule | Sequence[Schedule], path: str) -> str:
-  """Draws one panel per schedule (ticks across, stages down) into ``path`` (a PNG)."""
+  """Draws one panel per schedule (time across, stages down) into ``path`` (a PNG)."""
   try:
     import matplotlib
     matplotlib.use("Agg")
@@ -40,31 +54,24 @@ def render_schedule(schedules: Schedule | Sequence[Schedule], path: str) -> str:
     raise EPLError("Drawing a schedule needs matplotlib: pip install 'epljax[plot]'.") from e
   if isinstance(schedules, Schedule):
     schedules = [schedules]
-  ticks = max(s.num_ticks for s in schedules)
+  span = max(float(s.tick_costs().sum()) for s in schedules)
   fig, axes = plt.subplots(len(schedules), 1, squeeze=False,
-                           figsize=(0.42 * ticks + 1.5, 1.2 + 0.55 * sum(
+                           figsize=(0.5 * span + 1.5, 1.2 + 0.6 * sum(
                                s.num_stages for s in schedules)))
-  colours = {"F": "#4c78a8", "B": "#f58518"}
   for ax, sched in zip(axes[:, 0], schedules):
-    for s in range(sched.num_stages):
-      for t in range(sched.num_ticks):
-        for half, (kind, table) in enumerate((("F", sched.forward), ("B", sched.backward))):
-          m = table[t, s]
-          x, y = t + 0.5 * half, s
-          ax.add_patch(Rectangle((x, y), 0.5, 0.9, facecolor=colours[kind] if m != IDLE else
-                                 "white", edgecolor="#bbbbbb", linewidth=0.5))
-          if m != IDLE:
-            ax.text(x + 0.25, y + 0.45, str(m), ha="center", va="center", color="white",
-                    fontsize=7)
-    ax.set_xlim(0, ticks)
+    _draw(ax, sched, Rectangle)
+    ax.set_xlim(0, span)
     ax.set_ylim(sched.num_stages, -0.1)
     ax.set_yticks([s + 0.45 for s in range(sched.num_stages)],
                   [f"stage {s}" for s in range(sched.num_stages)])
-    ax.set_xticks(range(0, ticks + 1, 2))
-    ax.set_xlabel("tick (forward | backward slot)")
-    ax.set_title(f"{sched.strategy} ({NAMES[sched.strategy]}), S={sched.num_stages}, "
-                 f"M={sched.num_micro_batch}: {sched.num_ticks} ticks, bubble "
-                 f"{sched.bubble_fraction:.0%}, keeps {sched.num_slots} micro batches",
+    ax.set_xticks(range(0, int(np.ceil(span)) + 1, 2))
+    ax.set_xlabel("time (a stage's forward = backward = 1; a chunk's 1/v)")
+    v = sched.num_virtual_stages
+    chunks = "" if v == 1 else f", v={v} chunks per stage"
+    what = "micro batches" if v == 1 else "chunks"
+    ax.set_title(f"{sched.strategy} ({sched.name}), S={sched.num_stages}, "
+                 f"M={sched.num_micro_batch}{chunks}: {sched.num_ticks} ticks, bubble "
+                 f"{sched.measured_bubble():.0%}, keeps {sched.num_slots} {what}",
                  fontsize=9, loc="left")
     for side in ("top", "right"):
       ax.spines[side].set_visible(False)
@@ -74,12 +81,35 @@ def render_schedule(schedules: Schedule | Sequence[Schedule], path: str) -> str:
   return path
 
 
+def _draw(ax, sched: Schedule, rectangle) -> None:
+  v = sched.num_virtual_stages
+  starts = np.concatenate([[0.0], np.cumsum(sched.tick_costs())])
+  for t in range(sched.num_ticks):
+    for s in range(sched.num_stages):
+      x = starts[t]
+      for table, chunk, colours in ((sched.forward, sched.forward_chunk, _FORWARD),
+                                    (sched.backward, sched.backward_chunk, _BACKWARD)):
+        m = table[t, s]
+        if m == IDLE:
+          continue
+        j = int(chunk[t, s])
+        ax.add_patch(rectangle((x, s), 1 / v, 0.9, facecolor=colours[j % len(colours)],
+                               edgecolor="white", linewidth=0.5))
+        ax.text(x + 0.5 / v, s + 0.45, str(m), ha="center", va="center", fontsize=7,
+                color="white" if j % len(colours) < 2 else "black")
+        x += 1 / v
+  for s in range(sched.num_stages):   # the bubble, outlined
+    ax.add_patch(rectangle((0, s), starts[-1], 0.9, facecolor="none", edgecolor="#bbbbbb",
+                           linewidth=0.5))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
   argv = list(sys.argv[1:] if argv is None else argv)
   path = argv[0] if argv else "pipeline_schedule.png"
-  stages, micro = (int(argv[1]), int(argv[2])) if len(argv) >= 3 else (4, 10)
+  stages, micro, virtual = (int(a) for a in (argv[1:4] + ["4", "8", "2"][len(argv[1:4]):]))
   print(render_schedule([make_schedule("PreferForward", stages, micro),
-                         make_schedule("PreferBackward", stages, micro)], path))
+                         make_schedule("PreferBackward", stages, micro),
+                         make_schedule("PreferBackward", stages, micro, virtual)], path))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ stage
 2. runs the backward of its micro batch (if any) from the stashed residuals and the gradient
    received from the next stage (the loss scale on the last stage), adds the parameter
    gradient to its accumulator and hands the activation gradient to the previous stage;
-3. moves both with one ``ppermute`` each along the ``stage`` axis.
+3. moves both with one ``ppermute`` each along the ``stage`` axis (round the ring with virtual
+   stages: stage ``s`` holds chunks ``s, s + S, ...``, its ``v`` parameter rows).
 
 The backward is written out per micro batch (not left to autodiff of the loop), which is what
 lets 1F1B free a micro batch's residuals as soon as its backward ran. Stages that differ are
@@ -242,6 +243,39 @@ def _put(buffers: dict, index, values: dict) -> dict:
   return {k: lax.dynamic_update_index_in_dim(v, values[k], index, 0) for k, v in buffers.items()}
 
 
+def tick_tables(schedule: Schedule, branch_of: Sequence[int], idle: int) -> np.ndarray:
+  """``(ticks, stages, 8)`` int32 rows of the loop: per stage, the forward's switch branch,
+  micro batch, stash slot and chunk (which of the stage's ``v`` parameter rows), then the
+  same for the backward. Chunk ``j`` of stage ``s`` is model chunk ``s + jS``; idle slots take
+  the ``idle`` branch (and micro batch, slot and chunk 0)."""
+  n_stages = schedule.num_stages
+  stage = np.arange(n_stages)[None, :]
+  out = []
+  for m, slot, j in ((schedule.forward, schedule.forward_slot, schedule.forward_chunk),
+                     (schedule.backward, schedule.backward_slot, schedule.backward_chunk)):
+    branch = np.asarray(branch_of, np.int32)[j * n_stages + stage]
+    out += [np.where(m >= 0, branch, idle), np.maximum(m, 0), slot, j]
+  return np.stack(out, axis=-1).astype(np.int32)
+
+
+def _chunk(buffers: dict, j, v: int) -> dict:
+  """Chunk ``j``'s row of a stage's ``{dtype: (v, size)}`` buffers."""
+  return {k: x[0] for k, x in buffers.items()} if v == 1 else _take(buffers, j)
+
+
+def _add_to_chunk(acc: dict, j, values: dict, v: int) -> dict:
+  if v == 1:
+    return {k: acc[k] + values[k][None] for k in acc}
+  return _put(acc, j, {k: x + values[k] for k, x in _take(acc, j).items()})
+
+
+def _hops(n_stages: int, step: int, ring: bool) -> list[tuple[int, int]]:
+  """``ppermute`` pairs one stage down (``step=1``) or up; round the ring with virtual stages
+  (stage ``S - 1`` feeds stage 0 its next chunk)."""
+  pairs = [(i, i + step) for i in range(n_stages)]
+  return [(a, b % n_stages) for a, b in pairs if ring or 0 <= b < n_stages]
+
+
 def _gather_aux(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   """One replica's aux, stacked over micro batches -> the global batch's, by the rule of the
   data-parallel step: float scalars averaged, integer ones summed, arrays (one row per
@@ -254,57 +288,54 @@ def _gather_aux(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 def pipelined_gradients(branches: Sequence[Branch], branch_of: Sequence[int], aux_avals,
                         schedule: Schedule, mesh: Mesh, data_axes: tuple[str, ...],
                         batch_spec: P):
-  """``(params {dtype: (S, size)}, micro batch leaves (M, rows, ...), seed) -> (mean loss,
-  aux (M, ...), summed-over-data mean gradients {dtype: (S, size)})``, as one shard_map."""
+  """``(params {dtype: (S v, size)}, micro batch leaves (M, rows, ...), seed) -> (mean loss,
+  aux (M, ...), summed-over-data mean gradients {dtype: (S v, size)})``, as one shard_map.
+  Row ``s v + j`` holds chunk ``s + jS`` (stage ``s``'s ``j``-th; ``v = 1``: row ``s``)."""
   sizes = buffer_sizes(branches)
   fwd = [_forward_branch(b, sizes, aux_avals) for b in branches] + [
       _idle_forward(sizes, aux_avals)]
   bwd = [_backward_branch(b, sizes) for b in branches] + [_idle_backward(sizes)]
   idle = len(branches)
   n_stages, n_micro = schedule.num_stages, schedule.num_micro_batch
+  n_virtual = schedule.num_virtual_stages
   slots = schedule.num_slots
   shards = int(np.prod([mesh.shape[a] for a in data_axes]))
-  tables = np.stack([schedule.forward, schedule.forward_slot, schedule.backward,
-                     schedule.backward_slot], axis=-1).astype(np.int32)   # (T, S, 4)
-  down = [(i, i + 1) for i in range(n_stages - 1)]
-  up = [(i + 1, i) for i in range(n_stages - 1)]
+  tables = tick_tables(schedule, branch_of, idle)   # (T, S, 8)
+  down = _hops(n_stages, 1, n_virtual > 1)
+  up = _hops(n_stages, -1, n_virtual > 1)
 
-  def local(params, micro, seed):
+  def local(params, micro, seed):   # params: {dtype: (v, size)}, this stage's chunks
     stage = lax.axis_index(STAGE)
-    params = {k: v[0] for k, v in params.items()}
-    branch = jnp.asarray(np.asarray(branch_of, np.int32))[stage]
     carry = dict(
         fwd=packing.zeros(sizes.payload), bwd=packing.zeros(sizes.grad_payload),
         # One slot more than the schedule keeps: idle forwards write there, so a write needs
         # no read of the old slot and updates the loop's buffer in place.
         stash_x=packing.zeros(sizes.payload if sizes.keep_inputs else {}, (slots + 1,)),
         stash_r=packing.zeros(sizes.residuals, (slots + 1,)),
-        grads=packing.zeros(sizes.params), losses=jnp.zeros((n_micro,), jnp.float32),
+        grads=packing.zeros(sizes.params, (n_virtual,)), losses=jnp.zeros((n_micro,), jnp.float32),
         aux=[jnp.zeros((n_micro, *a.shape), a.dtype) for a in aux_avals])
 
     def tick(c, row):
-      f_m, f_slot, b_m, b_slot = (row[stage, i] for i in range(4))
-      f_ok, b_ok = f_m >= 0, b_m >= 0
-      f_m, b_m = jnp.maximum(f_m, 0), jnp.maximum(b_m, 0)
+      f_branch, f_m, f_slot, f_j, b_branch, b_m, b_slot, b_j = (row[stage, i] for i in range(8))
       batch = [lax.dynamic_index_in_dim(x, f_m, keepdims=False) for x in micro]
-      out, loss, aux, res = lax.switch(jnp.where(f_ok, branch, idle), fwd, params, c["fwd"],
+      out, loss, aux, res = lax.switch(f_branch, fwd, _chunk(params, f_j, n_virtual), c["fwd"],
                                        batch)
-      write = jnp.where(f_ok, f_slot, slots)
+      write = jnp.where(f_branch == idle, slots, f_slot)
       stash_x = _put(c["stash_x"], write, c["fwd"])
       stash_r = _put(c["stash_r"], write, res)
       losses = c["losses"].at[f_m].add(loss)
       auxes = [acc.at[f_m].add(a) for acc, a in zip(c["aux"], aux)]
       batch = [lax.dynamic_index_in_dim(x, b_m, keepdims=False) for x in micro]
       g_params, g_in = lax.switch(
-          jnp.where(b_ok, branch, idle), bwd, params,
+          b_branch, bwd, _chunk(params, b_j, n_virtual),
           stash_x, stash_r, b_slot, batch, c["bwd"], seed)
-      grads = {k: c["grads"][k] + g_params[k] for k in c["grads"]}
+      grads = _add_to_chunk(c["grads"], b_j, g_params, n_virtual)
       return dict(fwd=lax.ppermute(out, STAGE, down), bwd=lax.ppermute(g_in, STAGE, up),
                   stash_x=stash_x, stash_r=stash_r, grads=grads, losses=losses,
                   aux=auxes), None
 
     c, _ = lax.scan(tick, carry, jnp.asarray(tables))
-    grads = {k: lax.psum(g, data_axes)[None] / (n_micro * shards) for k, g in c["grads"].items()}
+    grads = {k: lax.psum(g, data_axes) / (n_micro * shards) for k, g in c["grads"].items()}
     loss = lax.pmean(lax.psum(jnp.sum(c["losses"]), STAGE) / n_micro, data_axes)
     aux = [_gather_aux(lax.psum(a, STAGE), data_axes) for a in c["aux"]]  # made on the last
     return loss, aux, grads
