@@ -17,6 +17,7 @@ traces the loss once more at the shapes one replica sees per micro batch, cuts t
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,14 +32,14 @@ from epljax.config import PipelineConfig
 from epljax.errors import PlanError
 from epljax.features import BuildContext, Feature, GradientFn, loss_scale
 from epljax.mesh import DATA, MODEL, STAGE, Layout
-from epljax.pipeline import packing, runtime
+from epljax.pipeline import packing, runtime, slots
 from epljax.pipeline.auto import check_balance
 from epljax.pipeline.partition import Stage, cut_stages, shared_params
 from epljax.pipeline.schedules import Schedule, make_schedule
 from epljax.plan import leaf_bytes_per_device
 from epljax.sharding.capture import Capture, capture
 from epljax.step import in_device_memory
-from epljax.strategy import REPLICATE
+from epljax.strategy import SPLIT
 
 
 # What the loop keeps between a micro batch's forward and backward: "residuals" (the forward
@@ -68,7 +69,8 @@ class Pipeline:
   def __init__(self, stages: Sequence[Stage], param_avals: Sequence[Any], params_def: Any,
                batch_avals: Sequence[Any], aux_avals: Sequence[Any], aux_def: Any,
                schedule: Schedule, layout: Layout, batch_axes: tuple[str, ...],
-               stash: str | None = None):
+               stash: str | None = None, split: Sequence[int] = (),
+               state_avals: Sequence[Any] = (), state_def: Any = None):
     self.stages = tuple(stages)
     self.param_avals = list(param_avals)
     self.params_def = params_def
@@ -78,7 +80,6 @@ class Pipeline:
     self.schedule = schedule
     self.mesh = layout.mesh
     self.batch_axes = batch_axes
-    self.stash = stash or STASH
     self.layouts = [packing.Layout.of([param_avals[i] for i in s.params]) for s in stages]
     self.sizes = packing.padded_sizes(self.layouts)
     self.buffers: runtime.Buffers | None = None
@@ -87,6 +88,25 @@ class Pipeline:
     self._stored: list[NamedSharding] | None = None
     self.param_paths: list[str] = [f"leaf {i}" for i in range(len(self.param_avals))]
     self.balance: list[str] = []   # per stage: estimated FLOPs and parameter bytes
+    # Tensor-parallel stages (``split[s]`` > 1: epl.split(k)) keep their parameters whole, in
+    # slots (``slots.py``), and leave the ``model`` axis to GSPMD inside the loop.
+    self.split = tuple(split) or (1,) * len(self.stages)
+    # Residuals of a tensor-parallel stage are split over ``model`` by GSPMD, which a flat
+    # stash buffer cannot hold without gathering them: those stages stash their inputs.
+    self.stash = stash or ("inputs" if self.slotted else STASH)
+    self.slot_layouts: list[slots.SlotLayout] | None = None
+    self.param_specs: list[P] = [P()] * len(self.param_avals)
+    # Model state (BatchNorm statistics): each leaf kept by the stage that updates it, in slots,
+    # and threaded through the micro batches in order (one replica: a stage sees whole micro
+    # batches, so batch statistics are those of the micro batch, as on one device).
+    self.state_avals = list(state_avals)
+    self.state_def = state_def
+    self.state_layouts = slots.assign([[slots.SlotType.of(self.state_avals[j]) for j in s.state]
+                                       for s in self.stages]) if self.state_avals else None
+
+  @property
+  def slotted(self) -> bool:
+    return any(k > 1 for k in self.split)
 
   # -- storage ------------------------------------------------------------------------------
   # TrainState.params is the user's parameter tree itself: any optax optimizer (masks,
@@ -101,6 +121,10 @@ class Pipeline:
     out = [NamedSharding(self.mesh, add_axis(spec, tuple(a.shape), STAGE, size) or spec)
            for spec, a in zip(specs, self.param_avals)]
     self._stored = out
+    self.param_specs = list(specs)
+    if self.slotted:
+      self.slot_layouts = slots.assign([[self._slot_type(i) for i in s.params]
+                                        for s in self.stages])
     return jax.tree.unflatten(self.params_def, out)
 
   def state_sharding(self, leaf: Any, param_sharding: NamedSharding) -> NamedSharding:
@@ -114,20 +138,58 @@ class Pipeline:
     return NamedSharding(self.mesh, add_axis(P(), tuple(leaf.shape), STAGE, size) or P(),
                          memory_kind=param_sharding.memory_kind)
 
+  def _slot_type(self, i: int) -> slots.SlotType:
+    a = self.param_avals[i]
+    spec = tuple(self.param_specs[i])
+    return slots.SlotType(tuple(a.shape), packing.dtype_name(a.dtype),
+                          spec + (None,) * (len(a.shape) - len(spec)))
+
   def pack(self, params: Any) -> dict[str, jax.Array]:
-    """The user's parameter tree -> ``{dtype: (S, size)}`` (traceable)."""
+    """The user's parameter tree -> ``{dtype: (S, size)}`` (traceable); with tensor-parallel
+    stages ``{slot: (S, *shape)}`` sharded ``P(stage, *spec)``."""
+    if self.slotted:
+      members = [s.params for s in self.stages]
+      stacked = slots.stack(jax.tree.leaves(params), members, self.slot_layouts)
+      types = dict(self.slot_layouts[0].types)
+      return {k: jax.lax.with_sharding_constraint(
+          v, NamedSharding(self.mesh, types[k].stacked_spec(STAGE))) for k, v in stacked.items()}
     return _pack(jax.tree.leaves(params), self.stages, self.layouts, self.sizes)
+
+  def pack_state(self, model_state: Any) -> dict[str, jax.Array]:
+    """The model state tree -> ``{slot: (S, *shape)}`` over ``stage`` (empty without state)."""
+    if not self.state_avals:
+      return {}
+    stacked = slots.stack(jax.tree.leaves(model_state), [s.state for s in self.stages],
+                          self.state_layouts)
+    return {k: jax.lax.with_sharding_constraint(v, NamedSharding(self.mesh, P(STAGE)))
+            for k, v in stacked.items()}
+
+  def unpack_state(self, stacked: dict[str, jax.Array], model_state: Any) -> Any:
+    """New state slots -> the model state tree; a leaf no stage keeps stays as it was."""
+    if not self.state_avals:
+      return model_state
+    new = slots.unstack(stacked, [s.state for s in self.stages], self.state_layouts,
+                        self.state_avals, total=False, missing=jax.tree.leaves(model_state))
+    return jax.tree.unflatten(jax.tree.structure(model_state), new)
 
   def unpack(self, packed: dict[str, jax.Array]) -> Any:
     """``{dtype: (S, size)}`` -> the user's parameter tree (a leaf held by several stages: the
     first stage's copy)."""
-    leaves = _unpack(packed, self.stages, self.layouts, self.param_avals, total=False)
+    if self.slotted:
+      leaves = slots.unstack(packed, [s.params for s in self.stages], self.slot_layouts,
+                             self.param_avals, total=False)
+    else:
+      leaves = _unpack(packed, self.stages, self.layouts, self.param_avals, total=False)
     return jax.tree.unflatten(self.params_def, leaves)
 
   def gradients_of(self, packed: dict[str, jax.Array]) -> Any:
     """Packed gradients -> the user's tree; a leaf held by several stages gets their sum (the
     transpose of ``pack``, which copies it to each)."""
-    leaves = _unpack(packed, self.stages, self.layouts, self.param_avals, total=True)
+    if self.slotted:
+      leaves = slots.unstack(packed, [s.params for s in self.stages], self.slot_layouts,
+                             self.param_avals, total=True)
+    else:
+      leaves = _unpack(packed, self.stages, self.layouts, self.param_avals, total=True)
     return jax.tree.unflatten(self.params_def, leaves)
 
   @property
@@ -145,7 +207,11 @@ class Pipeline:
 
   @property
   def packed_bytes_per_device(self) -> int:
-    """One stage's packed parameters inside the step (the largest stage)."""
+    """One stage's packed parameters inside the step (the largest stage); with slots, one
+    row of every slot (split over ``model`` where the slot is)."""
+    if self.slotted:
+      return sum(t.nbytes // math.prod(_size(self.mesh, e) for e in t.spec if e is not None)
+                 for _, t in self.slot_layouts[0].types)
     return packing.nbytes(self.sizes)
 
   # -- the step -----------------------------------------------------------------------------
@@ -158,38 +224,67 @@ class Pipeline:
         fn = f.forward(fn, ctx)
       fns.append(fn)
     self.branches, self.branch_of = runtime.distinct_branches(
-        self.stages, fns, self.param_avals, self.batch_avals, self.stash)
+        self.stages, fns, self.param_avals, self.batch_avals, self.stash,
+        param_layouts=self.slot_layouts, state_avals=self.state_avals,
+        state_layouts=self.state_layouts)
     self.buffers = runtime.buffer_sizes(self.branches)
+    # Tensor-parallel stages: the loop is written for (data, stage); GSPMD splits ``model``.
+    data_axes, manual = ((DATA,), frozenset({DATA, STAGE})) if self.slotted else (
+        (DATA, MODEL), None)
     run = runtime.pipelined_gradients(
         self.branches, self.branch_of, self.aux_avals, self.schedule, self.mesh,
-        (DATA, MODEL), P(None, self.batch_axes))
+        data_axes, P(None, self.batch_axes), manual=manual)
     single = self.schedule.num_micro_batch == 1
     aux_def = self.aux_def
 
     def gradients(params, model_state, micro, fstate):
       scale = loss_scale(fstate)
       seed = jnp.ones((), jnp.float32) if scale is None else jnp.asarray(scale, jnp.float32)
-      loss, aux, packed = run(self.pack(in_device_memory(params)), jax.tree.leaves(micro), seed)
+      loss, aux, packed, state = run(self.pack(in_device_memory(params)),
+                                     self.pack_state(model_state), jax.tree.leaves(micro), seed)
       grads = self.gradients_of(packed)
       aux = None if aux_def is None else jax.tree.unflatten(
           aux_def, [a[0] for a in aux] if single else aux)
-      return loss, aux, grads, model_state
+      return loss, aux, grads, self.unpack_state(state, model_state)
 
     return gradients
 
   # -- the plan -----------------------------------------------------------------------------
   def stage_info(self) -> list[StageInfo]:
     rows = []
-    for stage, layout in zip(self.stages, self.layouts):
+    for stage in self.stages:
       branch = self.branches[self.branch_of[stage.index]] if self.branches else None
       kept = 0
       if branch is not None:
         kept = packing.nbytes(branch.residuals.layout.sizes)
         kept += packing.nbytes(branch.incoming.sizes) if branch.needs_inputs else 0
       rows.append(StageInfo(stage.index, stage.name, len(stage.params),
-                            packing.nbytes(layout.sizes),
+                            self._stage_param_bytes(stage),
                             packing.nbytes(packing.Layout.of(stage.incoming).sizes), kept))
     return rows
+
+  def _leaf_split(self, i: int) -> int:
+    """Devices leaf ``i`` is split over (its spec, without ``stage``)."""
+    return math.prod(_size(self.mesh, e) for e in self.param_specs[i] if e is not None)
+
+  def _stage_param_bytes(self, stage: Stage) -> int:
+    """A stage's own parameters per device of the stage (split over ``model`` where split)."""
+    return sum(math.prod(self.param_avals[i].shape) * self.param_avals[i].dtype.itemsize
+               // self._leaf_split(i) for i in stage.params)
+
+  def describe_split(self) -> list[str]:
+    """Per tensor-parallel stage: its split and how much of it is split."""
+    lines = []
+    for stage, k in zip(self.stages, self.split):
+      if k == 1:
+        continue
+      split = [i for i in stage.params if self._leaf_split(i) > 1]
+      whole = sum(math.prod(self.param_avals[i].shape) * self.param_avals[i].dtype.itemsize
+                  for i in stage.params)
+      lines.append(f"split     stage {stage.index} '{stage.name}': epl.split({k}) over model; "
+                   f"{len(split)} of {len(stage.params)} parameters split, "
+                   f"{_kib(self._stage_param_bytes(stage))} of {_kib(whole)} per device")
+    return lines
 
   def describe(self) -> list[str]:
     """Lines for the plan: the schedule and what one device keeps."""
@@ -200,9 +295,18 @@ class Pipeline:
       lines.append(
           f"stash     {self.stash}: {self.schedule.num_slots} micro batches (+1 scratch slot) x "
           f"{_kib(per_slot)} per device; {len(self.branches)} distinct stage functions")
+    inside = ("in slots (whole arrays, split over model) inside the step" if self.slotted else
+              "packed for the largest stage inside the step")
     lines.append(f"params    {_kib(self.param_bytes_per_device)} per device as stored (the "
                  f"user's leaves, sharded over stage); {_kib(self.packed_bytes_per_device)} "
-                 "packed for the largest stage inside the step")
+                 + inside)
+    lines += self.describe_split()
+    for stage in self.stages:
+      if stage.state:
+        size = sum(math.prod(self.state_avals[j].shape) * self.state_avals[j].dtype.itemsize
+                   for j in stage.state)
+        lines.append(f"state     stage {stage.index} '{stage.name}' keeps {len(stage.state)} model "
+                     f"state leaves ({_kib(size)}), updated by each micro batch's forward in order")
     lines += [f"balance   {row}" for row in self.balance]
     for i, holders in self.shared.items():
       names = ", ".join(f"'{self.stages[h].name}'" for h in holders)
@@ -219,12 +323,21 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
   """Checks, local capture, stages, schedule (see the module doc). ``micro_shapes``: one
   micro batch of all replicas; ``capture_options``: as the Trainer's own capture had them, so
   the per-replica trace finds the same task graphs."""
-  if jax.tree.leaves(state_shape):
-    raise PlanError(_MODEL_STATE.format(paths=", ".join(f"'{p}'" for p in state_paths[:3])
-                                        + (" ..." if len(state_paths) > 3 else "")))
+  s_leaves, s_def = jax.tree.flatten(state_shape)
+  keys = [p for p, a in zip(state_paths, s_leaves) if not jnp.issubdtype(a.dtype, np.number)]
+  if keys:
+    raise PlanError(_MODEL_STATE.format(paths=_listing(keys)))
+  split = [1] * layout.num_stages
   for tg in global_capture.taskgraphs:
-    if tg.strategy != REPLICATE:
-      raise PlanError(_SPLIT_STAGE.format(name=tg.name, count=tg.device_count))
+    if tg.strategy == SPLIT:
+      split[layout.stage_of[tg.index]] = max(split[layout.stage_of[tg.index]], tg.device_count)
+  if any(k > 1 for k in split) and MODEL in batch_axes:   # internal invariant (specs.py)
+    raise AssertionError("tensor-parallel stages with the batch split over model")
+  if s_leaves and layout.num_replicas > 1:
+    raise PlanError(_STATE_REPLICAS.format(
+        paths=_listing(state_paths), replicas=layout.num_replicas, stages=layout.num_stages,
+        devices=layout.mesh.size, per=layout.devices_per_stage,
+        whole=layout.mesh.size // layout.num_stages))
   shards = layout.num_replicas * (layout.devices_per_stage if MODEL in batch_axes else 1)
   local = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // shards, *x.shape[1:]),
                                                       x.dtype), micro_shapes)
@@ -232,29 +345,35 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
   b_leaves, b_def = jax.tree.flatten(local)
   found: dict[str, Any] = {}
 
+  n_p, n_s = len(p_leaves), len(s_leaves)
+
   def flat_loss(*flat):
-    params = jax.tree.unflatten(p_def, flat[:len(p_leaves)])
-    batch = jax.tree.unflatten(b_def, flat[len(p_leaves):])
-    loss, aux, _ = loss_call(params, state_shape, batch)
+    params = jax.tree.unflatten(p_def, flat[:n_p])
+    model_state = jax.tree.unflatten(s_def, flat[n_p:n_p + n_s])
+    batch = jax.tree.unflatten(b_def, flat[n_p + n_s:])
+    loss, aux, new_state = loss_call(params, model_state, batch)
     aux_leaves, found["aux_def"] = jax.tree.flatten(aux)
-    return (loss, *aux_leaves)
+    return (loss, *aux_leaves, *jax.tree.leaves(new_state))
 
   # Traced outside any mesh: the stages replay these equations inside the pipeline's
   # shard_map, and an equation replays in the abstract mesh it was traced in.
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-    cap = capture(flat_loss, p_leaves, b_leaves, input_paths=list(param_paths),
+    cap = capture(flat_loss, p_leaves + s_leaves, b_leaves,
+                  input_paths=list(param_paths) + list(state_paths),
                   num_devices=num_devices, **(capture_options or {}))
   if [t.name for t in cap.taskgraphs] != [t.name for t in global_capture.taskgraphs]:
     raise AssertionError("the per-replica trace found other task graphs than the global one")
-  aux_avals = [v.aval for v in cap.program.closed_jaxpr.jaxpr.outvars[1:]]
-  stages = cut_stages(cap, layout.stage_of, len(p_leaves))
+  outvars = cap.program.closed_jaxpr.jaxpr.outvars
+  aux_avals = [v.aval for v in outvars[1:len(outvars) - n_s]]
+  stages = cut_stages(cap, layout.stage_of, n_p, n_s)
   schedule = make_schedule(config.strategy, layout.num_stages, config.num_micro_batch)
   if config.num_micro_batch < layout.num_stages:
     warnings.warn(_FEW_MICRO.format(m=config.num_micro_batch, s=layout.num_stages,
                                     bubble=schedule.bubble_fraction), PipelineWarning,
                   stacklevel=3)
   pipe = Pipeline(stages, p_leaves, p_def, b_leaves, aux_avals,
-                  found["aux_def"] if has_aux else None, schedule, layout, batch_axes)
+                  found["aux_def"] if has_aux else None, schedule, layout, batch_axes,
+                  split=split, state_avals=s_leaves, state_def=s_def)
   pipe.param_paths = list(param_paths)
   pipe.balance = check_balance(global_capture, layout.stage_of, layout.num_stages,
                                [s.name for s in stages])
@@ -295,6 +414,10 @@ def add_axis(spec: P, shape: tuple[int, ...], axis: str, size: int) -> P | None:
   return P(*entries)
 
 
+def _listing(paths: Sequence[str]) -> str:
+  return ", ".join(f"'{p}'" for p in paths[:3]) + (" ..." if len(paths) > 3 else "")
+
+
 def _kib(n: int) -> str:
   if n < 1024:
     return f"{n} B"
@@ -302,17 +425,18 @@ def _kib(n: int) -> str:
 
 
 _MODEL_STATE = """\
-The pipelined model has model state ({paths}): variables that are not trained (BatchNorm
-statistics, NNX RNG counters). Pipeline stages do not carry model state: each replica would
-see only its own rows, so batch statistics could not match single-device training. Use
-normalization without batch statistics (LayerNorm, RMSNorm), pass RNG keys in the batch
-rather than keeping them in the module, or train without pipeline stages."""
+The pipelined model keeps PRNG keys as model state ({paths}): NNX RNG streams (nnx.Rngs).
+Pipeline stages carry numeric model state (BatchNorm statistics), not keys. Pass the RNG keys
+in the batch (as raw key data, jax.random.key_data) rather than keeping them in the module, or
+train without pipeline stages."""
 
-_SPLIT_STAGE = """\
-Task graph '{name}' is epl.split({count}) and, as its task graphs are not colocated, a
-pipeline stage; tensor parallelism inside pipeline stages is not supported yet. Use
-epl.replicate(...) scopes for the stages, or set cluster.colocate_split_and_replicate=True to
-run the task graphs on the same devices without a pipeline."""
+_STATE_REPLICAS = """\
+The pipelined model has model state ({paths}), and its {stages} stages on {devices} devices
+make {replicas} pipeline replicas of {per} device(s) per stage. Batch statistics must be those
+of the whole micro batch, as on one device, but each replica's stages see only its own rows
+(a stage's batch statistics are not reduced across replicas). Give each stage all of a
+replica's devices, epl.replicate({whole}, name=...) (or epl.split({whole}, ...)), so that one
+replica sees whole micro batches; or use normalization without batch statistics (LayerNorm)."""
 
 _FEW_MICRO = (
     "pipeline.num_micro_batch={m} is smaller than the {s} pipeline stages: at most {m} stages "
