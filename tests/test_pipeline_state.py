@@ -1,5 +1,6 @@
-"""Model state inside pipeline stages: BatchNorm statistics per micro batch, exactly as
-single-device gradient accumulation over the same micro batches; NNX RNG keys refused."""
+"""Model state inside pipeline stages: BatchNorm statistics and NNX RNG streams per micro
+batch, exactly as single-device gradient accumulation over the same micro batches; several
+replicas refused (batch statistics would be per replica)."""
 
 import flax.linen as nn
 import jax
@@ -108,6 +109,34 @@ def test_batch_norm_stages_match_single_device_micro_batches(config):
           "micro batch's forward in order") in str(trainer.plan)
 
 
+class SplitBatchNormStages(nn.Module):
+  """BatchNorm inside two split(4) stages (Megatron MLP after it): one replica."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(16)(x)
+    for i in range(2):
+      with epl.split(4, name=f"stage_{i}"):
+        y = nn.gelu(nn.Dense(64)(nn.BatchNorm(use_running_average=False)(h)))
+        h = h + nn.Dense(16)(y)
+    return nn.Dense(8)(h)
+
+
+def test_batch_norm_in_split_stages_matches_single_device_micro_batches():
+  epl.init({**BACKWARD, "pipeline.num_micro_batch": MICRO})
+  init_fn, loss_fn = _fns(SplitBatchNormStages())
+  optimizer = optax.sgd(0.1)
+  batch = classification_batch(32, classes=8)
+  trainer = epl.Trainer(init_fn, loss_fn, optimizer, mutable=["batch_stats"])
+  state = trainer.init(jax.random.key(0), batch)
+  assert dict(trainer.plan.mesh.shape) == {"data": 1, "stage": 2, "model": 4}
+  history, expected = _reference(init_fn, loss_fn, optimizer, batch, 1, steps=2)
+  for step in range(2):
+    state, metrics = trainer.train_step(state, batch)
+    np.testing.assert_allclose(metrics["loss"], history[step][0], **TOL)
+  assert_trees_close(trainer.variables(state), expected, TOL)
+
+
 class OneDevicePerStage(nn.Module):
   @nn.compact
   def __call__(self, x):
@@ -129,26 +158,53 @@ def test_batch_norm_stages_with_several_replicas_are_refused():
 
 
 class NNXDropoutStages(nnx.Module):
+  """Dropout with the module's own RNG stream (NNX ``Rngs``: a key and a counter as model
+  state) in the first stage; each stage on 4 devices (one replica)."""
+
   def __init__(self, rngs: nnx.Rngs):
     self.body = nnx.Linear(20, 16, rngs=rngs)
     self.drop = nnx.Dropout(0.5, rngs=rngs)
     self.head = nnx.Linear(16, 10, rngs=rngs)
 
   def __call__(self, x):
-    with epl.replicate(1, name="stage_0"):
+    with epl.replicate(4, name="stage_0"):
       h = self.drop(nnx.relu(self.body(x)))
-    with epl.replicate(1, name="stage_1"):
+    with epl.replicate(4, name="stage_1"):
       return self.head(h)
 
 
-def test_nnx_rng_state_in_stages_is_refused():
-  epl.init({"pipeline.num_micro_batch": 2})
+def _nnx_loss(model, batch):
+  return cross_entropy(model(batch["x"]), batch["y"])
 
-  def loss_fn(model, batch):
-    return cross_entropy(model(batch["x"]), batch["y"])
 
-  trainer = epl.Trainer(lambda rng, b: NNXDropoutStages(nnx.Rngs(rng, dropout=1)), loss_fn,
-                        optax.sgd(0.1))
-  with pytest.raises(epl.PlanError, match=r"(?s)The pipelined model keeps PRNG keys as model "
-                     r"state \('.*key.*'\).*Pass the RNG keys\s+in the batch"):
-    trainer.init(jax.random.key(0), classification_batch(16))
+def _nnx_reference(model, batch, steps, lr=0.1):
+  """Single-device SGD with gradient accumulation; the RNG state advances per micro batch."""
+  micro = _micro_batches(batch, 1)
+  grad_fn = nnx.value_and_grad(_nnx_loss)
+  losses = []
+  for _ in range(steps):
+    total, step_losses = None, []
+    for m in range(MICRO):
+      loss, grads = grad_fn(model, jax.tree.map(lambda x, m=m: x[m], micro))
+      total = grads if total is None else jax.tree.map(jnp.add, total, grads)
+      step_losses.append(loss)
+    nnx.update(model, jax.tree.map(lambda p, g: p - lr * g / MICRO,
+                                   nnx.state(model, nnx.Param), total))
+    losses.append(np.mean(step_losses))
+  return losses, model
+
+
+def test_nnx_rng_state_in_stages_matches_single_device_micro_batches():
+  epl.init({**BACKWARD, "pipeline.num_micro_batch": MICRO})
+  batch = classification_batch(32)
+  make = lambda rng: NNXDropoutStages(nnx.Rngs(rng, dropout=1))  # noqa: E731
+  trainer = epl.Trainer(lambda rng, b: make(rng), _nnx_loss, optax.sgd(0.1))
+  state = trainer.init(jax.random.key(0), batch)
+  losses, model = _nnx_reference(make(jax.random.key(0)), batch, steps=2)
+  for step in range(2):
+    state, metrics = trainer.train_step(state, batch)
+    np.testing.assert_allclose(metrics["loss"], losses[step], **TOL)
+  trained = trainer.variables(state)
+  assert_trees_close(nnx.state(trained, nnx.Param), nnx.state(model, nnx.Param))
+  counts = lambda m: [int(c) for c in jax.tree.leaves(nnx.state(m, nnx.RngCount))]  # noqa: E731
+  assert counts(trained) == counts(model) and 2 * MICRO in counts(trained)

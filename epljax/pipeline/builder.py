@@ -101,8 +101,9 @@ class Pipeline:
     # batches, so batch statistics are those of the micro batch, as on one device).
     self.state_avals = list(state_avals)
     self.state_def = state_def
-    self.state_layouts = slots.assign([[slots.SlotType.of(self.state_avals[j]) for j in s.state]
-                                       for s in self.stages]) if self.state_avals else None
+    self.state_layouts = slots.assign([
+        [slots.SlotType.of(slots.data_aval(self.state_avals[j])) for j in s.state]
+        for s in self.stages]) if self.state_avals else None
 
   @property
   def slotted(self) -> bool:
@@ -159,8 +160,8 @@ class Pipeline:
     """The model state tree -> ``{slot: (S, *shape)}`` over ``stage`` (empty without state)."""
     if not self.state_avals:
       return {}
-    stacked = slots.stack(jax.tree.leaves(model_state), [s.state for s in self.stages],
-                          self.state_layouts)
+    stacked = slots.stack([slots.as_data(x) for x in jax.tree.leaves(model_state)],
+                          [s.state for s in self.stages], self.state_layouts)
     return {k: jax.lax.with_sharding_constraint(v, NamedSharding(self.mesh, P(STAGE)))
             for k, v in stacked.items()}
 
@@ -168,8 +169,11 @@ class Pipeline:
     """New state slots -> the model state tree; a leaf no stage keeps stays as it was."""
     if not self.state_avals:
       return model_state
+    old = jax.tree.leaves(model_state)
     new = slots.unstack(stacked, [s.state for s in self.stages], self.state_layouts,
-                        self.state_avals, total=False, missing=jax.tree.leaves(model_state))
+                        [slots.data_aval(a) for a in self.state_avals], total=False,
+                        missing=[slots.as_data(x) for x in old])
+    new = [slots.as_key(x, a) for x, a in zip(new, self.state_avals)]
     return jax.tree.unflatten(jax.tree.structure(model_state), new)
 
   def unpack(self, packed: dict[str, jax.Array]) -> Any:
@@ -303,7 +307,8 @@ class Pipeline:
     lines += self.describe_split()
     for stage in self.stages:
       if stage.state:
-        size = sum(math.prod(self.state_avals[j].shape) * self.state_avals[j].dtype.itemsize
+        size = sum(math.prod(slots.data_aval(self.state_avals[j]).shape)
+                   * slots.data_aval(self.state_avals[j]).dtype.itemsize
                    for j in stage.state)
         lines.append(f"state     stage {stage.index} '{stage.name}' keeps {len(stage.state)} model "
                      f"state leaves ({_kib(size)}), updated by each micro batch's forward in order")
@@ -324,9 +329,6 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
   micro batch of all replicas; ``capture_options``: as the Trainer's own capture had them, so
   the per-replica trace finds the same task graphs."""
   s_leaves, s_def = jax.tree.flatten(state_shape)
-  keys = [p for p, a in zip(state_paths, s_leaves) if not jnp.issubdtype(a.dtype, np.number)]
-  if keys:
-    raise PlanError(_MODEL_STATE.format(paths=_listing(keys)))
   split = [1] * layout.num_stages
   for tg in global_capture.taskgraphs:
     if tg.strategy == SPLIT:
@@ -423,12 +425,6 @@ def _kib(n: int) -> str:
     return f"{n} B"
   return f"{n / 1024:.1f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
 
-
-_MODEL_STATE = """\
-The pipelined model keeps PRNG keys as model state ({paths}): NNX RNG streams (nnx.Rngs).
-Pipeline stages carry numeric model state (BatchNorm statistics), not keys. Pass the RNG keys
-in the batch (as raw key data, jax.random.key_data) rather than keeping them in the module, or
-train without pipeline stages."""
 
 _STATE_REPLICAS = """\
 The pipelined model has model state ({paths}), and its {stages} stages on {devices} devices

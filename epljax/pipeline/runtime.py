@@ -203,9 +203,9 @@ def _forward_branch(branch: Branch, sizes: Buffers, aux_avals):
   def run(params, incoming, batch, state):
     leaves = branch.params.unpack(params)
     acts = branch.incoming.unpack(incoming)
-    outs, loss, aux, pull, new_state = branch.pullback(leaves, acts, batch,
-                                                       branch.state.unpack(state))
-    state = {**state, **dict(zip(branch.state.keys, new_state))}
+    old = [slots.as_key(x, a) for x, a in zip(branch.state.unpack(state), branch.state_avals)]
+    outs, loss, aux, pull, new_state = branch.pullback(leaves, acts, batch, old)
+    state = {**state, **dict(zip(branch.state.keys, map(slots.as_data, new_state)))}
     treedef, kinds, stash = branch.split(pull, leaves, acts, batch)
     expected = branch.residuals
     if [k for k, _ in kinds] != [k for k, _ in expected.kinds] or treedef.num_leaves != \

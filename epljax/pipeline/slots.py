@@ -6,7 +6,8 @@ the same (shape, dtype, spec) share a *slot*: one ``(S, *shape)`` array sharded
 ``P(stage, *spec)`` whose row ``s`` holds stage ``s``'s leaf (zeros where stage ``s`` has none).
 Identical stages fill the same slots, so a device holds about ``1/S`` of the parameters, as
 with packing; stages that differ hold the union of their slot types. Model state (BatchNorm
-statistics) rides in slots too, whatever the parameters use.
+statistics, NNX RNG streams) rides in slots too, whatever the parameters use; PRNG keys as
+their raw key data (``as_data`` / ``as_key``).
 """
 
 from __future__ import annotations
@@ -127,3 +128,21 @@ def unstack(stacked: Mapping[str, jax.Array], members: Sequence[Sequence[int]],
         leaves[i] = leaves[i] + value
   missing = missing or [jnp.zeros(a.shape, a.dtype) for a in avals]
   return [m if x is None else x.astype(a.dtype) for x, a, m in zip(leaves, avals, missing)]
+
+
+def is_key(aval: Any) -> bool:
+  return jnp.issubdtype(aval.dtype, jax.dtypes.prng_key)
+
+
+def data_aval(aval: Any) -> Any:
+  """A state leaf's aval in a slot: PRNG keys as their raw key data."""
+  return jax.eval_shape(jax.random.key_data, aval) if is_key(aval) else aval
+
+
+def as_data(x: Any) -> Any:
+  return jax.random.key_data(x) if is_key(x) else x
+
+
+def as_key(x: Any, aval: Any) -> Any:
+  """Raw key data back to a key of ``aval``'s implementation (the key dtype names it)."""
+  return jax.random.wrap_key_data(x, impl=aval.dtype._impl) if is_key(aval) else x
