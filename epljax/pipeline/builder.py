@@ -3,13 +3,14 @@
 ``plan_pipeline`` is called by ``Trainer._build`` when the mesh has more than one stage. It
 traces the loss once more at the shapes one replica sees per micro batch, cuts the stages
 (``partition.py``), picks the schedule (``schedules.py``), checks what pipelines cannot do
-(model state, split stages) and returns a ``Pipeline``:
+(model state with several replicas) and returns a ``Pipeline``:
 
 - ``param_shardings``: ``TrainState.params`` is the user's parameter tree, each leaf sharded
   over ``stage`` too, so the optimizer (any optax one) and checkpoints see the user's leaves;
 - ``pack`` / ``gradients_of``: inside the step, between that tree and the loop's per-stage
-  ``{dtype: (S, size)}`` buffers (a parameter used by two stages is copied to both, its two
-  gradients summed);
+  ``{dtype: (S, size)}`` buffers, or ``{slot: (S, *shape)}`` slots when stages are
+  ``epl.split`` (``slots.py``) (a parameter used by two stages is copied to both, its two
+  gradients summed); ``pack_state`` / ``unpack_state``: the model state, in slots;
 - ``gradients(features, ctx)``: the ``GradientFn`` of the step (``runtime.py``), with every
   feature's ``forward`` hook around each stage's forward.
 """
