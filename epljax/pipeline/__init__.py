@@ -5,6 +5,7 @@ the ``shard_map`` loop that runs them in one SPMD program.
 - ``schedules.py``: ``PreferForward`` (GPipe) and ``PreferBackward`` (1F1B) as tick tables;
 - ``packing.py``: stage parameters, activations and residuals as flat per-dtype buffers inside
   the step (the stored parameters are the user's tree);
+- ``storage.py``: the stored leaves <-> the packed buffers (tied leaves: copies, summed);
 - ``slots.py``: parameters kept whole (tensor-parallel stages) and model state, one row per
   stage;
 - ``runtime.py``: the loop over ticks (``jax.vjp`` per micro batch, ``ppermute`` between stages);

@@ -25,7 +25,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -33,7 +32,7 @@ from epljax.config import PipelineConfig
 from epljax.errors import PlanError
 from epljax.features import BuildContext, Feature, GradientFn, loss_scale
 from epljax.mesh import DATA, MODEL, STAGE, Layout
-from epljax.pipeline import packing, runtime, slots
+from epljax.pipeline import packing, runtime, slots, storage
 from epljax.pipeline.auto import check_balance
 from epljax.pipeline.partition import Stage, cut_stages, shared_params
 from epljax.pipeline.schedules import Schedule, make_schedule
@@ -120,7 +119,7 @@ class Pipeline:
   def param_shardings(self, specs: Sequence[P]) -> Any:
     """Per user leaf: its spec (from the stage's strategy) with ``stage`` added."""
     size = self.mesh.shape[STAGE]
-    out = [NamedSharding(self.mesh, add_axis(spec, tuple(a.shape), STAGE, size) or spec)
+    out = [NamedSharding(self.mesh, storage.add_axis(spec, tuple(a.shape), STAGE, size) or spec)
            for spec, a in zip(specs, self.param_avals)]
     self._stored = out
     self.param_specs = list(specs)
@@ -134,10 +133,11 @@ class Pipeline:
     else (factored moments, adafactor) the leaf's own largest dimension over ``stage``."""
     spec = param_sharding.spec
     if len(spec) <= len(leaf.shape) and all(
-        e is None or leaf.shape[d] % _size(self.mesh, e) == 0 for d, e in enumerate(spec)):
+        e is None or leaf.shape[d] % storage.axis_size(self.mesh, e) == 0
+        for d, e in enumerate(spec)):
       return param_sharding
     size = self.mesh.shape[STAGE]
-    return NamedSharding(self.mesh, add_axis(P(), tuple(leaf.shape), STAGE, size) or P(),
+    return NamedSharding(self.mesh, storage.add_axis(P(), tuple(leaf.shape), STAGE, size) or P(),
                          memory_kind=param_sharding.memory_kind)
 
   def _slot_type(self, i: int) -> slots.SlotType:
@@ -155,7 +155,7 @@ class Pipeline:
       types = dict(self.slot_layouts[0].types)
       return {k: jax.lax.with_sharding_constraint(
           v, NamedSharding(self.mesh, types[k].stacked_spec(STAGE))) for k, v in stacked.items()}
-    return _pack(jax.tree.leaves(params), self.stages, self.layouts, self.sizes)
+    return storage.pack(jax.tree.leaves(params), self.stages, self.layouts, self.sizes)
 
   def pack_state(self, model_state: Any) -> dict[str, jax.Array]:
     """The model state tree -> ``{slot: (S, *shape)}`` over ``stage`` (empty without state)."""
@@ -184,7 +184,7 @@ class Pipeline:
       leaves = slots.unstack(packed, [s.params for s in self.stages], self.slot_layouts,
                              self.param_avals, total=False)
     else:
-      leaves = _unpack(packed, self.stages, self.layouts, self.param_avals, total=False)
+      leaves = storage.unpack(packed, self.stages, self.layouts, self.param_avals, total=False)
     return jax.tree.unflatten(self.params_def, leaves)
 
   def gradients_of(self, packed: dict[str, jax.Array]) -> Any:
@@ -194,7 +194,7 @@ class Pipeline:
       leaves = slots.unstack(packed, [s.params for s in self.stages], self.slot_layouts,
                              self.param_avals, total=True)
     else:
-      leaves = _unpack(packed, self.stages, self.layouts, self.param_avals, total=True)
+      leaves = storage.unpack(packed, self.stages, self.layouts, self.param_avals, total=True)
     return jax.tree.unflatten(self.params_def, leaves)
 
   @property
@@ -215,8 +215,7 @@ class Pipeline:
     """One stage's packed parameters inside the step (the largest stage); with slots, one
     row of every slot (split over ``model`` where the slot is)."""
     if self.slotted:
-      return sum(t.nbytes // math.prod(_size(self.mesh, e) for e in t.spec if e is not None)
-                 for _, t in self.slot_layouts[0].types)
+      return sum(t.nbytes // self._split_of(t.spec) for _, t in self.slot_layouts[0].types)
     return packing.nbytes(self.sizes)
 
   # -- the step -----------------------------------------------------------------------------
@@ -268,9 +267,12 @@ class Pipeline:
                             packing.nbytes(packing.Layout.of(stage.incoming).sizes), kept))
     return rows
 
+  def _split_of(self, spec: Sequence[Any]) -> int:
+    return math.prod(storage.axis_size(self.mesh, e) for e in spec if e is not None)
+
   def _leaf_split(self, i: int) -> int:
     """Devices leaf ``i`` is split over (its spec, without ``stage``)."""
-    return math.prod(_size(self.mesh, e) for e in self.param_specs[i] if e is not None)
+    return self._split_of(self.param_specs[i])
 
   def _stage_param_bytes(self, stage: Stage) -> int:
     """A stage's own parameters per device of the stage (split over ``model`` where split)."""
@@ -381,40 +383,6 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
   pipe.balance = check_balance(global_capture, layout.stage_of, layout.num_stages,
                                [s.name for s in stages])
   return pipe
-
-
-def _pack(leaves, stages, layouts, sizes) -> dict[str, jax.Array]:
-  rows = [layout.pack([leaves[i] for i in s.params], sizes) for s, layout in zip(stages, layouts)]
-  return {k: jnp.stack([r[k] for r in rows]) for k in sizes}
-
-
-def _unpack(packed, stages, layouts, avals, *, total: bool) -> list[Any]:
-  leaves: list[Any] = [None] * len(avals)
-  for s, layout in zip(stages, layouts):
-    for i, value in zip(s.params, layout.unpack({k: v[s.index] for k, v in packed.items()})):
-      if leaves[i] is None:
-        leaves[i] = value
-      elif total:
-        leaves[i] = leaves[i] + value
-  # A leaf no stage holds (a parameter the loss never reads) has a zero gradient.
-  return [jnp.zeros(a.shape, a.dtype) if x is None else x for x, a in zip(leaves, avals)]
-
-
-def _size(mesh, entry) -> int:
-  names = entry if isinstance(entry, tuple) else (entry,)
-  return int(np.prod([mesh.shape[n] for n in names]))
-
-
-def add_axis(spec: P, shape: tuple[int, ...], axis: str, size: int) -> P | None:
-  """``spec`` with ``axis`` on the largest free dimension ``size`` divides, or None."""
-  entries = list(spec) + [None] * (len(shape) - len(spec))
-  free = [d for d, e in enumerate(entries) if e is None and shape[d] % size == 0
-          and shape[d] >= size]
-  if size == 1 or not free:
-    return None
-  dim = max(free, key=lambda d: (shape[d], -d))
-  entries[dim] = axis
-  return P(*entries)
 
 
 def _listing(paths: Sequence[str]) -> str:
