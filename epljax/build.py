@@ -288,9 +288,8 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
     return forward(state.params, state.model_state, micro, state.feature_state)[0]
 
   def evaluate(state, global_batch):
-    params = state.params if pipe is None else pipe.unpack(state.params)
-    return step_lib.eval_step(forward, prepare, fns.has_aux)(state.replace(params=params),
-                                                             global_batch)
+    # (pipeline stages keep the user's tree too: the forward runs unpipelined, under GSPMD)
+    return step_lib.eval_step(forward, prepare, fns.has_aux)(state, global_batch)
 
   step = step_lib.train_step(gradients, update, features, prepare, fns.has_aux)
   traced = functools.partial(_traced_in_session, mesh=mesh)

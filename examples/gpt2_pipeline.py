@@ -1,14 +1,16 @@
-"""A GPT-2-style decoder with tied input/output embeddings in 2 pipeline stages, trained as a
-byte-level language model on the Python standard library's own source code (no download).
+"""A GPT-2-style decoder with tied input/output embeddings in 2 tensor-parallel pipeline stages,
+trained as a byte-level language model on the Python standard library's own source code (no
+download).
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/gpt2_pipeline.py
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/gpt2_pipeline.py --plan
 
 The token embedding ``wte`` is used twice, as in GPT-2: looked up at the start of the first
 stage and, transposed, as the output projection at the end of the last. epljax holds it in
 both stages and sums its two gradients before the update (the plan's ``tied`` line), exactly
-like training the model on one device. The stages are named ``epl.replicate(2, name=...)``
-scopes: on 8 devices that is 2 replicas x 2 stages x 2 devices per stage (each stage splits its
-micro batch over its 2 devices), ``pipeline.num_micro_batch=4``, 1F1B. The optimizer is AdamW
+like training the model on one device. The stages are named ``epl.split(2, name=...)`` scopes:
+Megatron tensor parallelism inside each stage (attention heads and the MLP's hidden units split
+over the stage's 2 devices), so on 8 devices the mesh is data 2 x stage 2 x model 2 (2 replicas
+of 2 stages of 2 devices), ``pipeline.num_micro_batch=4``, 1F1B. The optimizer is AdamW
 with weight decay masked off biases, LayerNorm scales and the embeddings (``mask=``), which
 pipelines train like any other optax optimizer. The script prints the loss per step and the
 held-out loss of ``trainer.variables(state)`` on one device.
@@ -53,17 +55,17 @@ class GPT2(nn.Module):
   heads: int = 4
   layers: int = 2            # per stage
   length: int = 64
-  devices_per_stage: int = 2
+  split: int = 2             # tensor-parallel devices per stage
 
   @nn.compact
   def __call__(self, tokens):
     wte = nn.Embed(VOCAB, self.width, embedding_init=nn.initializers.normal(0.02), name="wte")
-    with epl.replicate(self.devices_per_stage, name="stage_0"):        # EPL
+    with epl.split(self.split, name="stage_0"):                       # EPL
       h = wte(tokens) + self.param("wpe", nn.initializers.normal(0.01),
                                    (self.length, self.width))[:tokens.shape[1]]
       for _ in range(self.layers):
         h = DecoderLayer(self.width, self.heads)(h)
-    with epl.replicate(self.devices_per_stage, name="stage_1"):        # EPL
+    with epl.split(self.split, name="stage_1"):                       # EPL
       for _ in range(self.layers):
         h = DecoderLayer(self.width, self.heads)(h)
       return wte.attend(nn.LayerNorm()(h))                             # tied output projection
@@ -107,7 +109,7 @@ def main(argv=None) -> list[float]:
   trainer = epl.Trainer(lambda key, batch: model.init(key, batch["tokens"][:, :-1]),
                         lambda variables, batch: next_byte_loss(model, variables, batch),
                         optax.adamw(3e-3, weight_decay=1e-2, mask=decay_mask))
-  replicas = epl.Env.get().cluster.total_gpu_num // (2 * model.devices_per_stage)
+  replicas = epl.Env.get().cluster.total_gpu_num // (2 * model.split)
   rows = replicas * 4 * args.micro_batch
 
   def batch_at(step):

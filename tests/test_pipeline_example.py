@@ -32,7 +32,9 @@ def test_gpt2_pipeline_example_with_tied_embeddings_loss_goes_down(capsys):
   losses = _load(GPT2, "gpt2_pipeline").main(
       ["--steps", "6", "--micro_batch", "2", "--layers", "1", "--width", "32", "--plan"])
   out = capsys.readouterr().out
-  assert "replicas  2    stages 2" in out
+  assert "replicas  2    stages 2" in out and "data=2 x stage=2 x model=2" in out
+  assert "split     stage 0 'stage_0': epl.split(2) over model" in out
+  assert "split     stage 1 'stage_1': epl.split(2) over model" in out
   assert ("tied      'params/wte/embedding' held by stages 'stage_0', 'stage_1'; their "
           "gradients are summed") in out
   assert "held-out next-byte loss" in out
@@ -40,8 +42,8 @@ def test_gpt2_pipeline_example_with_tied_embeddings_loss_goes_down(capsys):
 
 
 def test_gpt2_pipeline_model_matches_single_device():
-  """The example's model and optimizer (tied wte, masked AdamW) on 2 replicas x 2 stages x 2
-  devices per stage: loss, gradients and parameters equal single-device training."""
+  """The example's model and optimizer (tied wte, masked AdamW) on 2 replicas x 2 stages x
+  split(2): loss, gradients and parameters equal single-device training."""
   import epljax as epl
   import jax
   import numpy as np

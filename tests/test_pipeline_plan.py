@@ -9,7 +9,7 @@ import pytest
 
 import epljax as epl
 from epljax.pipeline import PipelineWarning
-from helpers import (TOL, assert_trees_close, classification_batch, cross_entropy, linen_fns,
+from helpers import (TOL, assert_trees_close, classification_batch, linen_fns,
                      reference_run)
 from pipeline_helpers import TwoStages, run_case
 
@@ -106,46 +106,6 @@ def test_stages_with_different_device_counts():
                      r"colocated are pipeline stages, and every stage must use the same number "
                      r"of devices\. Give them the same device_count"):
     trainer.init(jax.random.key(0), classification_batch(16))
-
-
-class WithBatchNorm(nn.Module):
-  @nn.compact
-  def __call__(self, x):
-    with epl.replicate(1, name="stage_0"):
-      h = nn.BatchNorm(use_running_average=False)(nn.Dense(8)(x))
-    with epl.replicate(1, name="stage_1"):
-      return nn.Dense(10)(h)
-
-
-def test_model_state_is_refused():
-  model = WithBatchNorm()
-
-  def loss_fn(variables, batch):
-    logits, updates = model.apply(variables, batch["x"], mutable=["batch_stats"])
-    return cross_entropy(logits, batch["y"]), updates
-
-  trainer = epl.Trainer(lambda r, b: model.init(r, b["x"]), loss_fn, optax.sgd(0.1),
-                        mutable=["batch_stats"])
-  with pytest.raises(epl.PlanError, match=r"(?s)The pipelined model has model state \("
-                     r"'batch_stats/BatchNorm_0/mean', 'batch_stats/BatchNorm_0/var'\).*"
-                     r"Pipeline stages do not\s+carry model state"):
-    trainer.init(jax.random.key(0), classification_batch(16))
-
-
-class SplitStage(nn.Module):
-  @nn.compact
-  def __call__(self, x):
-    with epl.replicate(1, name="body"):
-      h = nn.Dense(8)(x)
-    with epl.split(1, name="head"):
-      return nn.Dense(10)(h)
-
-
-def test_split_stage_is_refused():
-  with pytest.raises(epl.PlanError, match=r"Task graph 'head' is epl.split\(1\) and, as its task "
-                     r"graphs are not colocated, a\s+pipeline stage; tensor parallelism inside "
-                     r"pipeline stages is not supported yet"):
-    trainer_for(SplitStage()).init(jax.random.key(0), classification_batch(16))
 
 
 def test_a_loop_across_stages_is_refused():

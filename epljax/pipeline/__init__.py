@@ -6,6 +6,9 @@ interleaved over virtual stages), and the ``shard_map`` loop that runs them in o
   interleaved with ``pipeline.num_virtual_stages > 1``;
 - ``packing.py``: stage parameters, activations and residuals as flat per-dtype buffers inside
   the step (the stored parameters are the user's tree);
+- ``storage.py``: the stored leaves <-> the packed buffers (tied leaves: copies, summed);
+- ``slots.py``: parameters kept whole (tensor-parallel stages) and model state, one row per
+  stage;
 - ``runtime.py``: the loop over ticks (``jax.vjp`` per micro batch, ``ppermute`` between stages);
 - ``builder.py``: what ``epl.Trainer`` calls; ``render.py``: the schedule as a picture.
 """

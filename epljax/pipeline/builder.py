@@ -3,13 +3,14 @@
 ``plan_pipeline`` is called by ``Trainer._build`` when the mesh has more than one stage. It
 traces the loss once more at the shapes one replica sees per micro batch, cuts the stages
 (``partition.py``), picks the schedule (``schedules.py``), checks what pipelines cannot do
-(model state, split stages) and returns a ``Pipeline``:
+(model state with several replicas) and returns a ``Pipeline``:
 
 - ``param_shardings``: ``TrainState.params`` is the user's parameter tree, each leaf sharded
   over ``stage`` too, so the optimizer (any optax one) and checkpoints see the user's leaves;
 - ``pack`` / ``gradients_of``: inside the step, between that tree and the loop's per-stage
-  ``{dtype: (S, size)}`` buffers (a parameter used by two stages is copied to both, its two
-  gradients summed);
+  ``{dtype: (S, size)}`` buffers, or ``{slot: (S, *shape)}`` slots when stages are
+  ``epl.split`` (``slots.py``) (a parameter used by two stages is copied to both, its two
+  gradients summed); ``pack_state`` / ``unpack_state``: the model state, in slots;
 - ``gradients(features, ctx)``: the ``GradientFn`` of the step (``runtime.py``), with every
   feature's ``forward`` hook around each stage's forward.
 """
@@ -17,13 +18,13 @@ traces the loss once more at the shapes one replica sees per micro batch, cuts t
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -31,14 +32,14 @@ from epljax.config import PipelineConfig
 from epljax.errors import PlanError
 from epljax.features import BuildContext, Feature, GradientFn, loss_scale
 from epljax.mesh import DATA, MODEL, STAGE, Layout
-from epljax.pipeline import packing, runtime
+from epljax.pipeline import packing, runtime, slots, storage
 from epljax.pipeline.auto import check_balance
 from epljax.pipeline.partition import Stage, cut_stages, shared_params
 from epljax.pipeline.schedules import Schedule, make_schedule
 from epljax.plan import leaf_bytes_per_device
 from epljax.sharding.capture import Capture, capture
 from epljax.step import in_device_memory
-from epljax.strategy import REPLICATE
+from epljax.strategy import SPLIT
 
 
 # What the loop keeps between a micro batch's forward and backward: "residuals" (the forward
@@ -68,7 +69,8 @@ class Pipeline:
   def __init__(self, stages: Sequence[Stage], param_avals: Sequence[Any], params_def: Any,
                batch_avals: Sequence[Any], aux_avals: Sequence[Any], aux_def: Any,
                schedule: Schedule, layout: Layout, batch_axes: tuple[str, ...],
-               stash: str | None = None):
+               stash: str | None = None, split: Sequence[int] = (),
+               state_avals: Sequence[Any] = (), state_def: Any = None):
     self.stages = tuple(stages)
     self.param_avals = list(param_avals)
     self.params_def = params_def
@@ -78,7 +80,6 @@ class Pipeline:
     self.schedule = schedule
     self.mesh = layout.mesh
     self.batch_axes = batch_axes
-    self.stash = stash or STASH
     self.layouts = [packing.Layout.of([param_avals[i] for i in s.params]) for s in stages]
     self.sizes = packing.padded_sizes(self.layouts)
     # Packed row r holds chunk rows[r]: stage s's v chunks s, s + S, ... are rows sv..sv+v-1.
@@ -89,6 +90,26 @@ class Pipeline:
     self._stored: list[NamedSharding] | None = None
     self.param_paths: list[str] = [f"leaf {i}" for i in range(len(self.param_avals))]
     self.balance: list[str] = []   # per stage: estimated FLOPs and parameter bytes
+    # Tensor-parallel stages (``split[s]`` > 1: epl.split(k)) keep their parameters whole, in
+    # slots (``slots.py``), and leave the ``model`` axis to GSPMD inside the loop.
+    self.split = tuple(split) or (1,) * len(self.stages)
+    # Residuals of a tensor-parallel stage are split over ``model`` by GSPMD, which a flat
+    # stash buffer cannot hold without gathering them: those stages stash their inputs.
+    self.stash = stash or ("inputs" if self.slotted else STASH)
+    self.slot_layouts: list[slots.SlotLayout] | None = None
+    self.param_specs: list[P] = [P()] * len(self.param_avals)
+    # Model state (BatchNorm statistics): each leaf kept by the stage that updates it, in slots,
+    # and threaded through the micro batches in order (one replica: a stage sees whole micro
+    # batches, so batch statistics are those of the micro batch, as on one device).
+    self.state_avals = list(state_avals)
+    self.state_def = state_def
+    self.state_layouts = slots.assign([
+        [slots.SlotType.of(slots.data_aval(self.state_avals[j])) for j in s.state]
+        for s in self.stages]) if self.state_avals else None
+
+  @property
+  def slotted(self) -> bool:
+    return any(k > 1 for k in self.split)
 
   # -- storage ------------------------------------------------------------------------------
   # TrainState.params is the user's parameter tree itself: any optax optimizer (masks,
@@ -100,9 +121,13 @@ class Pipeline:
   def param_shardings(self, specs: Sequence[P]) -> Any:
     """Per user leaf: its spec (from the stage's strategy) with ``stage`` added."""
     size = self.mesh.shape[STAGE]
-    out = [NamedSharding(self.mesh, add_axis(spec, tuple(a.shape), STAGE, size) or spec)
+    out = [NamedSharding(self.mesh, storage.add_axis(spec, tuple(a.shape), STAGE, size) or spec)
            for spec, a in zip(specs, self.param_avals)]
     self._stored = out
+    self.param_specs = list(specs)
+    if self.slotted:
+      self.slot_layouts = slots.assign([[self._slot_type(i) for i in s.params]
+                                        for s in self.stages])
     return jax.tree.unflatten(self.params_def, out)
 
   def state_sharding(self, leaf: Any, param_sharding: NamedSharding) -> NamedSharding:
@@ -110,29 +135,71 @@ class Pipeline:
     else (factored moments, adafactor) the leaf's own largest dimension over ``stage``."""
     spec = param_sharding.spec
     if len(spec) <= len(leaf.shape) and all(
-        e is None or leaf.shape[d] % _size(self.mesh, e) == 0 for d, e in enumerate(spec)):
+        e is None or leaf.shape[d] % storage.axis_size(self.mesh, e) == 0
+        for d, e in enumerate(spec)):
       return param_sharding
     size = self.mesh.shape[STAGE]
-    return NamedSharding(self.mesh, add_axis(P(), tuple(leaf.shape), STAGE, size) or P(),
+    return NamedSharding(self.mesh, storage.add_axis(P(), tuple(leaf.shape), STAGE, size) or P(),
                          memory_kind=param_sharding.memory_kind)
 
+  def _slot_type(self, i: int) -> slots.SlotType:
+    a = self.param_avals[i]
+    spec = tuple(self.param_specs[i])
+    return slots.SlotType(tuple(a.shape), packing.dtype_name(a.dtype),
+                          spec + (None,) * (len(a.shape) - len(spec)))
+
   def pack(self, params: Any) -> dict[str, jax.Array]:
-    """The user's parameter tree -> ``{dtype: (S x v, size)}`` (traceable; rows: ``rows``)."""
-    return _pack(jax.tree.leaves(params), self._by_row(self.stages), self._by_row(self.layouts),
-                 self.sizes)
+    """The user's parameter tree -> ``{dtype: (S x v, size)}`` (traceable; rows: ``rows``);
+    with tensor-parallel stages ``{slot: (S, *shape)}`` sharded ``P(stage, *spec)``."""
+    if self.slotted:
+      members = [s.params for s in self.stages]
+      stacked = slots.stack(jax.tree.leaves(params), members, self.slot_layouts)
+      types = dict(self.slot_layouts[0].types)
+      return {k: jax.lax.with_sharding_constraint(
+          v, NamedSharding(self.mesh, types[k].stacked_spec(STAGE))) for k, v in stacked.items()}
+    return storage.pack(jax.tree.leaves(params), self._by_row(self.stages),
+                        self._by_row(self.layouts), self.sizes)
+
+  def pack_state(self, model_state: Any) -> dict[str, jax.Array]:
+    """The model state tree -> ``{slot: (S, *shape)}`` over ``stage`` (empty without state)."""
+    if not self.state_avals:
+      return {}
+    stacked = slots.stack([slots.as_data(x) for x in jax.tree.leaves(model_state)],
+                          [s.state for s in self.stages], self.state_layouts)
+    return {k: jax.lax.with_sharding_constraint(v, NamedSharding(self.mesh, P(STAGE)))
+            for k, v in stacked.items()}
+
+  def unpack_state(self, stacked: dict[str, jax.Array], model_state: Any) -> Any:
+    """New state slots -> the model state tree; a leaf no stage keeps stays as it was."""
+    if not self.state_avals:
+      return model_state
+    old = jax.tree.leaves(model_state)
+    new = slots.unstack(stacked, [s.state for s in self.stages], self.state_layouts,
+                        [slots.data_aval(a) for a in self.state_avals], total=False,
+                        missing=[slots.as_data(x) for x in old])
+    new = [slots.as_key(x, a) for x, a in zip(new, self.state_avals)]
+    return jax.tree.unflatten(jax.tree.structure(model_state), new)
 
   def unpack(self, packed: dict[str, jax.Array]) -> Any:
     """``{dtype: (S x v, size)}`` -> the user's parameter tree (a leaf held by several stages: the
     first stage's copy)."""
-    leaves = _unpack(packed, self._by_row(self.stages), self._by_row(self.layouts),
-                     self.param_avals, total=False)
+    if self.slotted:
+      leaves = slots.unstack(packed, [s.params for s in self.stages], self.slot_layouts,
+                             self.param_avals, total=False)
+    else:
+      leaves = storage.unpack(packed, self._by_row(self.stages), self._by_row(self.layouts),
+                              self.param_avals, total=False)
     return jax.tree.unflatten(self.params_def, leaves)
 
   def gradients_of(self, packed: dict[str, jax.Array]) -> Any:
     """Packed gradients -> the user's tree; a leaf held by several stages gets their sum (the
     transpose of ``pack``, which copies it to each)."""
-    leaves = _unpack(packed, self._by_row(self.stages), self._by_row(self.layouts),
-                     self.param_avals, total=True)
+    if self.slotted:
+      leaves = slots.unstack(packed, [s.params for s in self.stages], self.slot_layouts,
+                             self.param_avals, total=True)
+    else:
+      leaves = storage.unpack(packed, self._by_row(self.stages), self._by_row(self.layouts),
+                              self.param_avals, total=True)
     return jax.tree.unflatten(self.params_def, leaves)
 
   def _by_row(self, per_chunk: Sequence[Any]) -> list[Any]:
@@ -153,7 +220,10 @@ class Pipeline:
 
   @property
   def packed_bytes_per_device(self) -> int:
-    """One stage's packed parameters inside the step (the largest stage)."""
+    """One stage's packed parameters inside the step (the largest stage); with slots, one
+    row of every slot (split over ``model`` where the slot is)."""
+    if self.slotted:
+      return sum(t.nbytes // self._split_of(t.spec) for _, t in self.slot_layouts[0].types)
     return packing.nbytes(self.sizes)
 
   # -- the step -----------------------------------------------------------------------------
@@ -166,38 +236,70 @@ class Pipeline:
         fn = f.forward(fn, ctx)
       fns.append(fn)
     self.branches, self.branch_of = runtime.distinct_branches(
-        self.stages, fns, self.param_avals, self.batch_avals, self.stash)
+        self.stages, fns, self.param_avals, self.batch_avals, self.stash,
+        param_layouts=self.slot_layouts, state_avals=self.state_avals,
+        state_layouts=self.state_layouts)
     self.buffers = runtime.buffer_sizes(self.branches)
+    # Tensor-parallel stages: the loop is written for (data, stage); GSPMD splits ``model``.
+    data_axes, manual = ((DATA,), frozenset({DATA, STAGE})) if self.slotted else (
+        (DATA, MODEL), None)
     run = runtime.pipelined_gradients(
         self.branches, self.branch_of, self.aux_avals, self.schedule, self.mesh,
-        (DATA, MODEL), P(None, self.batch_axes))
+        data_axes, P(None, self.batch_axes), manual=manual)
     single = self.schedule.num_micro_batch == 1
     aux_def = self.aux_def
 
     def gradients(params, model_state, micro, fstate):
       scale = loss_scale(fstate)
       seed = jnp.ones((), jnp.float32) if scale is None else jnp.asarray(scale, jnp.float32)
-      loss, aux, packed = run(self.pack(in_device_memory(params)), jax.tree.leaves(micro), seed)
+      loss, aux, packed, state = run(self.pack(in_device_memory(params)),
+                                     self.pack_state(model_state), jax.tree.leaves(micro), seed)
       grads = self.gradients_of(packed)
       aux = None if aux_def is None else jax.tree.unflatten(
           aux_def, [a[0] for a in aux] if single else aux)
-      return loss, aux, grads, model_state
+      return loss, aux, grads, self.unpack_state(state, model_state)
 
     return gradients
 
   # -- the plan -----------------------------------------------------------------------------
   def stage_info(self) -> list[StageInfo]:
     rows = []
-    for stage, layout in zip(self.stages, self.layouts):
+    for stage in self.stages:
       branch = self.branches[self.branch_of[stage.index]] if self.branches else None
       kept = 0
       if branch is not None:
         kept = packing.nbytes(branch.residuals.layout.sizes)
         kept += packing.nbytes(branch.incoming.sizes) if branch.needs_inputs else 0
       rows.append(StageInfo(stage.index, stage.name, len(stage.params),
-                            packing.nbytes(layout.sizes),
+                            self._stage_param_bytes(stage),
                             packing.nbytes(packing.Layout.of(stage.incoming).sizes), kept))
     return rows
+
+  def _split_of(self, spec: Sequence[Any]) -> int:
+    return math.prod(storage.axis_size(self.mesh, e) for e in spec if e is not None)
+
+  def _leaf_split(self, i: int) -> int:
+    """Devices leaf ``i`` is split over (its spec, without ``stage``)."""
+    return self._split_of(self.param_specs[i])
+
+  def _stage_param_bytes(self, stage: Stage) -> int:
+    """A stage's own parameters per device of the stage (split over ``model`` where split)."""
+    return sum(math.prod(self.param_avals[i].shape) * self.param_avals[i].dtype.itemsize
+               // self._leaf_split(i) for i in stage.params)
+
+  def describe_split(self) -> list[str]:
+    """Per tensor-parallel stage: its split and how much of it is split."""
+    lines = []
+    for stage, k in zip(self.stages, self.split):
+      if k == 1:
+        continue
+      split = [i for i in stage.params if self._leaf_split(i) > 1]
+      whole = sum(math.prod(self.param_avals[i].shape) * self.param_avals[i].dtype.itemsize
+                  for i in stage.params)
+      lines.append(f"split     stage {stage.index} '{stage.name}': epl.split({k}) over model; "
+                   f"{len(split)} of {len(stage.params)} parameters split, "
+                   f"{_kib(self._stage_param_bytes(stage))} of {_kib(whole)} per device")
+    return lines
 
   def describe(self) -> list[str]:
     """Lines for the plan: the schedule and what one device keeps."""
@@ -214,9 +316,19 @@ class Pipeline:
       lines.append(
           f"stash     {self.stash}: {self.schedule.num_slots} {kept} (+1 scratch slot) x "
           f"{_kib(per_slot)} per device; {len(self.branches)} distinct stage functions")
+    inside = ("in slots (whole arrays, split over model) inside the step" if self.slotted else
+              "packed for the largest stage inside the step")
     lines.append(f"params    {_kib(self.param_bytes_per_device)} per device as stored (the "
                  f"user's leaves, sharded over stage); {_kib(self.packed_bytes_per_device)} "
-                 "packed for the largest stage inside the step")
+                 + inside)
+    lines += self.describe_split()
+    for stage in self.stages:
+      if stage.state:
+        size = sum(math.prod(slots.data_aval(self.state_avals[j]).shape)
+                   * slots.data_aval(self.state_avals[j]).dtype.itemsize
+                   for j in stage.state)
+        lines.append(f"state     stage {stage.index} '{stage.name}' keeps {len(stage.state)} model "
+                     f"state leaves ({_kib(size)}), updated by each micro batch's forward in order")
     lines += [f"balance   {row}" for row in self.balance]
     for i, holders in self.shared.items():
       names = ", ".join(f"'{self.stages[h].name}'" for h in holders)
@@ -233,12 +345,22 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
   """Checks, local capture, stages, schedule (see the module doc). ``micro_shapes``: one
   micro batch of all replicas; ``capture_options``: as the Trainer's own capture had them, so
   the per-replica trace finds the same task graphs."""
-  if jax.tree.leaves(state_shape):
-    raise PlanError(_MODEL_STATE.format(paths=", ".join(f"'{p}'" for p in state_paths[:3])
-                                        + (" ..." if len(state_paths) > 3 else "")))
+  s_leaves, s_def = jax.tree.flatten(state_shape)
+  split = [1] * (layout.num_stages * layout.num_virtual_stages)   # per stage (chunk)
   for tg in global_capture.taskgraphs:
-    if tg.strategy != REPLICATE:
-      raise PlanError(_SPLIT_STAGE.format(name=tg.name, count=tg.device_count))
+    if tg.strategy == SPLIT:
+      split[layout.stage_of[tg.index]] = max(split[layout.stage_of[tg.index]], tg.device_count)
+  if any(k > 1 for k in split) and MODEL in batch_axes:   # internal invariant (specs.py)
+    raise AssertionError("tensor-parallel stages with the batch split over model")
+  if layout.num_virtual_stages > 1 and (s_leaves or any(k > 1 for k in split)):
+    what = (f"model state ({_listing(state_paths)})" if s_leaves else
+            "tensor-parallel (epl.split) stages")
+    raise PlanError(_VIRTUAL_WITH.format(v=layout.num_virtual_stages, what=what))
+  if s_leaves and layout.num_replicas > 1:
+    raise PlanError(_STATE_REPLICAS.format(
+        paths=_listing(state_paths), replicas=layout.num_replicas, stages=layout.num_stages,
+        devices=layout.mesh.size, per=layout.devices_per_stage,
+        whole=layout.mesh.size // layout.num_stages))
   shards = layout.num_replicas * (layout.devices_per_stage if MODEL in batch_axes else 1)
   local = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // shards, *x.shape[1:]),
                                                       x.dtype), micro_shapes)
@@ -246,22 +368,27 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
   b_leaves, b_def = jax.tree.flatten(local)
   found: dict[str, Any] = {}
 
+  n_p, n_s = len(p_leaves), len(s_leaves)
+
   def flat_loss(*flat):
-    params = jax.tree.unflatten(p_def, flat[:len(p_leaves)])
-    batch = jax.tree.unflatten(b_def, flat[len(p_leaves):])
-    loss, aux, _ = loss_call(params, state_shape, batch)
+    params = jax.tree.unflatten(p_def, flat[:n_p])
+    model_state = jax.tree.unflatten(s_def, flat[n_p:n_p + n_s])
+    batch = jax.tree.unflatten(b_def, flat[n_p + n_s:])
+    loss, aux, new_state = loss_call(params, model_state, batch)
     aux_leaves, found["aux_def"] = jax.tree.flatten(aux)
-    return (loss, *aux_leaves)
+    return (loss, *aux_leaves, *jax.tree.leaves(new_state))
 
   # Traced outside any mesh: the stages replay these equations inside the pipeline's
   # shard_map, and an equation replays in the abstract mesh it was traced in.
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-    cap = capture(flat_loss, p_leaves, b_leaves, input_paths=list(param_paths),
+    cap = capture(flat_loss, p_leaves + s_leaves, b_leaves,
+                  input_paths=list(param_paths) + list(state_paths),
                   num_devices=num_devices, **(capture_options or {}))
   if [t.name for t in cap.taskgraphs] != [t.name for t in global_capture.taskgraphs]:
     raise AssertionError("the per-replica trace found other task graphs than the global one")
-  aux_avals = [v.aval for v in cap.program.closed_jaxpr.jaxpr.outvars[1:]]
-  stages = cut_stages(cap, layout.stage_of, len(p_leaves))
+  outvars = cap.program.closed_jaxpr.jaxpr.outvars
+  aux_avals = [v.aval for v in outvars[1:len(outvars) - n_s]]
+  stages = cut_stages(cap, layout.stage_of, n_p, n_s)
   schedule = make_schedule(config.strategy, layout.num_stages, config.num_micro_batch,
                            config.num_virtual_stages)
   if config.num_micro_batch < layout.num_stages:
@@ -269,7 +396,8 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
                                     bubble=schedule.bubble_fraction), PipelineWarning,
                   stacklevel=3)
   pipe = Pipeline(stages, p_leaves, p_def, b_leaves, aux_avals,
-                  found["aux_def"] if has_aux else None, schedule, layout, batch_axes)
+                  found["aux_def"] if has_aux else None, schedule, layout, batch_axes,
+                  split=split, state_avals=s_leaves, state_def=s_def)
   pipe.param_paths = list(param_paths)
   pipe.balance = check_balance(global_capture, layout.stage_of, len(stages),
                                [s.name for s in stages])
@@ -283,38 +411,8 @@ def chunk_rows(num_stages: int, num_virtual_stages: int) -> list[int]:
   return [s + j * num_stages for s in range(num_stages) for j in range(num_virtual_stages)]
 
 
-def _pack(leaves, stages, layouts, sizes) -> dict[str, jax.Array]:
-  rows = [layout.pack([leaves[i] for i in s.params], sizes) for s, layout in zip(stages, layouts)]
-  return {k: jnp.stack([r[k] for r in rows]) for k in sizes}
-
-
-def _unpack(packed, stages, layouts, avals, *, total: bool) -> list[Any]:
-  leaves: list[Any] = [None] * len(avals)
-  for row, (s, layout) in enumerate(zip(stages, layouts)):
-    for i, value in zip(s.params, layout.unpack({k: v[row] for k, v in packed.items()})):
-      if leaves[i] is None:
-        leaves[i] = value
-      elif total:
-        leaves[i] = leaves[i] + value
-  # A leaf no stage holds (a parameter the loss never reads) has a zero gradient.
-  return [jnp.zeros(a.shape, a.dtype) if x is None else x for x, a in zip(leaves, avals)]
-
-
-def _size(mesh, entry) -> int:
-  names = entry if isinstance(entry, tuple) else (entry,)
-  return int(np.prod([mesh.shape[n] for n in names]))
-
-
-def add_axis(spec: P, shape: tuple[int, ...], axis: str, size: int) -> P | None:
-  """``spec`` with ``axis`` on the largest free dimension ``size`` divides, or None."""
-  entries = list(spec) + [None] * (len(shape) - len(spec))
-  free = [d for d, e in enumerate(entries) if e is None and shape[d] % size == 0
-          and shape[d] >= size]
-  if size == 1 or not free:
-    return None
-  dim = max(free, key=lambda d: (shape[d], -d))
-  entries[dim] = axis
-  return P(*entries)
+def _listing(paths: Sequence[str]) -> str:
+  return ", ".join(f"'{p}'" for p in paths[:3]) + (" ..." if len(paths) > 3 else "")
 
 
 def _kib(n: int) -> str:
@@ -323,18 +421,19 @@ def _kib(n: int) -> str:
   return f"{n / 1024:.1f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
 
 
-_MODEL_STATE = """\
-The pipelined model has model state ({paths}): variables that are not trained (BatchNorm
-statistics, NNX RNG counters). Pipeline stages do not carry model state: each replica would
-see only its own rows, so batch statistics could not match single-device training. Use
-normalization without batch statistics (LayerNorm, RMSNorm), pass RNG keys in the batch
-rather than keeping them in the module, or train without pipeline stages."""
+_STATE_REPLICAS = """\
+The pipelined model has model state ({paths}), and its {stages} stages on {devices} devices
+make {replicas} pipeline replicas of {per} device(s) per stage. Batch statistics must be those
+of the whole micro batch, as on one device, but each replica's stages see only its own rows
+(a stage's batch statistics are not reduced across replicas). Give each stage all of a
+replica's devices, epl.replicate({whole}, name=...) (or epl.split({whole}, ...)), so that one
+replica sees whole micro batches; or use normalization without batch statistics (LayerNorm)."""
 
-_SPLIT_STAGE = """\
-Task graph '{name}' is epl.split({count}) and, as its task graphs are not colocated, a
-pipeline stage; tensor parallelism inside pipeline stages is not supported yet. Use
-epl.replicate(...) scopes for the stages, or set cluster.colocate_split_and_replicate=True to
-run the task graphs on the same devices without a pipeline."""
+_VIRTUAL_WITH = """\
+pipeline.num_virtual_stages={v} interleaves stages whose parameters are packed into flat
+buffers, one row per chunk; a pipeline with {what} keeps its stages' arrays whole (one per
+stage), which interleaving does not support yet. Set pipeline.num_virtual_stages=1 (GPipe or
+1F1B with the same stages), or cut the model without that feature."""
 
 _FEW_MICRO = (
     "pipeline.num_micro_batch={m} is smaller than the {s} pipeline stages: at most {m} stages "

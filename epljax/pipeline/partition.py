@@ -61,7 +61,8 @@ class _Item:
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-  """One pipeline stage: ``fn(params, incoming, batch) -> (outgoing, loss, aux)``."""
+  """One pipeline stage: ``fn(params, incoming, batch, state) -> (outgoing, loss, aux,
+  new_state)``."""
   index: int
   name: str
   jaxpr: jcore.ClosedJaxpr
@@ -70,29 +71,39 @@ class Stage:
   incoming: tuple[Any, ...]      # avals
   outgoing: tuple[Any, ...]      # avals
   last: bool
+  state: tuple[int, ...] = ()    # model state leaf indices (BatchNorm statistics) it updates
 
-  def __call__(self, params: Sequence[Any], incoming: Sequence[Any], batch: Sequence[Any]):
-    outs = jcore.jaxpr_as_fun(self.jaxpr)(*params, *incoming, *batch)
+  def __call__(self, params: Sequence[Any], incoming: Sequence[Any], batch: Sequence[Any],
+               state: Sequence[Any] = ()):
+    outs = jcore.jaxpr_as_fun(self.jaxpr)(*params, *state, *incoming, *batch)
+    new_state = tuple(outs[len(outs) - len(self.state):])
+    outs = outs[:len(outs) - len(self.state)]
     n = len(self.outgoing)
     if not self.last:
-      return tuple(outs[:n]), None, ()
-    return (), outs[n], tuple(outs[n + 1:])
+      return tuple(outs[:n]), None, (), new_state
+    return (), outs[n], tuple(outs[n + 1:]), new_state
 
 
-def cut_stages(cap: Capture, stage_of: Sequence[int], num_params: int) -> tuple[Stage, ...]:
-  """The stages of the captured program ``(params..., batch...) -> (loss, aux...)``.
+def cut_stages(cap: Capture, stage_of: Sequence[int], num_params: int,
+               num_state: int = 0) -> tuple[Stage, ...]:
+  """The stages of the captured program ``(params..., state..., batch...) -> (loss, aux...,
+  new_state...)``.
 
   ``stage_of`` maps task graph index -> stage; the first ``num_params`` program inputs are
-  parameters (the rest are batch leaves, read by every stage).
+  parameters, the next ``num_state`` model state (each leaf read and updated by one stage,
+  its new value among the last ``num_state`` outputs); the rest are batch leaves, read by
+  every stage.
   """
-  cutter = _Cutter(cap, stage_of, num_params)
+  cutter = _Cutter(cap, stage_of, num_params, num_state)
   cutter.run()
+  cutter.check_state(list(cap.input_paths[num_params:num_params + num_state]))
   return cutter.build()
 
 
 class _Cutter:
 
-  def __init__(self, cap: Capture, stage_of: Sequence[int], num_params: int):
+  def __init__(self, cap: Capture, stage_of: Sequence[int], num_params: int,
+               num_state: int = 0):
     self.cap = cap
     self.node_tg = cap.node_taskgraph
     self.stage_of = list(stage_of)
@@ -101,11 +112,15 @@ class _Cutter:
     for tg in cap.taskgraphs:
       self.names[self.stage_of[tg.index]] = self.names[self.stage_of[tg.index]] or tg.name
     closed = cap.program.closed_jaxpr
-    self.inputs = [_Key(v.aval, "param" if i < num_params else "batch", i)
+    num_vars = num_params + num_state
+    self.inputs = [_Key(v.aval, "param" if i < num_vars else "batch", i)
                    for i, v in enumerate(closed.jaxpr.invars)]
     self.num_params = num_params
+    self.num_state = num_state
+    self.num_vars = num_vars
     self.param_stage = [
-        self.stage_of[tg] if tg is not None else 0 for tg in cap.input_taskgraph[:num_params]]
+        self.stage_of[tg] if tg is not None else 0 for tg in cap.input_taskgraph[:num_vars]]
+    self.state_outputs: list[Any] = []
     self.items: list[_Item] = []
     self.producer: dict[_Key, int] = {}   # key -> item index
     self.cursor = 0
@@ -120,6 +135,9 @@ class _Cutter:
                   for v, c in zip(closed.jaxpr.constvars, closed.consts)})
     self._walk(closed.jaxpr, alias, source_info_util.new_name_stack())
     self.outputs = [_resolve(alias, v) for v in closed.jaxpr.outvars]
+    if self.num_state:
+      self.state_outputs = self.outputs[-self.num_state:]
+      self.outputs = self.outputs[:-self.num_state]
     if self.cursor != len(self.cap.program.nodes):  # internal invariant
       raise AssertionError("stage cutting lost track of the capture's equations")
     self._assign_untagged()
@@ -218,6 +236,9 @@ class _Cutter:
       if s == n_stages - 1:
         for k in self.outputs:
           read(k)
+      for j, k in enumerate(self.state_outputs):
+        if self.state_owner(j) == s:
+          read(k)
       while pending:
         for k in self.items[pending.pop()].inputs:
           read(k)
@@ -235,7 +256,8 @@ class _Cutter:
     if not hasattr(self, "_read"):
       self._read = {k.index for item in self.items for k in item.inputs
                     if isinstance(k, _Key) and k.kind == "param"}
-      self._read |= {k.index for k in self.outputs if isinstance(k, _Key) and k.kind == "param"}
+      self._read |= {k.index for k in self.outputs + self.state_outputs
+                     if isinstance(k, _Key) and k.kind == "param"}
     return self._read
 
   def _stage(self, s: int, member: list[int], boundary: list[list[_Key]]) -> Stage:
@@ -269,9 +291,13 @@ class _Cutter:
     # A parameter no stage reads is held (with a zero gradient) by the stage of its task graph.
     order += [i for i in range(self.num_params)
               if i not in read and self.param_stage[i] == s and i not in order]
+    state = [j for j in range(self.num_state) if self.state_owner(j) == s]
+    order = [i for i in order if i < self.num_params]
     incoming = boundary[s - 1] if s > 0 else []
-    invars = [new(self.inputs[i]) for i in order] + [new(k) for k in incoming]
-    invars += [new(k) for k in self.inputs[self.num_params:]]
+    invars = [new(self.inputs[i]) for i in order]
+    invars += [new(self.inputs[self.num_params + j]) for j in state]
+    invars += [new(k) for k in incoming]
+    invars += [new(k) for k in self.inputs[self.num_vars:]]
     eqns = []
     for i in member:
       item = self.items[i]
@@ -285,13 +311,36 @@ class _Cutter:
     outvars = [use(k) for k in outgoing]
     if last:
       outvars += [use(k) for k in self.outputs]
+    outvars += [use(self.state_outputs[j]) for j in state]
     effects = set().union(*(e.effects for e in eqns)) if eqns else jcore.no_effects
     info = jcore.DebugInfo("epljax pipeline", f"stage {self.names[s]}",
                            tuple(f"in{i}" for i in range(len(invars))),
                            tuple(f"out{i}" for i in range(len(outvars))))
     jaxpr = jcore.Jaxpr(constvars, invars, outvars, eqns, effects, info)
     return Stage(s, self.names[s], jcore.ClosedJaxpr(jaxpr, consts), tuple(order),
-                 tuple(k.aval for k in incoming), tuple(k.aval for k in outgoing), last)
+                 tuple(k.aval for k in incoming), tuple(k.aval for k in outgoing), last,
+                 tuple(state))
+
+  # -- model state ----------------------------------------------------------------------------
+  def state_owner(self, j: int) -> int:
+    """The stage that reads model state leaf ``j`` and keeps its new value."""
+    return self.param_stage[self.num_params + j]
+
+  def check_state(self, paths: Sequence[str]) -> None:
+    """Each model state leaf is read by one stage, and its new value is made there (or
+    before it)."""
+    readers: dict[int, set[int]] = {}
+    for item in self.items:
+      for k in item.inputs:
+        if isinstance(k, _Key) and k.kind == "param" and k.index >= self.num_params:
+          readers.setdefault(k.index - self.num_params, set()).add(item.stage)
+    for j, k in enumerate(self.state_outputs):
+      where = readers.get(j, set())
+      made = self._stage_of_key(k) if isinstance(k, _Key) else 0
+      owner = self.state_owner(j)
+      if len(where) > 1 or made > owner:
+        names = ", ".join(f"'{self.names[s]}'" for s in sorted(where | {made}))
+        raise PlanError(_STATE_SPANS.format(path=paths[j], names=names))
 
 
 def shared_params(stages: Sequence[Stage]) -> dict[int, tuple[int, ...]]:
@@ -345,6 +394,11 @@ The operation `{prim}` at {where} contains work of pipeline stages {names}; a st
 boundary cannot fall inside a loop or a branch, whose iterations run on one device. Keep
 each loop inside one stage: scan over the layers of one stage only, or put the
 `with epl.replicate(1, name=...)` scope (or the `epl.set_default_strategy` call) outside it."""
+
+_STATE_SPANS = """\
+Model state '{path}' is used by pipeline stages {names}; a model state leaf (BatchNorm
+statistics) must be read and updated inside one stage, whose devices keep it between micro
+batches. Keep the layer that owns it, and every use of its value, inside one stage's scope."""
 
 _BACKWARDS = """\
 Pipeline stage '{consumer}' uses a value computed in stage '{producer}', which runs after it:

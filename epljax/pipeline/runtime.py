@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from epljax.errors import PlanError
 from epljax.mesh import STAGE
-from epljax.pipeline import packing
+from epljax.pipeline import packing, slots
 from epljax.pipeline.partition import Stage, same_consts
 from epljax.pipeline.schedules import Schedule
 
@@ -59,25 +59,32 @@ class Branch:
   """One distinct stage function and the layouts of its buffers."""
 
   def __init__(self, stage: Stage, fn: StageFn, param_avals: Sequence[Any], stash: str,
-               param_space: Any = None):
+               param_space: Any = None, param_layout: Any = None,
+               state_avals: Sequence[Any] = (), state_layout: Any = None):
     self.stage = stage
     self.param_space = param_space   # a jax.memory.Space other than device memory, or None
     self.fn = jax.checkpoint(fn) if stash == "inputs" else fn
-    self.params = packing.Layout.of([param_avals[i] for i in stage.params])
+    # Packed buffers, or whole arrays in slots (tensor-parallel stages: ``slots.py``).
+    self.params = param_layout or packing.Layout.of([param_avals[i] for i in stage.params])
     self.incoming = packing.Layout.of(stage.incoming)
     self.outgoing = packing.Layout.of(stage.outgoing)
+    # Model state (BatchNorm statistics) in slots, threaded through the micro batches in order.
+    self.state_avals = [state_avals[j] for j in stage.state]
+    self.state = state_layout or slots.SlotLayout((), ())
     self.residuals: _Residuals | None = None
     self.loss_dtype: Any = jnp.float32   # of the (feature-wrapped) stage's loss output
 
   # -- forward: outputs and pullback -------------------------------------------------------
-  def pullback(self, params, acts, batch):
+  def pullback(self, params, acts, batch, state=()):
+    """Outputs, loss, aux, pullback and the new model state of one forward. The state is not
+    differentiated; a state value the pullback needs is stashed (it changes per micro batch)."""
     def f(p, a):
-      outs, loss, aux = self.fn(p, a, batch)
+      outs, loss, aux, new_state = self.fn(p, a, batch, tuple(state))
       loss = jnp.zeros((), jnp.float32) if loss is None else loss
-      return (tuple(outs), loss), tuple(aux)
+      return (tuple(outs), loss), (tuple(aux), tuple(new_state))
 
-    (outs, loss), pull, aux = jax.vjp(f, tuple(params), tuple(acts), has_aux=True)
-    return outs, loss, aux, pull
+    (outs, loss), pull, (aux, new_state) = jax.vjp(f, tuple(params), tuple(acts), has_aux=True)
+    return outs, loss, aux, pull, new_state
 
   def split(self, pull, params, acts, batch) -> tuple[Any, tuple, list]:
     """Pullback -> (treedef, kinds, leaves to stash). Inputs are referenced, not stashed."""
@@ -100,9 +107,9 @@ class Branch:
     """A trial trace: which pullback leaves must be stashed, and their shapes."""
     found = {}
 
-    def trial(params, acts, batch):
+    def trial(params, acts, batch, state):
       params = self._in_memory(params)
-      _, loss, _, pull = self.pullback(params, acts, batch)
+      _, loss, _, pull, _ = self.pullback(params, acts, batch, state)
       found["treedef"], found["kinds"], stash = self.split(pull, params, acts, batch)
       return loss, stash
 
@@ -125,7 +132,8 @@ class Branch:
   def _abstract_args(self, param_avals, batch_avals):
     sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
     return ([sds(param_avals[i]) for i in self.stage.params],
-            [sds(a) for a in self.stage.incoming], [sds(a) for a in batch_avals])
+            [sds(a) for a in self.stage.incoming], [sds(a) for a in batch_avals],
+            [sds(a) for a in self.state_avals])
 
   @property
   def needs_inputs(self) -> bool:
@@ -133,33 +141,41 @@ class Branch:
 
   def signature(self, param_avals, batch_avals) -> tuple:
     """Equal for stages that compute the same thing on buffers laid out the same way."""
-    closed = jax.make_jaxpr(lambda p, a, b: self.fn(self._in_memory(p), a, b))(
+    closed = jax.make_jaxpr(lambda p, a, b, st: self.fn(self._in_memory(p), a, b, tuple(st)))(
         *self._abstract_args(param_avals, batch_avals))
-    return (str(closed), self.params, self.incoming, self.outgoing, self.stage.last), closed.consts
+    return (str(closed), self.params, self.incoming, self.outgoing, self.stage.last,
+            self.state), closed.consts
 
 
 @dataclasses.dataclass(frozen=True)
 class Buffers:
   """Sizes (per dtype) of every buffer the loop carries."""
-  params: dict[str, int]
+  params: dict[str, Any]    # {dtype: size} packed, or {slot: slots.SlotType}
   payload: dict[str, int]
   grad_payload: dict[str, int]
   residuals: dict[str, int]
   keep_inputs: bool
+  state: dict[str, Any] = dataclasses.field(default_factory=dict)   # {slot: slots.SlotType}
 
 
 def distinct_branches(stages: Sequence[Stage], fns: Sequence[StageFn], param_avals,
-                      batch_avals, stash: str, param_space: Any = None
+                      batch_avals, stash: str, param_space: Any = None,
+                      param_layouts: Sequence[Any] | None = None, state_avals: Sequence[Any] = (),
+                      state_layouts: Sequence[Any] | None = None
                       ) -> tuple[list[Branch], list[int]]:
   """One ``Branch`` per distinct stage function, and the branch of every stage.
-  ``param_space``: the parameters' ``jax.memory.Space`` when it is not device memory."""
+  ``param_space``: the parameters' ``jax.memory.Space`` when it is not device memory;
+  ``param_layouts``: per stage, a ``slots.SlotLayout`` instead of packed buffers;
+  ``state_avals`` / ``state_layouts``: the model state leaves, and per stage its state slots."""
   if stash not in STASH_MODES:
     raise ValueError(f"stash must be one of {STASH_MODES}, got {stash!r}")
   branches: list[Branch] = []
   seen: list[tuple[tuple, list]] = []
   branch_of = []
-  for stage, fn in zip(stages, fns):
-    branch = Branch(stage, fn, param_avals, stash, param_space)
+  for i, (stage, fn) in enumerate(zip(stages, fns)):
+    branch = Branch(stage, fn, param_avals, stash, param_space,
+                    None if param_layouts is None else param_layouts[i], state_avals,
+                    None if state_layouts is None else state_layouts[i])
     sig, consts = branch.signature(param_avals, batch_avals)
     match = [i for i, (s, c) in enumerate(seen) if s == sig and same_consts(c, consts)]
     if match:
@@ -174,19 +190,23 @@ def distinct_branches(stages: Sequence[Stage], fns: Sequence[StageFn], param_ava
 
 def buffer_sizes(branches: Sequence[Branch]) -> Buffers:
   edges = [b.incoming for b in branches] + [b.outgoing for b in branches]
+  slotted = isinstance(branches[0].params, slots.SlotLayout)
   return Buffers(
-      params=packing.padded_sizes([b.params for b in branches]),
+      params=(dict(branches[0].params.types) if slotted else
+              packing.padded_sizes([b.params for b in branches])),
       payload=packing.padded_sizes(edges),
       grad_payload=packing.padded_sizes(edges, inexact_only=True),
       residuals=packing.padded_sizes([b.residuals.layout for b in branches]),
-      keep_inputs=any(b.needs_inputs for b in branches))
+      keep_inputs=any(b.needs_inputs for b in branches), state=dict(branches[0].state.types))
 
 
 def _forward_branch(branch: Branch, sizes: Buffers, aux_avals):
-  def run(params, incoming, batch):
+  def run(params, incoming, batch, state):
     leaves = branch.params.unpack(params)
     acts = branch.incoming.unpack(incoming)
-    outs, loss, aux, pull = branch.pullback(leaves, acts, batch)
+    old = [slots.as_key(x, a) for x, a in zip(branch.state.unpack(state), branch.state_avals)]
+    outs, loss, aux, pull, new_state = branch.pullback(leaves, acts, batch, old)
+    state = {**state, **dict(zip(branch.state.keys, map(slots.as_data, new_state)))}
     treedef, kinds, stash = branch.split(pull, leaves, acts, batch)
     expected = branch.residuals
     if [k for k, _ in kinds] != [k for k, _ in expected.kinds] or treedef.num_leaves != \
@@ -195,7 +215,7 @@ def _forward_branch(branch: Branch, sizes: Buffers, aux_avals):
     if not branch.stage.last:
       aux = [jnp.zeros(a.shape, a.dtype) for a in aux_avals]
     return (branch.outgoing.pack(outs, sizes.payload), loss.astype(jnp.float32), list(aux),
-            expected.layout.pack(stash, sizes.residuals))
+            expected.layout.pack(stash, sizes.residuals), state)
 
   return run
 
@@ -223,16 +243,23 @@ def _backward_branch(branch: Branch, sizes: Buffers):
 
 
 def _idle_forward(sizes: Buffers, aux_avals):
-  def run(params, incoming, batch):
+  def run(params, incoming, batch, state):
     return (packing.zeros(sizes.payload), jnp.zeros((), jnp.float32),
-            [jnp.zeros(a.shape, a.dtype) for a in aux_avals], packing.zeros(sizes.residuals))
+            [jnp.zeros(a.shape, a.dtype) for a in aux_avals], packing.zeros(sizes.residuals),
+            state)
   return run
 
 
 def _idle_backward(sizes: Buffers):
   def run(params, stash_x, stash_r, slot, batch, grad_out, seed):
-    return packing.zeros(sizes.params), packing.zeros(sizes.grad_payload)
+    return _param_zeros(sizes.params), packing.zeros(sizes.grad_payload)
   return run
+
+
+def _param_zeros(sizes: dict[str, Any], *lead: int) -> dict[str, jax.Array]:
+  """Zero gradients of a stage's parameters (packed sizes or slot types), ``lead`` in front."""
+  return {k: t.zeros(lead) if isinstance(t, slots.SlotType) else jnp.zeros((*lead, t), k)
+          for k, t in sizes.items()}
 
 
 def _take(buffers: dict, index) -> dict:
@@ -265,7 +292,7 @@ def _chunk(buffers: dict, j, v: int) -> dict:
 
 def _add_to_chunk(acc: dict, j, values: dict, v: int) -> dict:
   if v == 1:
-    return {k: acc[k] + values[k][None] for k in acc}
+    return {k: acc[k] + values[k][None] for k in acc}   # packed buffers or slots alike
   return _put(acc, j, {k: x + values[k] for k, x in _take(acc, j).items()})
 
 
@@ -287,10 +314,16 @@ def _gather_aux(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 
 def pipelined_gradients(branches: Sequence[Branch], branch_of: Sequence[int], aux_avals,
                         schedule: Schedule, mesh: Mesh, data_axes: tuple[str, ...],
-                        batch_spec: P):
-  """``(params {dtype: (S v, size)}, micro batch leaves (M, rows, ...), seed) -> (mean loss,
-  aux (M, ...), summed-over-data mean gradients {dtype: (S v, size)})``, as one shard_map.
-  Row ``s v + j`` holds chunk ``s + jS`` (stage ``s``'s ``j``-th; ``v = 1``: row ``s``)."""
+                        batch_spec: P, manual: frozenset[str] | None = None):
+  """``(params {dtype: (S v, size)}, state {slot: (S, ...)}, micro batch leaves (M, rows, ...),
+  seed) -> (mean loss, aux (M, ...), summed-over-data mean gradients {dtype: (S v, size)}, new
+  state)``, as one shard_map. Row ``s v + j`` holds chunk ``s + jS`` (stage ``s``'s ``j``-th;
+  ``v = 1``: row ``s``).
+
+  ``manual``: the mesh axes the loop is written for (default: all). Tensor-parallel stages
+  leave ``model`` to GSPMD: their parameters come in whole (slots, ``v = 1``), with a
+  ``model`` split. ``state``: model state per stage (one replica, ``v = 1``), updated by each
+  forward in micro batch order."""
   sizes = buffer_sizes(branches)
   fwd = [_forward_branch(b, sizes, aux_avals) for b in branches] + [
       _idle_forward(sizes, aux_avals)]
@@ -304,7 +337,7 @@ def pipelined_gradients(branches: Sequence[Branch], branch_of: Sequence[int], au
   down = _hops(n_stages, 1, n_virtual > 1)
   up = _hops(n_stages, -1, n_virtual > 1)
 
-  def local(params, micro, seed):   # params: {dtype: (v, size)}, this stage's chunks
+  def local(params, state, micro, seed):   # params: this stage's v chunk rows
     stage = lax.axis_index(STAGE)
     carry = dict(
         fwd=packing.zeros(sizes.payload), bwd=packing.zeros(sizes.grad_payload),
@@ -312,14 +345,15 @@ def pipelined_gradients(branches: Sequence[Branch], branch_of: Sequence[int], au
         # no read of the old slot and updates the loop's buffer in place.
         stash_x=packing.zeros(sizes.payload if sizes.keep_inputs else {}, (slots + 1,)),
         stash_r=packing.zeros(sizes.residuals, (slots + 1,)),
-        grads=packing.zeros(sizes.params, (n_virtual,)), losses=jnp.zeros((n_micro,), jnp.float32),
-        aux=[jnp.zeros((n_micro, *a.shape), a.dtype) for a in aux_avals])
+        grads=_param_zeros(sizes.params, n_virtual), losses=jnp.zeros((n_micro,), jnp.float32),
+        aux=[jnp.zeros((n_micro, *a.shape), a.dtype) for a in aux_avals],
+        state={k: v[0] for k, v in state.items()})
 
     def tick(c, row):
       f_branch, f_m, f_slot, f_j, b_branch, b_m, b_slot, b_j = (row[stage, i] for i in range(8))
       batch = [lax.dynamic_index_in_dim(x, f_m, keepdims=False) for x in micro]
-      out, loss, aux, res = lax.switch(f_branch, fwd, _chunk(params, f_j, n_virtual), c["fwd"],
-                                       batch)
+      out, loss, aux, res, new_state = lax.switch(
+          f_branch, fwd, _chunk(params, f_j, n_virtual), c["fwd"], batch, c["state"])
       write = jnp.where(f_branch == idle, slots, f_slot)
       stash_x = _put(c["stash_x"], write, c["fwd"])
       stash_r = _put(c["stash_r"], write, res)
@@ -332,19 +366,20 @@ def pipelined_gradients(branches: Sequence[Branch], branch_of: Sequence[int], au
       grads = _add_to_chunk(c["grads"], b_j, g_params, n_virtual)
       return dict(fwd=lax.ppermute(out, STAGE, down), bwd=lax.ppermute(g_in, STAGE, up),
                   stash_x=stash_x, stash_r=stash_r, grads=grads, losses=losses,
-                  aux=auxes), None
+                  aux=auxes, state=new_state), None
 
     c, _ = lax.scan(tick, carry, jnp.asarray(tables))
     grads = {k: lax.psum(g, data_axes) / (n_micro * shards) for k, g in c["grads"].items()}
     loss = lax.pmean(lax.psum(jnp.sum(c["losses"]), STAGE) / n_micro, data_axes)
     aux = [_gather_aux(lax.psum(a, STAGE), data_axes) for a in c["aux"]]  # made on the last
-    return loss, aux, grads
+    return loss, aux, grads, {k: v[None] for k, v in c["state"].items()}
 
   stage_spec = P(STAGE)
   # check_vma=False: the stages replay equations captured outside any shard_map (their
   # calls, scans and custom rules carry no varying-axes types); every reduction is explicit.
-  return jax.shard_map(local, mesh=mesh, in_specs=(stage_spec, batch_spec, P()),
-                       out_specs=(P(), P(), stage_spec), check_vma=False)
+  return jax.shard_map(local, mesh=mesh, in_specs=(stage_spec, stage_spec, batch_spec, P()),
+                       out_specs=(P(), P(), stage_spec, stage_spec), check_vma=False,
+                       axis_names=frozenset(mesh.axis_names if manual is None else manual))
 
 
 def branch_flops(branches: Sequence[Branch], aux_avals, batch_avals) -> list[tuple[float, float]]:
@@ -357,12 +392,15 @@ def branch_flops(branches: Sequence[Branch], aux_avals, batch_avals) -> list[tup
     return {k: jax.ShapeDtypeStruct((*lead, n), k) for k, n in d.items()}
 
   batch = [sds(a) for a in batch_avals]
+  params = {k: jax.ShapeDtypeStruct(t.shape, t.dtype) if isinstance(t, slots.SlotType) else
+            jax.ShapeDtypeStruct((t,), k) for k, t in sizes.params.items()}
   out = []
   for b in branches:
+    state = {k: jax.ShapeDtypeStruct(t.shape, t.dtype) for k, t in sizes.state.items()}
     fwd = jax.jit(_forward_branch(b, sizes, aux_avals)).lower(
-        bufs(sizes.params), bufs(sizes.payload), batch).compile()
+        params, bufs(sizes.payload), batch, state).compile()
     bwd = jax.jit(_backward_branch(b, sizes)).lower(
-        bufs(sizes.params), bufs(sizes.payload if sizes.keep_inputs else {}, (2,)),
+        params, bufs(sizes.payload if sizes.keep_inputs else {}, (2,)),
         bufs(sizes.residuals, (2,)), jax.ShapeDtypeStruct((), jnp.int32), batch,
         bufs(sizes.grad_payload), jax.ShapeDtypeStruct((), jnp.float32)).compile()
     out.append((fwd.cost_analysis().get("flops", 0.0), bwd.cost_analysis().get("flops", 0.0)))

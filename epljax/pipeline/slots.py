@@ -1,0 +1,148 @@
+"""Parameter slots: a pipeline's parameters as whole arrays, one row per stage.
+
+Packed buffers (``packing.py``) flatten a stage's parameters, which loses a ``model`` sharding:
+a tensor-parallel stage needs each parameter whole, with its split. Here stage parameters of
+the same (shape, dtype, spec) share a *slot*: one ``(S, *shape)`` array sharded
+``P(stage, *spec)`` whose row ``s`` holds stage ``s``'s leaf (zeros where stage ``s`` has none).
+Identical stages fill the same slots, so a device holds about ``1/S`` of the parameters, as
+with packing; stages that differ hold the union of their slot types. Model state (BatchNorm
+statistics, NNX RNG streams) rides in slots too, whatever the parameters use; PRNG keys as
+their raw key data (``as_data`` / ``as_key``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotType:
+  shape: tuple[int, ...]
+  dtype: str
+  spec: tuple[Any, ...]     # the leaf's PartitionSpec entries (model axis), without ``stage``
+
+  @staticmethod
+  def of(aval: Any) -> SlotType:
+    """A replicated leaf (model state)."""
+    return SlotType(tuple(aval.shape), jnp.dtype(aval.dtype).name, (None,) * len(aval.shape))
+
+  @property
+  def nbytes(self) -> int:
+    return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
+
+  def zeros(self, lead: tuple[int, ...] = ()) -> jax.Array:
+    return jnp.zeros((*lead, *self.shape), self.dtype)
+
+  def stacked_spec(self, stage_axis: str) -> P:
+    return P(stage_axis, *self.spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotLayout:
+  """One stage's leaves -> their slots; ``types``: every slot of the pipeline (the buffer
+  type, the same for all stages). Same interface as ``packing.Layout`` for the runtime."""
+  keys: tuple[str, ...]
+  types: tuple[tuple[str, SlotType], ...]
+
+  def unpack(self, slots: Mapping[str, jax.Array]) -> list[jax.Array]:
+    return [slots[k] for k in self.keys]
+
+  def pack(self, values: Sequence[Any], types: Mapping[str, SlotType]) -> dict[str, jax.Array]:
+    """Values -> every slot of ``types`` (zeros in those this stage does not use)."""
+    out = {k: t.zeros() for k, t in types.items()}
+    for k, v in zip(self.keys, values, strict=True):
+      out[k] = jnp.asarray(v, types[k].dtype)
+    return out
+
+  @property
+  def sizes(self) -> dict[str, int]:
+    """Elements per dtype of this stage's own leaves (as ``packing.Layout.sizes``)."""
+    out: dict[str, int] = {}
+    types = dict(self.types)
+    for k in self.keys:
+      t = types[k]
+      out[t.dtype] = out.get(t.dtype, 0) + math.prod(t.shape)
+    return out
+
+
+def assign(stage_leaves: Sequence[Sequence[SlotType]]) -> list[SlotLayout]:
+  """Per stage, its leaves' types -> a ``SlotLayout`` per stage over shared slots: a leaf takes
+  the first slot of its type that its stage does not use yet."""
+  types: dict[str, SlotType] = {}
+  keys_of: list[tuple[str, ...]] = []
+  for leaves in stage_leaves:
+    used: set[str] = set()
+    keys = []
+    for t in leaves:
+      key = next((k for k, u in types.items() if u == t and k not in used), None)
+      if key is None:
+        key = f"slot{len(types)}"
+        types[key] = t
+      used.add(key)
+      keys.append(key)
+    keys_of.append(tuple(keys))
+  frozen = tuple(types.items())
+  return [SlotLayout(keys, frozen) for keys in keys_of]
+
+
+def zeros(types: Mapping[str, SlotType], lead: tuple[int, ...] = ()) -> dict[str, jax.Array]:
+  return {k: t.zeros(lead) for k, t in types.items()}
+
+
+def nbytes(types: Mapping[str, SlotType]) -> int:
+  return sum(t.nbytes for t in types.values())
+
+
+def stack(leaves: Sequence[Any], members: Sequence[Sequence[int]],
+          layouts: Sequence[SlotLayout]) -> dict[str, jax.Array]:
+  """The user's leaves -> ``{slot: (S, *shape)}``; ``members[s]``: stage ``s``'s leaf indices
+  (in its layout's order)."""
+  types = dict(layouts[0].types)
+  rows: dict[str, list[Any]] = {k: [t.zeros() for _ in layouts] for k, t in types.items()}
+  for s, (idx, layout) in enumerate(zip(members, layouts)):
+    for i, k in zip(idx, layout.keys):
+      rows[k][s] = jnp.asarray(leaves[i], types[k].dtype)
+  return {k: jnp.stack(r) for k, r in rows.items()}
+
+
+def unstack(stacked: Mapping[str, jax.Array], members: Sequence[Sequence[int]],
+            layouts: Sequence[SlotLayout], avals: Sequence[Any], *, total: bool,
+            missing: Sequence[Any] | None = None) -> list[Any]:
+  """``{slot: (S, *shape)}`` -> the user's leaves: a leaf held by several stages gets the sum
+  of its rows (``total``, the transpose of ``stack``) or the first; one no stage holds, zeros
+  (or its value in ``missing``)."""
+  leaves: list[Any] = [None] * len(avals)
+  for s, (idx, layout) in enumerate(zip(members, layouts)):
+    for i, k in zip(idx, layout.keys):
+      value = stacked[k][s]
+      if leaves[i] is None:
+        leaves[i] = value
+      elif total:
+        leaves[i] = leaves[i] + value
+  missing = missing or [jnp.zeros(a.shape, a.dtype) for a in avals]
+  return [m if x is None else x.astype(a.dtype) for x, a, m in zip(leaves, avals, missing)]
+
+
+def is_key(aval: Any) -> bool:
+  return jnp.issubdtype(aval.dtype, jax.dtypes.prng_key)
+
+
+def data_aval(aval: Any) -> Any:
+  """A state leaf's aval in a slot: PRNG keys as their raw key data."""
+  return jax.eval_shape(jax.random.key_data, aval) if is_key(aval) else aval
+
+
+def as_data(x: Any) -> Any:
+  return jax.random.key_data(x) if is_key(x) else x
+
+
+def as_key(x: Any, aval: Any) -> Any:
+  """Raw key data back to a key of ``aval``'s implementation (the key dtype names it)."""
+  return jax.random.wrap_key_data(x, impl=aval.dtype._impl) if is_key(aval) else x

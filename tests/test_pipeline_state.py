@@ -1,0 +1,210 @@
+"""Model state inside pipeline stages: BatchNorm statistics and NNX RNG streams per micro
+batch, exactly as single-device gradient accumulation over the same micro batches; several
+replicas refused (batch statistics would be per replica)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import epljax as epl
+from helpers import TOL, assert_trees_close, classification_batch, cross_entropy
+from pipeline_helpers import BACKWARD, FORWARD, count_compiles
+
+MICRO = 4
+
+
+class BatchNormStages(nn.Module):
+  """Two stages, each with its own BatchNorm (statistics of the micro batch while training),
+  each stage on 4 devices: one replica, which sees whole micro batches."""
+
+  @nn.compact
+  def __call__(self, x):
+    with epl.replicate(4, name="stage_0"):
+      h = nn.relu(nn.BatchNorm(use_running_average=False, momentum=0.8)(nn.Dense(16)(x)))
+    with epl.replicate(4, name="stage_1"):
+      h = nn.BatchNorm(use_running_average=False, momentum=0.8)(nn.Dense(16)(h))
+      return nn.Dense(10)(nn.relu(h))
+
+
+def _fns(model):
+  def init_fn(rng, batch):
+    return model.init(rng, batch["x"])
+
+  def loss_fn(variables, batch):
+    logits, updates = model.apply(variables, batch["x"], mutable=["batch_stats"])
+    return cross_entropy(logits, batch["y"]), updates
+
+  return init_fn, loss_fn
+
+
+def _micro_batches(batch, replicas):
+  """The micro batches of the Trainer (``epljax.batch.micro_batches``): micro batch ``m`` takes
+  rows ``m`` of every replica's block."""
+  def one(x):
+    rows = len(x) // (replicas * MICRO)
+    x = x.reshape(replicas, MICRO, rows, *x.shape[1:]).swapaxes(0, 1)
+    return x.reshape(MICRO, replicas * rows, *x.shape[3:])
+  return jax.tree.map(one, batch)
+
+
+def _reference(init_fn, loss_fn, optimizer, batch, replicas, steps):
+  """Single-device gradient accumulation with the statistics threaded through the micro
+  batches in order: [(loss, grads)] per step and the final variables."""
+  variables = jax.jit(init_fn)(jax.random.key(0), jax.tree.map(lambda x: x[:8], batch))
+  params, stats = variables["params"], variables["batch_stats"]
+  opt_state = optimizer.init(params)
+  micro = _micro_batches(batch, replicas)
+
+  @jax.jit
+  def step(params, stats, opt_state):
+    total, losses = jax.tree.map(jnp.zeros_like, params), []
+    for m in range(MICRO):
+      one = jax.tree.map(lambda x, m=m: x[m], micro)
+      (loss, updates), grads = jax.value_and_grad(
+          lambda p, s=stats, b=one: loss_fn({"params": p, "batch_stats": s}, b),
+          has_aux=True)(params)
+      stats = updates["batch_stats"]
+      total = jax.tree.map(jnp.add, total, grads)
+      losses.append(loss)
+    grads = jax.tree.map(lambda g: g / MICRO, total)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return jnp.mean(jnp.stack(losses)), grads, optax.apply_updates(params, updates), stats, \
+        opt_state
+
+  history = []
+  for _ in range(steps):
+    loss, grads, params, stats, opt_state = step(params, stats, opt_state)
+    history.append((loss, grads))
+  return history, {"params": params, "batch_stats": stats}
+
+
+@pytest.mark.parametrize("config", [BACKWARD, FORWARD], ids=["1f1b", "gpipe"])
+def test_batch_norm_stages_match_single_device_micro_batches(config):
+  epl.init({**config, "pipeline.num_micro_batch": MICRO})
+  init_fn, loss_fn = _fns(BatchNormStages())
+  optimizer = optax.sgd(0.1, momentum=0.9)
+  batch = classification_batch(32)
+  trainer = epl.Trainer(init_fn, loss_fn, optimizer, mutable=["batch_stats"])
+  state = trainer.init(jax.random.key(0), batch)
+  assert (trainer.plan.num_stages, trainer.plan.num_replicas) == (2, 1)
+  shardings = jax.tree.map(lambda x: x.sharding, state)
+  history, expected = _reference(init_fn, loss_fn, optimizer, batch, 1, steps=2)
+  loss0, grads0 = trainer.loss_and_grads(state, batch)
+  np.testing.assert_allclose(loss0, history[0][0], **TOL)
+  assert_trees_close(grads0, history[0][1], TOL)
+  with count_compiles() as compiles:
+    for step in range(2):
+      state, metrics = trainer.train_step(state, batch)
+      np.testing.assert_allclose(metrics["loss"], history[step][0], **TOL)
+  assert len([c for c in compiles if "epl_step" in c]) == 1
+  assert_trees_close(trainer.variables(state), expected, TOL)
+  # the statistics moved (4 micro batches per step, each an update of the running averages)
+  assert not np.allclose(expected["batch_stats"]["BatchNorm_0"]["mean"], 0)
+  assert jax.tree.map(lambda x: x.sharding, state) == shardings
+  assert ("state     stage 1 'stage_1' keeps 2 model state leaves (128 B), updated by each "
+          "micro batch's forward in order") in str(trainer.plan)
+
+
+class SplitBatchNormStages(nn.Module):
+  """BatchNorm inside two split(4) stages (Megatron MLP after it): one replica."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(16)(x)
+    for i in range(2):
+      with epl.split(4, name=f"stage_{i}"):
+        y = nn.gelu(nn.Dense(64)(nn.BatchNorm(use_running_average=False)(h)))
+        h = h + nn.Dense(16)(y)
+    return nn.Dense(8)(h)
+
+
+def test_batch_norm_in_split_stages_matches_single_device_micro_batches():
+  epl.init({**BACKWARD, "pipeline.num_micro_batch": MICRO})
+  init_fn, loss_fn = _fns(SplitBatchNormStages())
+  optimizer = optax.sgd(0.1)
+  batch = classification_batch(32, classes=8)
+  trainer = epl.Trainer(init_fn, loss_fn, optimizer, mutable=["batch_stats"])
+  state = trainer.init(jax.random.key(0), batch)
+  assert dict(trainer.plan.mesh.shape) == {"data": 1, "stage": 2, "model": 4}
+  history, expected = _reference(init_fn, loss_fn, optimizer, batch, 1, steps=2)
+  for step in range(2):
+    state, metrics = trainer.train_step(state, batch)
+    np.testing.assert_allclose(metrics["loss"], history[step][0], **TOL)
+  assert_trees_close(trainer.variables(state), expected, TOL)
+
+
+class OneDevicePerStage(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    with epl.replicate(1, name="stage_0"):
+      h = nn.BatchNorm(use_running_average=False)(nn.Dense(8)(x))
+    with epl.replicate(1, name="stage_1"):
+      return nn.Dense(10)(h)
+
+
+def test_batch_norm_stages_with_several_replicas_are_refused():
+  epl.init({"pipeline.num_micro_batch": 2})
+  init_fn, loss_fn = _fns(OneDevicePerStage())
+  trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1), mutable=["batch_stats"])
+  with pytest.raises(epl.PlanError, match=r"(?s)The pipelined model has model state \("
+                     r"'batch_stats/BatchNorm_0/mean', 'batch_stats/BatchNorm_0/var'\), and its 2 "
+                     r"stages on 8 devices\s+make 4 pipeline replicas.*"
+                     r"epl.replicate\(4, name=...\)"):
+    trainer.init(jax.random.key(0), classification_batch(16))
+
+
+class NNXDropoutStages(nnx.Module):
+  """Dropout with the module's own RNG stream (NNX ``Rngs``: a key and a counter as model
+  state) in the first stage; each stage on 4 devices (one replica)."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.body = nnx.Linear(20, 16, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+    self.head = nnx.Linear(16, 10, rngs=rngs)
+
+  def __call__(self, x):
+    with epl.replicate(4, name="stage_0"):
+      h = self.drop(nnx.relu(self.body(x)))
+    with epl.replicate(4, name="stage_1"):
+      return self.head(h)
+
+
+def _nnx_loss(model, batch):
+  return cross_entropy(model(batch["x"]), batch["y"])
+
+
+def _nnx_reference(model, batch, steps, lr=0.1):
+  """Single-device SGD with gradient accumulation; the RNG state advances per micro batch."""
+  micro = _micro_batches(batch, 1)
+  grad_fn = nnx.value_and_grad(_nnx_loss)
+  losses = []
+  for _ in range(steps):
+    total, step_losses = None, []
+    for m in range(MICRO):
+      loss, grads = grad_fn(model, jax.tree.map(lambda x, m=m: x[m], micro))
+      total = grads if total is None else jax.tree.map(jnp.add, total, grads)
+      step_losses.append(loss)
+    nnx.update(model, jax.tree.map(lambda p, g: p - lr * g / MICRO,
+                                   nnx.state(model, nnx.Param), total))
+    losses.append(np.mean(step_losses))
+  return losses, model
+
+
+def test_nnx_rng_state_in_stages_matches_single_device_micro_batches():
+  epl.init({**BACKWARD, "pipeline.num_micro_batch": MICRO})
+  batch = classification_batch(32)
+  make = lambda rng: NNXDropoutStages(nnx.Rngs(rng, dropout=1))  # noqa: E731
+  trainer = epl.Trainer(lambda rng, b: make(rng), _nnx_loss, optax.sgd(0.1))
+  state = trainer.init(jax.random.key(0), batch)
+  losses, model = _nnx_reference(make(jax.random.key(0)), batch, steps=2)
+  for step in range(2):
+    state, metrics = trainer.train_step(state, batch)
+    np.testing.assert_allclose(metrics["loss"], losses[step], **TOL)
+  trained = trainer.variables(state)
+  assert_trees_close(nnx.state(trained, nnx.Param), nnx.state(model, nnx.Param))
+  counts = lambda m: [int(c) for c in jax.tree.leaves(nnx.state(m, nnx.RngCount))]  # noqa: E731
+  assert counts(trained) == counts(model) and 2 * MICRO in counts(trained)
