@@ -207,6 +207,6 @@ def test_interleaving_split_stages_is_refused_with_the_fix():
   """Tensor-parallel stages keep their parameters whole (slots), which has no chunk rows."""
   from test_pipeline_split import SplitDefault
 
-  with pytest.raises(PlanError, match=r"num_virtual_stages=2 .* tensor-parallel \(epl.split\) "
+  with pytest.raises(PlanError, match=r"(?s)num_virtual_stages=2 .* tensor-parallel \(epl.split\) "
                      r"stages .* Set pipeline.num_virtual_stages=1"):
     _init(_config(4, 2), SplitDefault(stages=4))
