@@ -296,17 +296,37 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
   options = communication.compiler_options(features, var.params_shape) or None
   batch_sh = NamedSharding(mesh, P(axes))   # every batch leaf: rows over the batch axes
   jit = functools.partial(jax.jit, compiler_options=options)
+  checked = (functools.partial(Preflight, check=where.pipe.check_compiled)
+             if where.pipe is not None and where.pipe.slotted else lambda f: f)
   return dict(
       state_shardings=state_sh,
       init_jit=jax.jit(traced(init_state), out_shardings=state_sh),
-      step_jit=jit(traced(step), in_shardings=(state_sh, batch_sh),
-                   out_shardings=(state_sh, None), donate_argnums=0),
-      grads_jit=jit(traced(loss_and_grads), in_shardings=(state_sh, batch_sh),
-                    out_shardings=(replicated, base.params)),
+      step_jit=checked(jit(traced(step), in_shardings=(state_sh, batch_sh),
+                           out_shardings=(state_sh, None), donate_argnums=0)),
+      grads_jit=checked(jit(traced(loss_and_grads), in_shardings=(state_sh, batch_sh),
+                            out_shardings=(replicated, base.params))),
       loss_jit=jit(traced(first_loss), in_shardings=(state_sh, batch_sh),
                    out_shardings=replicated),
       eval_jit=jit(traced(evaluate), in_shardings=(state_sh, batch_sh)),
   ), user_params
+
+
+class Preflight:
+  """A jitted function whose compiled program is checked before it first runs (a program
+  that would hang is refused, not started); it then runs that compiled program."""
+
+  def __init__(self, jitted: Any, check: Callable[[str], None]):
+    self._jitted, self._check, self._compiled = jitted, check, None
+
+  def lower(self, *args):
+    return self._jitted.lower(*args)
+
+  def __call__(self, *args):
+    if self._compiled is None:
+      compiled = self._jitted.lower(*args).compile()
+      self._check(compiled.as_text())
+      self._compiled = compiled
+    return self._compiled(*args)
 
 
 def make_plan(var: Variables, cap: Capture, where: Placement, features: Sequence[Feature],

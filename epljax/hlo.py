@@ -77,15 +77,9 @@ _BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
 
 
-def executed_collectives(hlo_text: str, include_trivial: bool = False) -> list[Collective]:
-  """``collectives``, each as many times as one run of the program executes it.
-
-  A collective inside a ``while`` body (a ``lax.scan`` over layers under ``nn.scan``, the
-  pipeline's tick loop, gradient accumulation) runs once per iteration, but stands once in
-  the text. Bodies are multiplied by the trip count XLA annotates (``known_trip_count``);
-  a loop without one (a data-dependent ``while_loop``) counts once per entry, and a
-  conditional's branches each count as if taken.
-  """
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None,
+                                           dict[str, list[tuple[str, int, str]]]]:
+  """(lines of each computation, the entry's name, callee -> [(caller, times, how)])."""
   bodies: dict[str, list[str]] = {}
   entry, current = None, None
   for line in hlo_text.splitlines():
@@ -98,31 +92,59 @@ def executed_collectives(hlo_text: str, include_trivial: bool = False) -> list[C
       current = None
     elif current is not None:
       bodies[current].append(line)
-  if entry is None:   # a fragment without computations: every collective once
-    return collectives(hlo_text, include_trivial)
-  callers: dict[str, list[tuple[str, int]]] = {}
+  callers: dict[str, list[tuple[str, int, str]]] = {}
   for name, lines in bodies.items():
     for line in lines:
       trips = _TRIPS.search(line)
       for m in _CALLEE.finditer(line):
         times = int(trips["n"]) if trips and m["kind"] in ("body", "condition") else 1
-        callers.setdefault(m["name"], []).append((name, times))
+        callers.setdefault(m["name"], []).append((name, times, m["kind"]))
       for m in _BRANCHES.finditer(line):
         for callee in re.findall(r"%?([\w.\-]+)", m["names"]):
-          callers.setdefault(callee, []).append((name, 1))
+          callers.setdefault(callee, []).append((name, 1, "branch"))
+  return bodies, entry, callers
+
+
+def executed_collectives(hlo_text: str, include_trivial: bool = False) -> list[Collective]:
+  """``collectives``, each as many times as one run of the program executes it.
+
+  A collective inside a ``while`` body (a ``lax.scan`` over layers under ``nn.scan``, the
+  pipeline's tick loop, gradient accumulation) runs once per iteration, but stands once in
+  the text. Bodies are multiplied by the trip count XLA annotates (``known_trip_count``);
+  a loop without one (a data-dependent ``while_loop``) counts once per entry, and a
+  conditional's branches each count as if taken.
+  """
+  bodies, entry, callers = _computations(hlo_text)
+  if entry is None:   # a fragment without computations: every collective once
+    return collectives(hlo_text, include_trivial)
   runs: dict[str, int] = {entry: 1}
 
   def times_run(name: str) -> int:
     if name not in runs:
       runs[name] = 0   # guards against a cycle (none in valid HLO)
-      runs[name] = sum(times_run(c) * t for c, t in callers.get(name, ()))
+      runs[name] = sum(times_run(c) * t for c, t, _ in callers.get(name, ()))
     return runs[name]
 
   out: list[Collective] = []
   for name, lines in bodies.items():
-    found = collectives("\n".join(lines), include_trivial)
-    out += found * times_run(name)
+    out += collectives("\n".join(lines), include_trivial) * times_run(name)
   return out
+
+
+def collectives_in_branches(hlo_text: str) -> list[Collective]:
+  """The collectives of ``hlo_text`` that run inside a branch of a conditional (or in what a
+  branch calls): only the devices that take that branch reach them."""
+  bodies, _, callers = _computations(hlo_text)
+  inside: dict[str, bool] = {}
+
+  def in_branch(name: str) -> bool:
+    if name not in inside:
+      inside[name] = False   # guards against a cycle
+      inside[name] = any(how == "branch" or in_branch(c) for c, _, how in callers.get(name, ()))
+    return inside[name]
+
+  return [c for name, lines in bodies.items() if in_branch(name)
+          for c in collectives("\n".join(lines))]
 
 
 def summarize(found: Iterable[Collective]) -> dict[str, tuple[int, int]]:

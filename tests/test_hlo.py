@@ -46,3 +46,29 @@ def test_collectives_in_a_scanned_loop_count_once_per_iteration():
   backward = jax.jit(jax.grad(loss)).lower(w, x).compile().as_text()
   executed = hlo.executed_collectives(backward)
   assert len(executed) == 3 * len(hlo.collectives(backward)) > 0   # every one is in a loop
+
+
+BRANCHED = """
+%permute_in_branch (p: f32[4]) -> f32[4] {
+  ROOT %cp = f32[4]{0} collective-permute(%p), channel_id=1, source_target_pairs={{0,1},{1,0}}
+}
+
+%idle (p.1: f32[4]) -> f32[4] {
+  ROOT %p.2 = f32[4]{0} copy(%p.1)
+}
+
+%after (p.3: f32[4]) -> f32[4] {
+  ROOT %ar = f32[4]{0} all-reduce(%p.3), channel_id=2, replica_groups={{0,1}}, to_apply=%add
+}
+
+ENTRY %main (a: f32[4], i: s32[]) -> f32[4] {
+  %c = f32[4]{0} conditional(%i, %a, %a), branch_computations={%permute_in_branch, %idle}
+  ROOT %r = f32[4]{0} call(%c), to_apply=%after
+}
+"""
+
+
+def test_collectives_in_branches_are_those_only_some_devices_may_reach():
+  assert [c.kind for c in hlo.collectives_in_branches(BRANCHED)] == ["collective-permute"]
+  assert [c.kind for c in hlo.executed_collectives(BRANCHED)] == [
+      "collective-permute", "all-reduce"]

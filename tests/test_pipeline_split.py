@@ -10,6 +10,7 @@ import pytest
 
 import epljax as epl
 from epljax import hlo
+from epljax.errors import PlanError
 from helpers import TOL, classification_batch, linen_fns
 from pipeline_helpers import BACKWARD, FORWARD, check_matches_reference, sgd_clipped
 
@@ -135,3 +136,17 @@ def test_replicate_and_split_1_stages_match_reference():
                                        optax.sgd(0.1))
   assert [tg.strategy for tg in trainer.plan.taskgraphs] == ["replicate", "split"]
   assert not trainer.plan.pipeline.slotted
+
+
+def test_a_permute_inside_a_split_stage_is_refused_before_the_step_runs(scopes_run):
+  """GSPMD may move a model-split activation with a collective-permute; inside a stage's
+  branch only that stage's devices would reach it (a hang): the compiled step is checked
+  before it first runs."""
+  import test_hlo
+
+  pipe = scopes_run[0].plan.pipeline
+  pipe.check_compiled(scopes_run[0].plan.compiled.as_text())   # the real step passes
+  with pytest.raises(PlanError, match=r"(?s)1 collective-permute\(s\) \(f32\[4\]\) inside a "
+                     r"tensor-parallel\sstage's computation \('stage_0': split\(2\), 'stage_1': "
+                     r"split\(2\)\).* would hang"):
+    pipe.check_compiled(test_hlo.BRANCHED)

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from epljax.config import PipelineConfig
+from epljax import hlo
 from epljax.errors import PlanError
 from epljax.features import BuildContext, Feature, GradientFn, loss_scale
 from epljax.mesh import DATA, MODEL, STAGE, Layout
@@ -227,6 +228,17 @@ class Pipeline:
     return packing.nbytes(self.sizes)
 
   # -- the step -----------------------------------------------------------------------------
+  def check_compiled(self, hlo_text: str) -> None:
+    """Refuses a compiled step in which GSPMD put a ``collective-permute`` inside a stage's
+    branch: with ``model`` left to GSPMD (tensor-parallel stages) only that stage's devices
+    reach it, and a permute waiting for the others would hang the step."""
+    stuck = [c for c in hlo.collectives_in_branches(hlo_text) if c.kind == "collective-permute"]
+    if stuck:
+      raise PlanError(_PERMUTE_IN_STAGE.format(
+          n=len(stuck), shapes=", ".join(sorted({"+".join(c.shapes) for c in stuck})[:4]),
+          splits=", ".join(f"'{s.name}': split({k})" for s, k in zip(self.stages, self.split)
+                           if k > 1)))
+
   def gradients(self, features: Sequence[Feature], ctx: BuildContext) -> GradientFn:
     """The step's ``GradientFn`` over the user's parameter tree (packed inside the step)."""
     fns = []
@@ -428,6 +440,14 @@ of the whole micro batch, as on one device, but each replica's stages see only i
 (a stage's batch statistics are not reduced across replicas). Give each stage all of a
 replica's devices, epl.replicate({whole}, name=...) (or epl.split({whole}, ...)), so that one
 replica sees whole micro batches; or use normalization without batch statistics (LayerNorm)."""
+
+_PERMUTE_IN_STAGE = """\
+The compiled pipeline step has {n} collective-permute(s) ({shapes}) inside a tensor-parallel
+stage's computation ({splits}). GSPMD inserts these to move a model-split activation between
+devices; inside a pipeline stage only that stage's devices run them, so the step would hang
+waiting for the others, and it is not started. Keep each stage's model split on whole
+dimensions the stage's matmuls contract or produce (Megatron's column then row), give the
+stage's parameters explicit specs with epl.annotate, or use epl.replicate stages."""
 
 _VIRTUAL_WITH = """\
 pipeline.num_virtual_stages={v} interleaves stages whose parameters are packed into flat
