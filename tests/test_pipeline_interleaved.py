@@ -17,6 +17,7 @@ from epljax.pipeline.render import render_schedule, schedule_text
 from epljax.pipeline.schedules import check_schedule
 from helpers import DEEP_TOL, TOL, classification_batch, linen_fns
 from models import ZOO, ZooModel
+from test_pipeline_auto import Plain
 from pipeline_helpers import Block, Stack, adamw, check_matches_reference
 
 
@@ -35,17 +36,6 @@ class FourScopes(nn.Module):
       h = nn.gelu(nn.Dense(16)(h))
     with epl.replicate(1, name="d"):
       return nn.Dense(10)(h)
-
-
-class Plain(nn.Module):
-  """No stage annotations: auto.auto_parallel cuts it."""
-
-  @nn.compact
-  def __call__(self, x):
-    h = nn.Dense(16)(x)
-    for _ in range(4):
-      h = Block(16)(h)
-    return nn.Dense(10)(h)
 
 
 def _config(micro, virtual, strategy="PreferBackward", **more):
