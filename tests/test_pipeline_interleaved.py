@@ -18,7 +18,7 @@ from epljax.pipeline.schedules import check_schedule
 from helpers import DEEP_TOL, TOL, classification_batch, linen_fns
 from models import ZOO, ZooModel
 from test_pipeline_auto import Plain
-from pipeline_helpers import Block, Stack, adamw, check_matches_reference
+from pipeline_helpers import Stack, adamw, check_matches_reference
 
 
 class FourScopes(nn.Module):
