@@ -27,11 +27,11 @@ from jax.sharding import PartitionSpec as P
 from epljax.features import BuildContext, Feature, ForwardFn
 from epljax.memory import amp as amp_lib
 from epljax.memory import interpret
+from epljax.memory.offload import HOST
 from epljax.memory.recompute import after
 from epljax.memory.zero import device_layout, is_sharding
-from epljax.memory.offload import HOST
 from epljax.mesh import DATA
-from epljax.sharding.program import inner_eqns
+from epljax.sharding.program import REMAT, inner_eqns
 
 
 class ParamUses(Feature):
@@ -356,7 +356,7 @@ def _reshard_cotangent(forward_sharding, backward_sharding):
 
 def _rewrites_inside(step, direct) -> bool:
   """A loop or user rematerialization whose body uses a parameter or holds a matmul."""
-  if step.primitive not in ("scan", "checkpoint", "remat"):
+  if step.primitive != "scan" and step.primitive not in REMAT:
     return False
   return any(direct) or any(e.primitive.name in amp_lib.LOW for e in inner_eqns(step.eqn))
 

@@ -32,8 +32,9 @@ from jax.tree_util import tree_structure
 CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
 # Calls with a derivative rule or rematerialization around their body: inlining one
 # differentiates the body instead (same gradients, up to the rule's numerical tricks).
-DERIVATIVE_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
-                              "checkpoint", "remat"})
+REMAT = frozenset({"checkpoint", "remat", "remat2"})   # jax.checkpoint: "remat2" in jax 0.10/0.11
+DERIVATIVE_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call",
+                              "custom_vjp_call_jaxpr"}) | REMAT
 LOOPS = frozenset({"scan", "while"})
 
 # A Flax method other than __call__ runs in the named scope "<module>.<method>".
