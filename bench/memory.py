@@ -193,11 +193,12 @@ def zoo_main(record_it: bool, argv) -> None:
       table(["model", "structure", "temp none", "GC auto (cut)", "activations none -> auto",
              "FLOPs", "nn.remat per layer by hand (cut)", "FLOPs", "|d loss|"], gc_rows),
       "What GC auto chose:\n" + "\n".join(plans),
-      "nn.remat by hand is jax.checkpoint: on XLA:CPU its recomputation is merged back into "
-      "the forward pass for unrolled layers (no saving), while under nn.scan the backward loop "
-      "recomputes one layer at a time. GC auto rematerializes scan bodies with "
-      "jax.checkpoint and unrolled segments with a custom VJP whose recomputation waits for "
-      "the cotangents (epljax/memory/recompute.py), so it cuts memory on every structure.",
+      "nn.remat by hand is jax.checkpoint: for unrolled layers XLA:CPU merges its "
+      "recomputation back into the forward pass (jax 0.10: no saving; jax 0.11: part of it), "
+      "while under nn.scan the backward loop recomputes one layer at a time. GC auto "
+      "rematerializes scan bodies with jax.checkpoint and unrolled segments with a custom VJP "
+      "whose recomputation waits for the cotangents (epljax/memory/recompute.py), so it cuts "
+      "memory on every structure.",
       "ZeRO, training state per device (params + reduced gradients + Adam moments, KiB), "
       "measured / formula with float32 weights (none: 16 bytes per parameter; v1 and v2: "
       "4 + 12/N, since without gradient accumulation the gradient is reduced sharded; v3: "

@@ -5,9 +5,10 @@ checkpointing for unrolled layers (see ``remat.run_segments`` for which path run
 differentiates it, its inputs tied to the incoming cotangents (``after``) so that nothing is
 recomputed before it is needed. ``jax.checkpoint`` separates the recomputation with
 optimization barriers, which the XLA:CPU pipeline expands before CSE merges the recomputation
-back into the forward pass: no saving (``bench/memory.py --zoo``, nn.remat by hand on unrolled
-layers). On CPU the tie is a select on one element of a cotangent, which XLA cannot fold (one
-scalar read per block); elsewhere an optimization barrier over (inputs, cotangents).
+back into the forward pass (``bench/memory.py --zoo``, GPT-2 blocks by hand with nn.remat:
+1.00x less temp on jax 0.10, 1.80x on jax 0.11; this path 2.5x on both). On CPU the tie is a
+select on one element of a cotangent, which XLA cannot fold (one scalar read per block);
+elsewhere an optimization barrier over (inputs, cotangents).
 """
 
 from __future__ import annotations
