@@ -111,7 +111,8 @@ STRUCTURE = {"gemma": "alternating local/global", "llama": "nn.scan", "gpt2": "n
              "vit": "named blocks + conv", "mlp_loop": "loop in one module"}
 
 
-def zoo_measure(name: str, config: dict, hand_remat: bool = False) -> dict:
+def zoo_measure(name: str, config: dict, hand_remat: bool = False, rows: int = ZOO_ROWS
+                ) -> dict:
   import contextlib
   import importlib
 
@@ -134,7 +135,7 @@ def zoo_measure(name: str, config: dict, hand_remat: bool = False) -> dict:
       # its boxed kernel, which fails under a mesh (llama's q/k/v).
       init_fn = lambda rng, b: meta.unbox(zoo.init_fn(rng, b))  # noqa: E731
     epl.init(config)
-    batch = zoo.make_batch(ZOO_ROWS)
+    batch = zoo.make_batch(rows)
     trainer = epl.Trainer(init_fn, zoo.loss_fn, optax.adam(1e-3))
     state = trainer.init(jax.random.key(0), batch)
     plan = trainer.plan
@@ -158,10 +159,16 @@ def zoo_main(record_it: bool, argv) -> None:
     none = zoo_measure(name, {})
     auto = zoo_measure(name, {"gradient_checkpoint.type": "auto"})
     hand = zoo_measure(name, {}, hand_remat=True) if name in HAND_REMAT else None
+    # The step's temporaries that are not activations (gradients, optimizer update): its
+    # temp bytes at one row per device, where activations are next to nothing.
+    floor = zoo_measure(name, {}, rows=n)["temp"]
     cut = lambda r, none=none: f"{none['temp'] / r['temp']:.2f}x"  # noqa: E731
+    act_none, act_auto = (max(r["temp"] - floor, 0) / 1024 for r in (none, auto))
+    act_cut = f"{act_none / act_auto:.1f}x" if act_auto >= 1 else "all"
     flops = lambda r, none=none: f"{r['flops'] / none['flops']:.2f}"  # noqa: E731
     gc_rows.append([name, STRUCTURE[name], f"{none['temp'] / 1024:.0f}",
-                     f"{auto['temp'] / 1024:.0f} ({cut(auto)})", flops(auto),
+                     f"{auto['temp'] / 1024:.0f} ({cut(auto)})",
+                     f"{act_none:.0f} -> {act_auto:.0f} ({act_cut})", flops(auto),
                      f"{hand['temp'] / 1024:.0f} ({cut(hand)})" if hand else "n/a",
                      flops(hand) if hand else "n/a",
                      f"{abs(auto['loss'] - none['loss']):.1e}"])
@@ -178,16 +185,20 @@ def zoo_main(record_it: bool, argv) -> None:
   body = "\n\n".join([
       f"The zoo of tests/models, global batch {ZOO_ROWS} rows, Adam, 8 data-parallel CPU "
       "devices. Compiled train step, temporaries per device (KiB) from memory_analysis(); "
-      "FLOPs from cost_analysis() as a ratio to no checkpointing; |loss difference| of the "
-      "first step with GC auto against none.",
-      table(["model", "structure", "temp none", "GC auto (cut)", "FLOPs", "nn.remat per "
-             "layer by hand (cut)", "FLOPs", "|d loss|"], gc_rows),
+      "activations: temp minus the temp of the same step at one row per device (what is "
+      "left is the gradients and the optimizer update, which no checkpointing changes; "
+      "'all': GC auto brings the step down to that floor); FLOPs from cost_analysis() as a "
+      "ratio to no checkpointing; |loss difference| of the first step with GC auto against "
+      "none.",
+      table(["model", "structure", "temp none", "GC auto (cut)", "activations none -> auto",
+             "FLOPs", "nn.remat per layer by hand (cut)", "FLOPs", "|d loss|"], gc_rows),
       "What GC auto chose:\n" + "\n".join(plans),
-      "nn.remat by hand is jax.checkpoint: on XLA:CPU its recomputation is merged back into "
-      "the forward pass for unrolled layers (no saving), while under nn.scan the backward loop "
-      "recomputes one layer at a time. GC auto rematerializes scan bodies with "
-      "jax.checkpoint and unrolled segments with a custom VJP whose recomputation waits for "
-      "the cotangents (epljax/memory/recompute.py), so it cuts memory on every structure.",
+      "nn.remat by hand is jax.checkpoint: for unrolled layers XLA:CPU merges its "
+      "recomputation back into the forward pass (jax 0.10: no saving; jax 0.11: part of it), "
+      "while under nn.scan the backward loop recomputes one layer at a time. GC auto "
+      "rematerializes scan bodies with jax.checkpoint and unrolled segments with a custom VJP "
+      "whose recomputation waits for the cotangents (epljax/memory/recompute.py), so it cuts "
+      "memory on every structure.",
       "ZeRO, training state per device (params + reduced gradients + Adam moments, KiB), "
       "measured / formula with float32 weights (none: 16 bytes per parameter; v1 and v2: "
       "4 + 12/N, since without gradient accumulation the gradient is reduced sharded; v3: "

@@ -146,6 +146,7 @@ def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
   for f in features:
     shardings = f.shardings(shardings, ctx)
   where = dataclasses.replace(where, shardings=shardings)
+  ctx = dataclasses.replace(ctx, shardings=shardings)
   fstate = {f.name: f.init_state(ctx) for f in features}
   jits, user_params = compile_functions(fns, var, where, features, fstate, ctx, rows)
   plan = make_plan(var, cap, where, features, fstate, jits, batch, rows)

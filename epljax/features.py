@@ -50,23 +50,33 @@ UpdateFn = Callable[[Any, Any, Any, dict], tuple[Any, Any, dict]]
 class StateShardings:
   """Where each part of the training state lives (trees of ``NamedSharding``).
 
-  ``grads``: the layout of the reduced gradients, for the plan (None: like ``params``).
+  ``grads``: the layout of the reduced gradients (None: like ``params``); ``params_at_use``:
+  the layout a parameter is computed with at its uses, before ZeRO v3 split its storage
+  (None: like ``params``). Memory kinds say where each part lives.
   """
   params: Any
   opt_state: Any
   model_state: Any
   grads: Any = None
+  params_at_use: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
 class BuildContext:
-  """What a feature may look at while the step is built."""
+  """What a feature may look at while the step is built.
+
+  Features share facts through these fields only, never by looking each other up:
+  ``shardings`` is the state's layout after every feature's ``shardings`` hook (set by the
+  Trainer before it calls the ``forward`` hooks), so the forward rewrite of parameter uses
+  reads where ZeRO and offload put each parameter from it.
+  """
   mesh: Mesh
   num_replicas: int
   num_micro_batch: int
   capture: Any            # sharding.capture.Capture of the loss
   params_shape: Any       # tree of ShapeDtypeStruct, structure of the trained params
   optimizer: Any          # the user's optax.GradientTransformation
+  shardings: StateShardings | None = None
 
 
 def loss_scale(fstate: dict) -> Any:

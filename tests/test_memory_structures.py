@@ -36,6 +36,8 @@ STRUCTURES = {
     "alternating": lambda: deep_fns(Alternating(pairs=1)),
     "plain": lambda: plain_blocks_fns(depth=6),
 }
+# Also the layers of "scan" under the user's own nn.remat (jax.checkpoint inside the loop).
+BUILDERS = {**STRUCTURES, "scan_remat": lambda: deep_fns(Scanned(depth=6, remat=True))}
 _RUNS: dict = {}
 
 
@@ -46,7 +48,7 @@ def batch():
 def reference(structure):
   key = ("reference", structure)
   if key not in _RUNS:
-    init_fn, loss_fn = STRUCTURES[structure]()
+    init_fn, loss_fn = BUILDERS[structure]()
     _RUNS[key] = reference_run(init_fn, loss_fn, deep_optimizer(), jax.random.key(0), batch(),
                                2)
   return _RUNS[key]
@@ -57,7 +59,7 @@ def run(structure, config, steps=2):
   key = (structure, tuple(sorted(config.items())))
   if key not in _RUNS:
     epl.init(config)
-    init_fn, loss_fn = STRUCTURES[structure]()
+    init_fn, loss_fn = BUILDERS[structure]()
     trainer = epl.Trainer(init_fn, loss_fn, deep_optimizer())
     state = trainer.init(jax.random.key(0), batch())
     first = trainer.loss_and_grads(state, batch())
@@ -83,7 +85,7 @@ def check_reference(structure, config):
 def residual_bytes(structure, gc_type, offload=False):
   """Bytes of the activations autodiff saves for the backward pass of one loss evaluation
   (arguments left out: they are kept anyway): (in device memory, in host memory)."""
-  init_fn, loss_fn = STRUCTURES[structure]()
+  init_fn, loss_fn = BUILDERS[structure]()
   b = batch()
   variables = init_fn(jax.random.key(0), b)
   flax_style = isinstance(variables, dict) and "params" in variables
@@ -146,10 +148,10 @@ def test_gc_auto_with_nothing_to_cut_says_so_and_warns_once():
   assert any("no blocks found: nothing rematerialized" in f for f in trainer.plan.features)
 
 
-@pytest.mark.parametrize("structure", ["loop", "scan"])
+@pytest.mark.parametrize("structure", ["loop", "scan", "scan_remat"])
 def test_amp_casts_every_matmul_inside_loops_and_scans(structure):
   epl.init({"amp.level": "O1"})
-  init_fn, loss_fn = STRUCTURES[structure]()
+  init_fn, loss_fn = BUILDERS[structure]()
   trainer = epl.Trainer(init_fn, loss_fn, deep_optimizer())
   state = trainer.init(jax.random.key(0), batch())
   lowered = trainer.lower(state, batch()).as_text()

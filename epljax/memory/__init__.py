@@ -11,8 +11,9 @@ returns those the configuration asks for, in the order they wrap the step.
 - ``amp.py``: ``amp.*`` (op policy, loss scaling, skipped steps);
 - ``grouped.py``: ``optimizer.num_apply_group``;
 - ``uses.py``: the one forward rewrite of parameter uses that offload, ZeRO and mixed
-  precision share, also inside ``scan`` bodies (one layer's weights at a time);
-  ``interpret.py`` re-runs a traced function step by step for it and for rematerialization.
+  precision share, also inside ``scan`` bodies (one layer's weights at a time), reading where
+  each parameter lives from ``BuildContext.shardings``; ``interpret.py`` re-runs a traced
+  function step by step (the steps come from the shared walker, ``sharding.program``).
 """
 
 from __future__ import annotations
@@ -34,4 +35,7 @@ def features(config) -> list[Feature]:
   """
   parts = [*grouped.features(config.optimizer), *zero.features(config.zero),
            *offload.features(config.offload), *amp.features(config.amp)]
-  return [*parts, *uses.combine(parts), *remat.features(config.gradient_checkpoint)]
+  if config.zero.level or config.offload.level or config.amp.level:
+    policy = amp.Policy(amp.COMPUTE_DTYPE) if config.amp.level else None
+    parts.append(uses.ParamUses(policy))
+  return [*parts, *remat.features(config.gradient_checkpoint)]

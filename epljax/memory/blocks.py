@@ -27,6 +27,7 @@ from jax.extend import core as jcore
 
 from epljax import strategy as strategy_lib
 from epljax.memory.interpret import Program, Step, nbytes
+from epljax.sharding.program import any_eqn
 
 # Never recomputed: a collective communicates again, a stateful generator draws new numbers.
 # Counter-based random numbers (random_bits, threefry) are pure functions of their key, so
@@ -63,7 +64,7 @@ class Cuts:
 
 def has_heavy_loop(step: Step) -> bool:
   """A ``scan`` whose body holds a matmul or convolution (layers under ``nn.scan``)."""
-  return step.primitive in LOOPS and _any_eqn(step.eqn, lambda e: e.primitive.name in HEAVY)
+  return step.primitive in LOOPS and any_eqn(step.eqn, lambda e: e.primitive.name in HEAVY)
 
 
 def scan_bodies(program: Program) -> list[int]:
@@ -170,7 +171,7 @@ def _pattern(program: Program, ranges: Sequence[tuple[int, int]]) -> str:
   """The module paths of the segments, digits folded (``Deep/layers_*``), most common first."""
   names = collections.Counter()
   for a, b in ranges:
-    frames = [s.frames for s in program.steps[a:b] if s.frames and _any_eqn(
+    frames = [s.frames for s in program.steps[a:b] if s.frames and any_eqn(
         s.eqn, lambda e: e.primitive.name in HEAVY)]
     if not frames:
       continue
@@ -202,22 +203,13 @@ def tagged_cuts(program: Program, tag: str) -> tuple[list[tuple[int, int]], int]
 
 def must_run_once(step: Step) -> bool:
   """Collectives, stateful random numbers and side effects, here or in a nested jaxpr."""
-  return _any_eqn(step.eqn, lambda e: e.primitive.name in COLLECTIVES | STATEFUL
+  return any_eqn(step.eqn, lambda e: e.primitive.name in COLLECTIVES | STATEFUL
                   or bool(_real_effects(e)))
 
 
 def _real_effects(eqn) -> list:
   return [e for e in eqn.effects if type(e).__name__ not in (
       "NamedAxisEffect", "InternalMutableArrayEffect")]
-
-
-def _any_eqn(eqn, pred) -> bool:
-  if pred(eqn):
-    return True
-  for sub in jcore.jaxprs_in_params(eqn.params):
-    if any(_any_eqn(e, pred) for e in sub.eqns):
-      return True
-  return False
 
 
 def step_taskgraphs(program: Program, taskgraphs: Sequence) -> list[int | None]:

@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding
 
 from epljax.config import OffloadConfig
 from epljax.features import BuildContext, Feature, StateShardings, UpdateFn
+from epljax.memory.zero import is_sharding
 
 HOST = "pinned_host"
 
@@ -54,10 +55,6 @@ def on_host(sharding: NamedSharding) -> NamedSharding:
   return NamedSharding(sharding.mesh, sharding.spec, memory_kind=HOST)
 
 
-def _is_sharding(x) -> bool:
-  return isinstance(x, jax.sharding.Sharding)
-
-
 class Offload(Feature):
   """``offload.level`` v0 or v1 (see the module docstring)."""
 
@@ -77,13 +74,13 @@ class Offload(Feature):
                     "memory.", stacklevel=2)
       return shardings
     self.active = True
-    params = jax.tree.map(on_host, shardings.params, is_leaf=_is_sharding)
+    params = jax.tree.map(on_host, shardings.params, is_leaf=is_sharding)
     opt_state = shardings.opt_state
     if self.level == "v1":
-      opt_state = jax.tree.map(on_host, opt_state, is_leaf=_is_sharding)
+      opt_state = jax.tree.map(on_host, opt_state, is_leaf=is_sharding)
     grads = shardings.grads
     if grads is not None:    # the gradient of a host value is a host value
-      grads = jax.tree.map(on_host, grads, is_leaf=_is_sharding)
+      grads = jax.tree.map(on_host, grads, is_leaf=is_sharding)
     return dataclasses.replace(shardings, params=params, opt_state=opt_state, grads=grads)
 
   def update(self, fn: UpdateFn, ctx: BuildContext) -> UpdateFn:

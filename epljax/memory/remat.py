@@ -76,7 +76,7 @@ class GradientCheckpoint(Feature):
     self._found = "not traced yet"
     self._warned = False
     self._paths: list[str] = []
-    self._diffs = None      # the first step's relative differences, set while tracing
+    self._diffs = None      # the first step's relative differences (host, numpy)
 
   # -- forward -------------------------------------------------------------------------------
   def forward(self, fn: ForwardFn, ctx: BuildContext) -> ForwardFn:
@@ -128,27 +128,33 @@ class GradientCheckpoint(Feature):
       warnings.warn(message, stacklevel=3)
 
   # -- check_gradients -----------------------------------------------------------------------
+  # On the first step the gradients are computed again without checkpointing and compared on
+  # the device; the relative differences reach the host by a callback (``_record``), and
+  # ``after_first_step`` raises. Only ``checked`` lives in the feature state.
   def gradients(self, fn: GradientFn, ctx: BuildContext) -> GradientFn:
     if not self.config.check_gradients:
       return fn
 
     def checked(params, model_state, micro, fstate):
       out = fn(params, model_state, micro, fstate)
-      first = jnp.logical_not(fstate[self.name]["checked"])
 
       def compare(_):
         with self._without_gc(), strategy_lib.trace_session():
           reference = fn(params, model_state, micro, fstate)[2]
-        return jnp.stack([_relative_diff(a, b) for a, b in
-                          zip(jax.tree.leaves(out[2]), jax.tree.leaves(reference))])
+        jax.debug.callback(self._record, jnp.stack([
+            _relative_diff(a, b) for a, b in zip(jax.tree.leaves(out[2]),
+                                                 jax.tree.leaves(reference))]))
 
       leaves = jax.tree_util.tree_flatten_with_path(out[2])[0]
       self._paths = [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in leaves]
-      self._diffs = jax.lax.cond(first, compare,
-                                 lambda _: jnp.zeros(len(self._paths), jnp.float32), None)
+      jax.lax.cond(jnp.logical_not(fstate[self.name]["checked"]), compare, lambda _: None, None)
       return out
 
     return checked
+
+  def _record(self, diffs) -> None:
+    diffs = np.asarray(diffs)
+    self._diffs = diffs if self._diffs is None else np.maximum(self._diffs, diffs)
 
   @contextlib.contextmanager
   def _without_gc(self):
@@ -164,23 +170,18 @@ class GradientCheckpoint(Feature):
 
     def mark_checked(params, opt_state, grads, fstate):
       params, opt_state, fstate = fn(params, opt_state, grads, fstate)
-      state = {"checked": jnp.ones((), bool), "diffs": self._diffs}
-      return params, opt_state, {**fstate, self.name: state}
+      return params, opt_state, {**fstate, self.name: {"checked": jnp.ones((), bool)}}
 
     return mark_checked
 
   def init_state(self, ctx: BuildContext) -> Any:
-    if not self.config.check_gradients:
-      return None
-    count = len(jax.tree.leaves(ctx.params_shape))
-    return {"checked": jnp.zeros((), bool), "diffs": jnp.zeros(count, jnp.float32)}
-
-  def metrics(self, fstate: Any) -> dict[str, Any]:
-    return {} if fstate is None else {"gradient_check_diffs": fstate["diffs"]}
+    return {"checked": jnp.zeros((), bool)} if self.config.check_gradients else None
 
   def after_first_step(self, metrics: dict[str, Any]) -> None:
     if self.config.check_gradients:
-      _raise_if_different(np.asarray(metrics["gradient_check_diffs"]), self._paths)
+      jax.effects_barrier()
+      if self._diffs is not None:
+        _raise_if_different(self._diffs, self._paths)
 
   def describe(self) -> str:
     end = self.config.end_taskgraph
@@ -207,67 +208,55 @@ def run_segments(program: interpret.Program, flat_args, segments, loops=frozense
     ``save_and_offload_only_these_names``: the values live across segment boundaries (and the
     carries of scanned layers) are named and copied to host memory, the rest recomputed.
   """
-  if offload:
-    return _offloaded(program, flat_args, segments, loops)
-  env = interpret.start_env(program, flat_args)
-  for seg in segments:
-    steps = program.steps[seg.start:seg.stop]
-    if not seg.remat:
-      interpret.run_steps(steps, env, _loop_rule(loops, _remat_body))
-      continue
-    inputs, outputs = interpret.live_across(program, seg.start, seg.stop)
-    if not outputs:
-      continue   # dead code: nothing later reads it
-
-    def segment(*vals, steps=steps, inputs=inputs, outputs=outputs):
-      local = dict(zip(inputs, vals))
-      interpret.run_steps(steps, local)
-      return [local[k] for k in outputs]
-
-    values = rematerialize(segment, platform=platform)(*[env[k] for k in inputs])
-    env.update(zip(outputs, values))
-  return interpret.finish(program, env)
-
-
-def _loop_rule(loops, wrap):
-  """A ``run_steps`` rule running the loops in ``loops`` with ``wrap(body)`` as body."""
-  def rule(step, invals):
-    if step.index not in loops:
-      return interpret.bind(step, invals)
-    body = wrap(interpret.scan_body(step))
-    return interpret.in_context(step, interpret.run_scan, step, invals, body)
-  return rule
-
-
-def _remat_body(body):
-  return jax.checkpoint(body, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
-
-
-OFFLOADED = "epl.offloaded"
-_OFFLOAD = dict(names_which_can_be_saved=(), names_which_can_be_offloaded=(OFFLOADED,),
-                offload_src="device", offload_dst="pinned_host")
-
-
-def _offloaded(program, flat_args, segments, loops):
-  """``run_segments`` with the kept values offloaded to host memory (see there)."""
-  policy = jax.checkpoint_policies.save_and_offload_only_these_names(**_OFFLOAD)
-
-  def body_offloaded(body):
-    def named(consts, carry, x):
-      return body(consts, [_name(c) for c in carry], x)
-    return jax.checkpoint(named, prevent_cse=False, policy=policy)
+  rule = _loop_rule(loops, offload)
 
   def run(flat):
     env = interpret.start_env(program, flat)
     for seg in segments:
       steps = program.steps[seg.start:seg.stop]
-      interpret.run_steps(steps, env, _loop_rule(loops, body_offloaded))
-      if seg.remat:
-        for k in interpret.live_across(program, seg.start, seg.stop)[1]:
-          env[k] = _name(env[k])
+      if not seg.remat:
+        interpret.run_steps(steps, env, rule)
+        continue
+      inputs, outputs = interpret.live_across(program, seg.start, seg.stop)
+      if offload:     # what a later segment reads is copied to the host, the rest recomputed
+        interpret.run_steps(steps, env, rule)
+        env.update({k: _name(env[k]) for k in outputs})
+        continue
+      if not outputs:
+        continue   # dead code: nothing later reads it
+
+      def segment(*vals, steps=steps, inputs=inputs, outputs=outputs):
+        local = dict(zip(inputs, vals))
+        interpret.run_steps(steps, local)
+        return [local[k] for k in outputs]
+
+      values = rematerialize(segment, platform=platform)(*[env[k] for k in inputs])
+      env.update(zip(outputs, values))
     return interpret.finish(program, env)
 
-  return jax.checkpoint(run, policy=policy)(list(flat_args))
+  return jax.checkpoint(run, policy=OFFLOAD)(list(flat_args)) if offload else run(flat_args)
+
+
+OFFLOADED = "epl.offloaded"
+OFFLOAD = jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=(), names_which_can_be_offloaded=(OFFLOADED,),
+    offload_src="device", offload_dst="pinned_host")
+
+
+def _loop_rule(loops, offload: bool):
+  """A ``run_steps`` rule running each loop in ``loops`` with its body checkpointed (the
+  carries named for offloading with ``offload``)."""
+  def rule(step, invals):
+    if step.index not in loops:
+      return interpret.bind(step, invals)
+    body = interpret.scan_body(step)
+    if offload:
+      body = lambda consts, carry, x, body=body: body(  # noqa: E731
+          consts, [_name(c) for c in carry], x)
+    body = jax.checkpoint(body, prevent_cse=False, policy=OFFLOAD if offload else
+                          jax.checkpoint_policies.nothing_saveable)
+    return interpret.in_context(step, interpret.run_scan, step, invals, body)
+  return rule
 
 
 def _name(x):

@@ -1,36 +1,16 @@
-"""What happens where a parameter is used: offload's transfer, ZeRO's gather and gradient
-reduce-scatter, mixed precision's casts, in one pass over the traced forward.
+"""What happens where a parameter is used, in one pass over the traced forward (``ParamUses``):
+offload copies it to device memory, ZeRO v3 all-gathers it, mixed precision casts it, and
+ZeRO reduce-scatters its gradient where it is produced. They act on the same equations, so one
+forward hook applies them, reading ``ctx.shardings``.
 
-These three act on the same equations (a matmul reading a weight: copy the weight in, gather
-it, cast it, reduce-scatter its gradient), so one forward hook applies them together
-(``ParamUses``), built from the features that ask for them; each feature keeps its own
-shardings, update and state.
-
-At every use of a parameter:
-
-1. offload: ``device_put`` to device memory (the gradient goes back to the host memory the
-   parameter lives in: a value's memory space is part of its type in JAX);
-2. ZeRO v3: all-gather to the layout without ``data``; v2/v3: the gradient is constrained to
-   the sharded layout where it is produced.
-
-A matmul (``dot_general``, ``conv_general_dilated``) reading a parameter becomes one
-custom-VJP unit that does the above inside and keeps only the *stored* parameter (host
-memory, ZeRO shard, float32) as its residual; the backward pass copies, gathers and casts it
-again once the cotangent exists (``recompute.after``), so no device copy, gathered copy or
-low-precision copy of a weight lives from the forward to the backward pass. Inside the unit:
-
-- mixed precision: operands cast to the compute dtype;
-- ZeRO: the weight gradient is computed per data shard and reduce-scattered explicitly
-  (``psum_scatter`` in a ``shard_map`` over ``data``), so the reduction is a reduce-scatter on
-  every backend; GSPMD alone writes all-reduce + slice and leaves the rewrite to the GPU/TPU
-  compilers. Used when ``data`` is the only mesh axis with more than one device (a model
-  split over ``model`` keeps GSPMD's placement).
-
-Loops over layers (``scan``, e.g. ``nn.scan``) and user rematerialization (``checkpoint``) are
-re-run with their bodies rewritten the same way: a stacked parameter is sliced by the loop and
-each iteration copies in, gathers and casts its own layer only.
-
-Every other equation follows the mixed-precision op policy (``amp.Policy``) or runs as traced.
+A matmul or convolution reading a parameter becomes one custom-VJP unit keeping only the
+*stored* parameter (host memory, ZeRO shard, float32) as its residual; the backward pass
+places it again once the cotangent exists (``recompute.after``). Its weight gradient is
+reduce-scattered explicitly (``psum_scatter`` in a ``shard_map`` over ``data``: GSPMD alone
+writes all-reduce + slice on CPU) when ``data`` is the only mesh axis with several devices.
+Bodies of ``scan`` (``nn.scan``) and user ``checkpoint`` are rewritten the same way, so each
+iteration copies in, gathers and casts its own layer only. Every other equation follows the
+op policy (``amp.Policy``).
 """
 
 from __future__ import annotations
@@ -47,38 +27,41 @@ from jax.sharding import PartitionSpec as P
 from epljax.features import BuildContext, Feature, ForwardFn
 from epljax.memory import amp as amp_lib
 from epljax.memory import interpret
+from epljax.memory.offload import HOST
 from epljax.memory.recompute import after
+from epljax.memory.zero import device_layout, is_sharding
 from epljax.mesh import DATA
+from epljax.sharding.program import REMAT, inner_eqns
 
 
 class ParamUses(Feature):
-  """The forward rewrite for offload, ZeRO and mixed precision (see the module docstring)."""
+  """The forward rewrite for offload, ZeRO and mixed precision (see the module docstring).
+
+  What to do at a use is read from ``ctx.shardings`` (where each parameter is stored, the
+  layout it is used in, its gradient's layout), never from the features that decided it."""
 
   name = "param_uses"
 
-  def __init__(self, *, zero=None, amp=None, offload=None):
-    self.zero = zero
-    self.policy = amp.policy if amp is not None else None
-    self.offload = offload
+  def __init__(self, policy: amp_lib.Policy | None = None):
+    self.policy = policy
     self._warned = False
     self._active: dict = {}
 
   def forward(self, fn: ForwardFn, ctx: BuildContext) -> ForwardFn:
     platform = ctx.mesh.devices.flat[0].platform
-    zero = self.zero
-    if zero is not None and zero.level == "v1" and ctx.num_micro_batch > 1:
-      zero = None        # v1 reduces the accumulated gradient once (zero.py)
+    zero = _Zero.of(ctx)
     explicit = zero is not None and all(
         size == 1 for axis, size in ctx.mesh.shape.items() if axis != DATA)
-    stream = self.offload is not None and self.offload.active
+    stream = any(getattr(s, "memory_kind", None) == HOST for s in jax.tree.leaves(
+        ctx.shardings.params, is_leaf=is_sharding)) if ctx.shardings is not None else False
+    treedef = jax.tree.structure(ctx.params_shape)
     self._active = {"stream": stream, "zero": zero, "explicit": explicit}
 
     def rewritten(params, *args):
       # Inside a per-replica computation (communication.fp16, local clipping: a shard_map
       # over data) the gradient is reduced by that feature; ZeRO then only slices it.
       per_replica = DATA in getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
-      whole = (zero is not None and not per_replica
-               and jax.tree.structure(params) == zero.treedef)
+      whole = zero is not None and not per_replica and jax.tree.structure(params) == treedef
       if zero is not None and not per_replica and not whole:
         self._warn_once()
       program, flat = interpret.trace(fn, params, args, in_device_memory=stream)
@@ -93,9 +76,9 @@ class ParamUses(Feature):
   def _warn_once(self):
     if not self._warned:
       self._warned = True
-      warnings.warn(f"zero.level={self.zero.level!r}: a forward function over a part of the "
-                    "parameters (a pipeline stage) is not resharded per use; GSPMD places its "
-                    "gathers and reductions.", stacklevel=3)
+      warnings.warn("ZeRO: a forward function over a part of the parameters (a pipeline "
+                    "stage) is not resharded per use; GSPMD places its gathers and "
+                    "reductions.", stacklevel=3)
 
   def describe(self) -> str:
     active = self._active
@@ -103,7 +86,7 @@ class ParamUses(Feature):
     parts = []
     if active.get("stream"):
       parts.append("copied from host memory")
-    if zero is not None and zero.level == "v3":
+    if zero is not None and zero.gather:
       parts.append("all-gathered")
     if self.policy is not None:
       parts.append(f"cast to {self.policy.low.name} in each matmul")
@@ -111,6 +94,48 @@ class ParamUses(Feature):
       how = "reduce-scattered" if active.get("explicit") else "constrained to the ZeRO layout"
       parts.append(f"weight gradients {how} where produced")
     return "parameters at each use: " + ", ".join(parts) if parts else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Zero:
+  """ZeRO as ``ctx.shardings`` shows it, per parameter leaf: the layout a use computes with
+  (``full``) and the layout its gradient is reduced to (``sharded``); ``gather``: parameters
+  are stored split (v3) and gathered at each use."""
+  full: tuple
+  sharded: tuple
+  gather: bool
+
+  @staticmethod
+  def of(ctx: BuildContext) -> _Zero | None:
+    sh = ctx.shardings
+    if sh is None or sh.grads is None:
+      return None
+    leaves = lambda t: [device_layout(s) for s in jax.tree.leaves(  # noqa: E731
+        t, is_leaf=is_sharding)]
+    stored = leaves(sh.params)
+    full = leaves(sh.params_at_use) if sh.params_at_use is not None else stored
+    sharded = leaves(sh.grads)
+    if all(f.spec == g.spec for f, g in zip(full, sharded)):
+      return None       # no gradient is reduced to a layout of its own
+    return _Zero(tuple(full), tuple(sharded),
+                 any(s.spec != f.spec for s, f in zip(stored, full)))
+
+  def layouts(self, ref: _Param) -> tuple[NamedSharding, NamedSharding]:
+    """(full, sharded) layouts of a parameter at a use (one layer of it when ``sliced``)."""
+    full, sharded = self.full[ref.index], self.sharded[ref.index]
+    if not ref.sliced:
+      return full, sharded
+    drop = lambda sh: NamedSharding(sh.mesh, P(*tuple(sh.spec)[1:]))  # noqa: E731
+    return drop(full), drop(sharded)
+
+  def dim(self, ref: _Param) -> int | None:
+    """The dimension split over ``data`` at a use, or None when it is not split."""
+    full, sharded = self.full[ref.index].spec, self.sharded[ref.index].spec
+    dim = next((d for d, e in enumerate(sharded)
+                if e == DATA and (d >= len(full) or full[d] != DATA)), None)
+    if not ref.sliced or dim is None:
+      return dim
+    return dim - 1 if dim > 0 else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,11 +163,10 @@ class _Run:
   the loop, one layer at a time."""
 
   def __init__(self, program, flat, refs: dict, options: _Options):
-    self.program, self.flat, self.refs = program, flat, refs
+    self.program, self.flat, self.refs, self.options = program, flat, refs, options
     o = options
-    self.options = o
-    self.policy, self.platform, self.mesh = o.policy, o.platform, o.mesh
-    self.zero, self.explicit, self.stream = o.zero, o.explicit, o.stream
+    self.policy, self.platform, self.mesh, self.zero, self.explicit, self.stream = (
+        o.policy, o.platform, o.mesh, o.zero, o.explicit, o.stream)
 
   def __call__(self):
     program = self.program
@@ -170,7 +194,7 @@ class _Run:
            for j, v in enumerate(raw)]
     if step.primitive == "scan":
       body = interpret.program_of(params["jaxpr"])
-      nc, nk = interpret.scan_counts(step)
+      nc, nk = interpret.scan_counts(step.eqn)
       refs = self._inner_refs(body, step, direct, sliced_from=nc + nk, skip=range(nc, nc + nk))
       run = lambda consts, carry, x: _Run(body, [*consts, *carry, *x], refs,  # noqa: E731
                                           self.options)()
@@ -196,42 +220,23 @@ class _Run:
   def _ref(self, step, j) -> _Param:
     return self.refs[step.inputs[j]]
 
-  def _layouts(self, ref: _Param):
-    full, sharded = self.zero.layouts(ref.index)
-    if not ref.sliced:
-      return full, sharded
-    drop = lambda sh: NamedSharding(sh.mesh, P(*tuple(sh.spec)[1:]))  # noqa: E731
-    return drop(full), drop(sharded)
-
-  def _dim(self, ref: _Param):
-    dim = self.zero.dim(ref.index)
-    if not ref.sliced or dim is None:
-      return dim
-    return dim - 1 if dim > 0 else None
-
-  def _place(self, ref, value):
-    """Device memory, full layout: what the use computes with (no autodiff rule)."""
+  def _place(self, ref, value, autodiff: bool = False):
+    """Device memory, full layout: what the use computes with. With ``autodiff`` (any use but
+    a matmul) the gradient goes back to host memory and the ZeRO layout by autodiff."""
     if self.stream:
       value = jax.device_put(value, jax.memory.Space.Device)
-    if self.zero is not None and self.zero.level == "v3":
-      value = jax.lax.with_sharding_constraint(value, self._layouts(ref)[0])
-    return value
-
-  def _prepare(self, ref, value):
-    """``_place`` for any use but a matmul: autodiff sends the gradient back (to host memory,
-    reduce-scattered to the ZeRO layout)."""
-    if self.stream:
-      value = jax.device_put(value, jax.memory.Space.Device)
-    if self.zero is not None:
-      full, sharded = self._layouts(ref)
-      value = _reshard_cotangent(full if self.zero.level == "v3" else None, sharded)(value)
+    if self.zero is not None and (autodiff or self.zero.gather):
+      full, sharded = self.zero.layouts(ref)
+      full = full if self.zero.gather else None
+      value = (_reshard_cotangent(full, sharded)(value) if autodiff
+               else jax.lax.with_sharding_constraint(value, full))
     return value
 
   def _gradient_back(self, ref, g, reduced: bool, space):
     """The gradient of a matmul's weight, in the layout and memory (``space``) of the
     parameter."""
     if self.zero is not None and not reduced:
-      g = jax.lax.with_sharding_constraint(g, self._layouts(ref)[1])
+      g = jax.lax.with_sharding_constraint(g, self.zero.layouts(ref)[1])
     if space != jax.memory.Space.Device:
       g = jax.device_put(g, space)
     return g
@@ -240,7 +245,7 @@ class _Run:
   def _bind(self, step, raw, flags, direct):
     if step.primitive in amp_lib.LOW and len(raw) == 2 and any(flags):
       return self._matmul(step, raw, flags, direct)
-    invals = [self._prepare(self._ref(step, j), v) if direct[j] else v
+    invals = [self._place(self._ref(step, j), v, autodiff=True) if direct[j] else v
               for j, v in enumerate(raw)]
     if self.policy is not None:
       changes = self.policy.low_params(step) if step.primitive in amp_lib.LOW else {}
@@ -297,7 +302,7 @@ class _Run:
     if not self.explicit or step.primitive != "dot_general":
       return None
     ref = self.refs.get(step.inputs[j])
-    if ref is None or self._dim(ref) is None:
+    if ref is None or self.zero.dim(ref) is None:
       return None
     (lc, rc), (lb, rb) = step.eqn.params["dimension_numbers"]
     if lb or rb:
@@ -314,7 +319,7 @@ class _Run:
 
   def _reduce_scattered(self, step, operands, ct, j, plan):
     d, out_pos = plan
-    dim = self._dim(self._ref(step, j))
+    dim = self.zero.dim(self._ref(step, j))
     other = operands[1 - j]
     n_out = ct.ndim
 
@@ -351,16 +356,9 @@ def _reshard_cotangent(forward_sharding, backward_sharding):
 
 def _rewrites_inside(step, direct) -> bool:
   """A loop or user rematerialization whose body uses a parameter or holds a matmul."""
-  if step.primitive not in ("scan", "checkpoint", "remat"):
+  if step.primitive != "scan" and step.primitive not in REMAT:
     return False
-  return any(direct) or any(e.primitive.name in amp_lib.LOW for e in _eqns(step.eqn))
-
-
-def _eqns(eqn):
-  for sub in jcore.jaxprs_in_params(eqn.params):
-    for e in sub.eqns:
-      yield e
-      yield from _eqns(e)
+  return any(direct) or any(e.primitive.name in amp_lib.LOW for e in inner_eqns(step.eqn))
 
 
 def _memory_space(x):
@@ -369,13 +367,3 @@ def _memory_space(x):
 
 def _lit(a) -> bool:
   return isinstance(a, jcore.Literal)
-
-
-def combine(features: list[Feature]) -> list[Feature]:
-  """The ``ParamUses`` feature for the features that need one (none if none do)."""
-  by_name = {f.name: f for f in features}
-  zero, amp, offload = by_name.get("zero"), by_name.get("amp"), by_name.get("offload")
-  if zero is None and amp is None and offload is None:
-    return []
-  return [ParamUses(zero=zero, amp=amp, offload=offload)]
-

@@ -16,8 +16,9 @@
 
 A leaf is sharded on its largest dimension that the data axis divides and that no other mesh
 axis uses; leaves with no such dimension stay as they are (``describe`` lists them). This
-file gives the shardings, the gradient constraint and the sharded update; the per-use part of
-the forward pass is ``uses.ParamUses``.
+file gives the shardings (``StateShardings.params_at_use``: the layout before the split, which
+v3 gathers to at each use; ``grads``: the ZeRO layout), the gradient constraint and the sharded
+update; the per-use part of the forward pass is ``uses.ParamUses``, reading those shardings.
 """
 
 from __future__ import annotations
@@ -61,7 +62,11 @@ def constrain(tree: Any, shardings: Any) -> Any:
   return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
 
 
-def _without_memory_kind(sh: NamedSharding) -> NamedSharding:
+def is_sharding(x) -> bool:
+  return isinstance(x, jax.sharding.Sharding)
+
+
+def device_layout(sh: NamedSharding) -> NamedSharding:
   # Constraints inside the step say how a value is laid out, not where it lives.
   return NamedSharding(sh.mesh, sh.spec)
 
@@ -74,15 +79,13 @@ class Zero(Feature):
   def __init__(self, config: ZeroConfig):
     self.level = config.level
     self._sharded: list[NamedSharding] = []     # per parameter leaf: its ZeRO layout
-    self._full: list[NamedSharding] = []        # per parameter leaf: before ZeRO
     self._treedef = None
     self._unsharded: list[str] = []
 
   def shardings(self, shardings: StateShardings, ctx: BuildContext) -> StateShardings:
     size = ctx.mesh.shape[DATA]
     shapes, self._treedef = jax.tree.flatten(ctx.params_shape)
-    full = jax.tree.leaves(shardings.params, is_leaf=_is_sharding)
-    self._full = full
+    full = jax.tree.leaves(shardings.params, is_leaf=is_sharding)
     self._sharded = [shard_over_data(s, x.shape, size) for s, x in zip(full, shapes)]
     paths = [jax.tree_util.keystr(p, simple=True, separator="/")
              for p, _ in jax.tree_util.tree_flatten_with_path(ctx.params_shape)[0]]
@@ -92,29 +95,14 @@ class Zero(Feature):
     opt_state = step_lib.map_optimizer_state(
         ctx.optimizer, lambda current, target: NamedSharding(
             target.mesh, target.spec, memory_kind=current.memory_kind),
-        shardings.opt_state, sharded_tree, is_leaf=_is_sharding)
+        shardings.opt_state, sharded_tree, is_leaf=is_sharding)
     params = sharded_tree if self.level == "v3" else shardings.params
     reduced = self.level != "v1" or ctx.num_micro_batch == 1
     grads = jax.tree.map(lambda s, p: NamedSharding(s.mesh, s.spec, memory_kind=p.memory_kind),
-                         sharded_tree, shardings.params, is_leaf=_is_sharding)
+                         sharded_tree, shardings.params, is_leaf=is_sharding)
+    at_use = shardings.params if shardings.params_at_use is None else shardings.params_at_use
     return dataclasses.replace(shardings, params=params, opt_state=opt_state,
-                               grads=grads if reduced else shardings.grads)
-
-  # -- what ParamUses needs (the forward rewrite lives in uses.py) --------------------------
-  @property
-  def treedef(self):
-    return self._treedef
-
-  def layouts(self, i: int) -> tuple[NamedSharding, NamedSharding]:
-    """Parameter leaf ``i``: its layout without ZeRO, and its ZeRO layout."""
-    return _without_memory_kind(self._full[i]), _without_memory_kind(self._sharded[i])
-
-  def dim(self, i: int) -> int | None:
-    """The dimension of leaf ``i`` split over ``data``, or None when it is not split."""
-    if self._full[i] == self._sharded[i]:
-      return None
-    spec = self._sharded[i].spec
-    return next(d for d, e in enumerate(spec) if e == DATA)
+                               grads=grads if reduced else shardings.grads, params_at_use=at_use)
 
   # -- gradients and update: reduce-scatter, update shards, gather -------------------------
   def gradients(self, fn: GradientFn, ctx: BuildContext) -> GradientFn:
@@ -134,7 +122,7 @@ class Zero(Feature):
     return sharded_update
 
   def _layout(self):
-    return jax.tree.unflatten(self._treedef, [_without_memory_kind(s) for s in self._sharded])
+    return jax.tree.unflatten(self._treedef, [device_layout(s) for s in self._sharded])
 
   def describe(self) -> str:
     what = {"v1": "optimizer state", "v2": "optimizer state and gradients",
@@ -143,10 +131,6 @@ class Zero(Feature):
             f"{', '.join(self._unsharded[:4])}{' ...' if len(self._unsharded) > 4 else ''}"
             if self._unsharded else "")
     return f"ZeRO {self.level}: {what} sharded over 'data'{left}"
-
-
-def _is_sharding(x) -> bool:
-  return isinstance(x, jax.sharding.Sharding)
 
 
 def features(config: ZeroConfig) -> list[Feature]:

@@ -29,10 +29,8 @@ from collections.abc import Sequence
 
 from epljax.errors import PlanError
 from epljax.sharding.capture import Capture
+from epljax.sharding.program import CALLS as _TRANSPARENT  # cutting through a call is fine
 from epljax.sharding.program import Node
-
-# Call-like primitives the stage cutter inlines: cutting through them is fine.
-_TRANSPARENT = ("jit", "pjit", "closed_call", "core_call")
 
 
 def auto_stage_cuts(capture: Capture, num_stages: int) -> tuple[int, ...]:

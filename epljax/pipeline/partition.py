@@ -33,13 +33,12 @@ from jax.extend import source_info_util
 
 from epljax.errors import PlanError
 from epljax.sharding.capture import Capture
-from epljax.sharding.program import _sub_calls
+from epljax.sharding.program import CALLS, DERIVATIVE_CALLS, _sub_calls
 
 # Call-like primitives whose body may be cut between stages (inlined). Inlining a custom
 # derivative rule or a checkpoint that straddles two stages falls back to differentiating its
 # body, which gives the same gradients (up to the rule's numerical tricks) without remat.
-_INLINABLE = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
-                        "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint", "remat"})
+_INLINABLE = CALLS | DERIVATIVE_CALLS
 
 
 class _Key:

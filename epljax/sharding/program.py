@@ -1,11 +1,19 @@
-"""A traced program flattened into one list of equations, with data flow across call boundaries.
+"""The one jaxpr walker: a traced program flattened into equations, across call boundaries.
 
 JAX nests equations inside ``jit``, ``custom_jvp_call``, ``checkpoint``, ``scan``, ``cond`` and
-``while``. Strategy tagging and split rules need to see through those boundaries: which
-innermost equations use a parameter, which equation produced a value. ``Program`` walks the
-nesting once, in trace order, and gives every innermost equation (a ``Node``) its full name
-stack and its inputs resolved to *base values*: program inputs, constants and the outputs of
-other nodes.
+``while``. Every part of epljax that reads a traced program walks it here (``walk``), deciding
+only which nested bodies to enter:
+
+- the capture (``Program``: strategy tagging, split rules, stage cutting) enters every body,
+  so each innermost equation (a ``Node``) gets its full name stack and its inputs resolved to
+  *base values*: program inputs, constants and the outputs of other nodes;
+- the memory features enter plain calls only (``CALLS``, ``steps_of``) and re-run every
+  other equation as one ``Step`` (``memory.interpret``);
+- the pipeline (``pipeline.partition``, ``pipeline.auto``) inlines ``CALLS`` and
+  ``DERIVATIVE_CALLS`` and never cuts inside ``LOOPS`` or branches.
+
+``sub_calls`` is the one list of how a call-like equation maps its operands and results to its
+bodies; ``inner_eqns`` and ``any_eqn`` look inside nested bodies without flattening.
 """
 
 from __future__ import annotations
@@ -13,12 +21,153 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from jax.extend import core as jcore
+from jax.extend import source_info_util
+from jax.tree_util import tree_structure
+
+# Plain function calls: the body runs once, as written.
+CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
+# Calls with a derivative rule or rematerialization around their body: inlining one
+# differentiates the body instead (same gradients, up to the rule's numerical tricks).
+REMAT = frozenset({"checkpoint", "remat", "remat2"})   # jax.checkpoint: "remat2" in jax 0.10/0.11
+DERIVATIVE_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call",
+                              "custom_vjp_call_jaxpr"}) | REMAT
+LOOPS = frozenset({"scan", "while"})
 
 # A Flax method other than __call__ runs in the named scope "<module>.<method>".
 _METHOD = re.compile(r"(?<=[A-Za-z0-9_])\.[A-Za-z_]\w*$")
+
+Key = tuple[int, Any]      # (scope id, jaxpr Var): one value of the flattened program
+Call = tuple[Any, list, list]   # (inner jaxpr, [(inner invar, outer var)], [(outer, inner outvar)])
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Visit:
+  """One equation the walk did not enter."""
+  eqn: jcore.JaxprEqn
+  inputs: tuple[Any, ...]            # per operand: a tuple of Keys it may carry, or a Literal
+  outputs: tuple[Key | None, ...]    # None for a dropped output
+  name_stack: Any                    # source_info_util.NameStack, from the walk's root
+  enclosing: tuple[jcore.JaxprEqn, ...]   # the entered equations around it, outermost first
+
+
+@dataclasses.dataclass(frozen=True)
+class Walk:
+  visits: list[Visit]
+  inputs: tuple[Key, ...]
+  consts: list[tuple[Key, Any]]      # constants of the root and of every entered body
+  outputs: tuple[Any, ...]           # per root output: a tuple of Keys, or a Literal
+
+
+def walk(closed: Any, enter: Callable[[jcore.JaxprEqn], bool] = lambda eqn: True) -> Walk:
+  """Flattens ``closed`` (a ClosedJaxpr or Jaxpr) in trace order, entering the bodies of the
+  equations ``enter`` accepts and ``sub_calls`` can map."""
+  jaxpr, consts = _body(closed)
+  visits: list[Visit] = []
+  alias: dict[Key, Any] = {}      # inner value -> the outer Keys (or Literal) it stands for
+  all_consts = [((0, v), c) for v, c in zip(jaxpr.constvars, consts)]
+  scopes = [0]
+
+  def resolve(scope: int, v: Any):
+    if isinstance(v, jcore.Literal):
+      return v
+    return alias.get((scope, v), ((scope, v),))
+
+  def go(jaxpr, scope, prefix, enclosing):
+    for eqn in jaxpr.eqns:
+      stack = prefix + eqn.source_info.name_stack
+      calls = sub_calls(eqn) if enter(eqn) else None
+      if calls is None:
+        visits.append(Visit(
+            eqn, tuple(resolve(scope, v) for v in eqn.invars),
+            tuple(None if isinstance(v, jcore.DropVar) else (scope, v) for v in eqn.outvars),
+            stack, enclosing))
+        continue
+      outer_outs: dict[Any, list] = defaultdict(list)
+      for inner, in_map, out_map in calls:
+        scopes[0] += 1
+        child = scopes[0]
+        all_consts.extend(((child, v), c) for v, c in zip(inner.constvars, _consts_of(eqn, inner)))
+        for inner_v, outer_v in in_map:
+          alias[(child, inner_v)] = resolve(scope, outer_v)
+        go(inner, child, stack, enclosing + (eqn,))
+        for outer_o, inner_o in out_map:
+          outer_outs[outer_o].append(resolve(child, inner_o))
+      for outer_o, found in outer_outs.items():
+        keys = [k for r in found if not isinstance(r, jcore.Literal) for k in r]
+        alias[(scope, outer_o)] = found[0] if len(found) == 1 else tuple(dict.fromkeys(keys))
+
+  go(jaxpr, 0, source_info_util.new_name_stack(), ())
+  return Walk(visits, tuple((0, v) for v in jaxpr.invars), all_consts,
+              tuple(resolve(0, v) for v in jaxpr.outvars))
+
+
+def sub_calls(eqn: jcore.JaxprEqn) -> list[Call] | None:
+  """How a call-like equation maps its operands and results to its bodies, or None when it is
+  innermost (or a higher-order primitive whose bodies do not line up with its operands)."""
+  params = eqn.params
+  name = eqn.primitive.name
+  outs = list(eqn.outvars)
+  if name == "while":
+    cond, body = _body(params["cond_jaxpr"])[0], _body(params["body_jaxpr"])[0]
+    nc, nb = params["cond_nconsts"], params["body_nconsts"]
+    ops = list(eqn.invars)
+    carry = ops[nc + nb:]
+    return [
+        (cond, list(zip(cond.invars, ops[:nc] + carry)), []),
+        (body, list(zip(body.invars, ops[nc:nc + nb] + carry)), list(zip(outs, body.outvars))),
+    ]
+  if name == "cond":
+    branches = [_body(b)[0] for b in params["branches"]]
+    ops = list(eqn.invars[1:])
+    return [(b, list(zip(b.invars, ops)), list(zip(outs, b.outvars))) for b in branches]
+  inner = [j for j in (_jaxpr(v) for v in params.values()) if j is not None]
+  if len(inner) != 1:
+    return None
+  (j,) = inner
+  if len(j.invars) != len(eqn.invars) or len(j.outvars) != len(outs):
+    return None
+  return [(j, list(zip(j.invars, eqn.invars)), list(zip(outs, j.outvars)))]
+
+
+_sub_calls = sub_calls   # the name pipeline.partition imports
+
+
+def inner_eqns(eqn: jcore.JaxprEqn) -> Iterator[jcore.JaxprEqn]:
+  """Every equation nested in ``eqn``'s bodies, at any depth."""
+  for sub in jcore.jaxprs_in_params(eqn.params):
+    for e in sub.eqns:
+      yield e
+      yield from inner_eqns(e)
+
+
+def any_eqn(eqn: jcore.JaxprEqn, pred: Callable[[jcore.JaxprEqn], bool]) -> bool:
+  """``pred`` holds for ``eqn`` or for an equation nested in it."""
+  return pred(eqn) or any(pred(e) for e in inner_eqns(eqn))
+
+
+def _jaxpr(v: Any) -> jcore.Jaxpr | None:
+  if isinstance(v, jcore.ClosedJaxpr):
+    return v.jaxpr
+  return v if isinstance(v, jcore.Jaxpr) else None
+
+
+def _body(v: Any) -> tuple[jcore.Jaxpr, list]:
+  return (v.jaxpr, list(v.consts)) if isinstance(v, jcore.ClosedJaxpr) else (v, [])
+
+
+def _consts_of(eqn: jcore.JaxprEqn, inner: jcore.Jaxpr) -> list:
+  for v in eqn.params.values():
+    for b in (v if isinstance(v, (tuple, list)) else (v,)):
+      if isinstance(b, jcore.ClosedJaxpr) and b.jaxpr is inner:
+        return list(b.consts)
+  return []
+
+
+# -- the capture's view: innermost equations with their base values --------------------------
 
 Base = Any  # a jcore.Var that is a program input, a constant or the output of a Node
 
@@ -44,16 +193,15 @@ class Node:
 
 
 class Program:
-  """The nodes of ``closed_jaxpr`` in trace order, with producers and consumers."""
+  """The nodes of ``closed_jaxpr`` in trace order (every body entered), with producers and
+  consumers."""
 
   def __init__(self, closed_jaxpr: jcore.ClosedJaxpr):
     self.closed_jaxpr = closed_jaxpr
-    jaxpr = closed_jaxpr.jaxpr
-    self.invars: tuple[jcore.Var, ...] = tuple(jaxpr.invars)
-    self.nodes: list[Node] = []
-    self._alias: dict[jcore.Var, tuple[Base, ...]] = {}
-    self._walk(jaxpr, (), (), (), ())
-    self.outputs = tuple(self._resolve(v) for v in jaxpr.outvars)
+    self.invars: tuple[jcore.Var, ...] = tuple(closed_jaxpr.jaxpr.invars)
+    flat = walk(closed_jaxpr)
+    self.nodes: list[Node] = [_node(i, v) for i, v in enumerate(flat.visits)]
+    self.outputs = tuple(_bases(r) for r in flat.outputs)
     self.producer: dict[Base, Node] = {}
     self.consumers: dict[Base, list[tuple[Node, int]]] = defaultdict(list)
     for node in self.nodes:
@@ -73,68 +221,125 @@ class Program:
   def node_producers(self, node: Node) -> list[Node]:
     return [self.producer[b] for bases in node.inputs for b in bases if b in self.producer]
 
-  # -- walking -----------------------------------------------------------------------------
 
-  def _resolve(self, v: Any) -> tuple[Base, ...]:
-    if isinstance(v, jcore.Literal):
-      return ()
-    return self._alias.get(v, (v,))
-
-  def _walk(self, jaxpr: jcore.Jaxpr, frames: tuple[str, ...], enclosing: tuple[str, ...],
-            enclosing_ids: tuple[int, ...] = (), module_frames: tuple[str, ...] = ()):
-    for eqn in jaxpr.eqns:
-      stack = eqn.source_info.name_stack.stack
-      eqn_frames = frames + tuple(getattr(s, "name", str(s)) for s in stack)
-      eqn_modules = module_frames + tuple(
-          s.name if s.name.startswith("epl.") else _METHOD.sub("", s.name)
-          for s in stack if type(s).__name__ == "Scope")
-      calls = _sub_calls(eqn)
-      if calls is None:
-        self.nodes.append(Node(len(self.nodes), eqn, eqn_frames,
-                               tuple(self._resolve(v) for v in eqn.invars), enclosing,
-                               enclosing_ids, eqn_modules))
-        continue
-      outer_outs: dict[jcore.Var, list[Base]] = defaultdict(list)
-      for inner, in_map, out_map in calls:
-        for inner_v, outer_v in in_map:
-          self._alias[inner_v] = self._resolve(outer_v)
-        self._walk(inner, eqn_frames, enclosing + (eqn.primitive.name,),
-                   enclosing_ids + (id(eqn),), eqn_modules)
-        for outer_o, inner_o in out_map:
-          outer_outs[outer_o].extend(self._resolve(inner_o))
-      for outer_o, bases in outer_outs.items():
-        self._alias[outer_o] = tuple(dict.fromkeys(bases))
+def _bases(resolved: Any) -> tuple[Base, ...]:
+  return () if isinstance(resolved, jcore.Literal) else tuple(k[1] for k in resolved)
 
 
-def _jaxpr(v: Any) -> jcore.Jaxpr | None:
-  if isinstance(v, jcore.ClosedJaxpr):
-    return v.jaxpr
-  return v if isinstance(v, jcore.Jaxpr) else None
+def _node(index: int, visit: Visit) -> Node:
+  stack = visit.name_stack.stack
+  modules = tuple(s.name if s.name.startswith("epl.") else _METHOD.sub("", s.name)
+                  for s in stack if type(s).__name__ == "Scope")
+  return Node(index, visit.eqn, tuple(getattr(s, "name", str(s)) for s in stack),
+              tuple(_bases(r) for r in visit.inputs),
+              tuple(e.primitive.name for e in visit.enclosing),
+              tuple(id(e) for e in visit.enclosing), modules)
 
 
-def _sub_calls(eqn: jcore.JaxprEqn):
-  """[(inner jaxpr, [(inner invar, outer var)], [(outer outvar, inner outvar)])], or None
-  when the equation is innermost (or a higher-order primitive we do not see into)."""
-  params = eqn.params
-  name = eqn.primitive.name
-  outs = [o for o in eqn.outvars]
-  if name == "while":
-    cond, body = _jaxpr(params["cond_jaxpr"]), _jaxpr(params["body_jaxpr"])
-    nc, nb = params["cond_nconsts"], params["body_nconsts"]
-    ops = list(eqn.invars)
-    carry = ops[nc + nb:]
-    return [
-        (cond, list(zip(cond.invars, ops[:nc] + carry)), []),
-        (body, list(zip(body.invars, ops[nc:nc + nb] + carry)), list(zip(outs, body.outvars))),
-    ]
-  if name == "cond":
-    branches = [_jaxpr(b) for b in params["branches"]]
-    ops = list(eqn.invars[1:])
-    return [(b, list(zip(b.invars, ops)), list(zip(outs, b.outvars))) for b in branches]
-  inner = [j for j in (_jaxpr(v) for v in params.values()) if j is not None]
-  if len(inner) != 1:
-    return None
-  (j,) = inner
-  if len(j.invars) != len(eqn.invars) or len(j.outvars) != len(outs):
-    return None
-  return [(j, list(zip(j.invars, eqn.invars)), list(zip(outs, j.outvars)))]
+# -- the memory features' view: steps, plain calls entered ------------------------------------
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Step:
+  """One equation of the flattened program, its inputs and outputs as program-wide keys."""
+  index: int
+  eqn: Any                                   # jax.extend.core.JaxprEqn
+  inputs: tuple[Any, ...]                    # Key, or a jcore.Literal
+  outputs: tuple[Key | None, ...]            # None for a dropped output
+  name_stack: Any                            # source_info_util.NameStack, relative to fn
+
+  @property
+  def primitive(self) -> str:
+    return self.eqn.primitive.name
+
+  @property
+  def frames(self) -> tuple[str, ...]:
+    return tuple(getattr(s, "name", str(s)) for s in self.name_stack.stack)
+
+  def in_aval(self, i: int):
+    return self.eqn.invars[i].aval
+
+
+@dataclasses.dataclass(frozen=True)
+class Steps:
+  """A program flattened into steps (plain calls entered), in trace order over flat inputs."""
+  steps: tuple[Step, ...]
+  inputs: tuple[Key, ...]                    # flat leaves of (params, args)
+  consts: tuple[tuple[Key, Any], ...]
+  outputs: tuple[Any, ...]                   # Key or Literal per flat output
+  out_avals: tuple[Any, ...]
+  num_params: int
+  in_tree: Any
+  out_tree: Any
+
+  @property
+  def param_keys(self) -> tuple[Key, ...]:
+    return self.inputs[:self.num_params]
+
+
+def steps_of(closed, num_params: int = 0, in_tree=None, out_tree=None) -> Steps:
+  """The flattened program of a (closed) jaxpr, e.g. the body of a loop; its inputs and
+  outputs are flat lists unless trees are given. Plain calls are entered (``_inlinable``),
+  every other equation is one step."""
+  flat = walk(closed, enter=_inlinable)
+  steps = tuple(Step(i, v.eqn, tuple(map(_one, v.inputs)), v.outputs, v.name_stack)
+                for i, v in enumerate(flat.visits))
+  outs = tuple(map(_one, flat.outputs))
+  out_tree = out_tree or tree_structure([0] * len(outs))
+  jaxpr = closed.jaxpr if isinstance(closed, jcore.ClosedJaxpr) else closed
+  return Steps(steps, flat.inputs, tuple(flat.consts), outs,
+                 tuple(v.aval for v in jaxpr.outvars), num_params, in_tree, out_tree)
+
+
+def _one(resolved):
+  """The one Key a value of an entered plain call stands for (or its Literal)."""
+  return resolved if isinstance(resolved, jcore.Literal) else resolved[0]
+
+
+def _inlinable(eqn) -> bool:
+  """A plain call: ``jit`` without explicit shardings, ``closed_call``."""
+  if eqn.primitive.name not in CALLS:
+    return False
+  if eqn.primitive.name in ("jit", "pjit"):
+    unspecified = lambda s: type(s).__name__ == "UnspecifiedValue"  # noqa: E731
+    return (all(unspecified(s) for s in eqn.params["in_shardings"])
+            and all(unspecified(s) for s in eqn.params["out_shardings"]))
+  return True
+
+
+def scan_counts(eqn: jcore.JaxprEqn) -> tuple[int, int]:
+  """(number of constants, number of carries) of a ``scan``; its operands are constants,
+  carries, then the sliced arrays (jax 0.10 has counts, 0.11 a flat tree of the three)."""
+  p = eqn.params
+  if "num_consts" in p:
+    return p["num_consts"], p["num_carry"]
+  consts, carry, _ = p["ft_in"].unpack()
+  return len(consts), len(carry)
+
+
+def live_across(program: Steps, start: int, stop: int) -> tuple[list[Key], list[Key]]:
+  """Keys that steps ``[start, stop)`` read from before ``start`` (their inputs), and keys they
+  define that later steps or the program's outputs read (their outputs), in order."""
+  defined = {k for s in program.steps[start:stop] for k in s.outputs if k is not None}
+  inputs: dict[Key, None] = {}
+  for s in program.steps[start:stop]:
+    for a in s.inputs:
+      if not isinstance(a, jcore.Literal) and a not in defined:
+        inputs.setdefault(a, None)
+  later: set[Key] = {a for s in program.steps[stop:] for a in s.inputs
+                     if not isinstance(a, jcore.Literal)}
+  later |= {a for a in program.outputs if not isinstance(a, jcore.Literal)}
+  outputs = [k for s in program.steps[start:stop] for k in s.outputs
+             if k is not None and k in later]
+  return list(inputs), outputs
+
+
+def nbytes(aval) -> int:
+  """Bytes of one value of ``aval`` (0 for tokens and other non-arrays)."""
+  shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
+  if shape is None or dtype is None:
+    return 0
+  n = 1
+  for d in shape:
+    n *= int(d)
+  return n * dtype.itemsize
+
