@@ -2,13 +2,8 @@
 
 import os
 
-# The second flag: XLA:CPU's concurrency-optimized scheduler can let the simulated devices run
-# independent collectives in different orders (a ZeRO v3 gather before a scanned loop and one
-# inside it): the step deadlocks and XLA aborts the process after 40 s, about 1 run in 3 of
-# test_memory_structures.py's ZeRO v3 scan test on 2 cores; none in 16 with it off.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8"
-                           " --xla_cpu_enable_concurrency_optimized_scheduler=false").strip()
+                           " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
