@@ -184,24 +184,19 @@ class Pipeline:
   def unpack(self, packed: dict[str, jax.Array]) -> Any:
     """``{dtype: (S x v, size)}`` -> the user's parameter tree (a leaf held by several stages: the
     first stage's copy)."""
-    if self.slotted:
-      leaves = slots.unstack(packed, [s.params for s in self.stages], self.slot_layouts,
-                             self.param_avals, total=False)
-    else:
-      leaves = storage.unpack(packed, self._by_row(self.stages), self._by_row(self.layouts),
-                              self.param_avals, total=False)
-    return jax.tree.unflatten(self.params_def, leaves)
+    return jax.tree.unflatten(self.params_def, self._leaves(packed, total=False))
 
   def gradients_of(self, packed: dict[str, jax.Array]) -> Any:
     """Packed gradients -> the user's tree; a leaf held by several stages gets their sum (the
     transpose of ``pack``, which copies it to each)."""
+    return jax.tree.unflatten(self.params_def, self._leaves(packed, total=True))
+
+  def _leaves(self, packed: dict[str, jax.Array], *, total: bool) -> list[Any]:
     if self.slotted:
-      leaves = slots.unstack(packed, [s.params for s in self.stages], self.slot_layouts,
-                             self.param_avals, total=True)
-    else:
-      leaves = storage.unpack(packed, self._by_row(self.stages), self._by_row(self.layouts),
-                              self.param_avals, total=True)
-    return jax.tree.unflatten(self.params_def, leaves)
+      return slots.unstack(packed, [s.params for s in self.stages], self.slot_layouts,
+                           self.param_avals, total=total)
+    return storage.unpack(packed, self._by_row(self.stages), self._by_row(self.layouts),
+                          self.param_avals, total=total)
 
   def _by_row(self, per_chunk: Sequence[Any]) -> list[Any]:
     return [per_chunk[c] for c in self.rows]

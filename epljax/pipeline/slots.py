@@ -92,24 +92,13 @@ def assign(stage_leaves: Sequence[Sequence[SlotType]]) -> list[SlotLayout]:
   return [SlotLayout(keys, frozen) for keys in keys_of]
 
 
-def zeros(types: Mapping[str, SlotType], lead: tuple[int, ...] = ()) -> dict[str, jax.Array]:
-  return {k: t.zeros(lead) for k, t in types.items()}
-
-
-def nbytes(types: Mapping[str, SlotType]) -> int:
-  return sum(t.nbytes for t in types.values())
-
-
 def stack(leaves: Sequence[Any], members: Sequence[Sequence[int]],
           layouts: Sequence[SlotLayout]) -> dict[str, jax.Array]:
   """The user's leaves -> ``{slot: (S, *shape)}``; ``members[s]``: stage ``s``'s leaf indices
   (in its layout's order)."""
   types = dict(layouts[0].types)
-  rows: dict[str, list[Any]] = {k: [t.zeros() for _ in layouts] for k, t in types.items()}
-  for s, (idx, layout) in enumerate(zip(members, layouts)):
-    for i, k in zip(idx, layout.keys):
-      rows[k][s] = jnp.asarray(leaves[i], types[k].dtype)
-  return {k: jnp.stack(r) for k, r in rows.items()}
+  rows = [layout.pack([leaves[i] for i in idx], types) for idx, layout in zip(members, layouts)]
+  return {k: jnp.stack([r[k] for r in rows]) for k in types}
 
 
 def unstack(stacked: Mapping[str, jax.Array], members: Sequence[Sequence[int]],
