@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import epljax as epl
-from helpers import MLP, TOL, classification_batch, cross_entropy, linen_fns
+from helpers import DEEP_TOL, MLP, TOL, classification_batch, cross_entropy, linen_fns
 
 EXACT = dict(rtol=0, atol=0)
 
@@ -166,3 +166,33 @@ def test_tokens_are_counted_from_the_token_ids_and_eval_gives_aux():
   with pytest.raises(epl.EPLError, match=r"tokens_key='tokens' is not a key of the batch"):
     epl.Trainer(lambda r, b: model.init(r, b["ids"]), loss_fn, optax.sgd(0.1), has_aux=True,
                 tokens_key="tokens")._counts(batch)
+
+
+@pytest.mark.parametrize("name", ["gemma", "llama", "gpt2", "vit", "mlp_loop"])
+def test_eval_step_of_every_zoo_model_is_its_single_device_loss(name):
+  """eval_step on the zoo's structures (tied embeddings, nn.scan with logical axis names, ...),
+  split by the model's one annotate line: the loss of the same variables on one device."""
+  import contextlib
+
+  from flax.core import meta
+  from models import ZOO
+
+  zoo = ZOO[name]
+  batch = zoo.make_batch(16)
+  def rules():
+    return (nn.logical_axis_rules(zoo.logical_rules) if zoo.logical_rules
+            else contextlib.nullcontext())
+
+  epl.init()
+  epl.annotate(zoo.annotate_rules(2))
+  trainer = epl.Trainer(zoo.init_fn, zoo.loss_fn, optax.sgd(0.1))
+  with rules():
+    state = trainer.init(jax.random.key(0), batch)
+    metrics = trainer.eval_step(state, batch)
+  one = jax.devices()[0]
+  variables = jax.device_put(jax.device_get(meta.unbox(trainer.variables(state))), one)
+  with rules():
+    expected = jax.jit(zoo.loss_fn)(variables, jax.device_put(batch, one))
+  tol = DEEP_TOL if zoo.deep else TOL
+  np.testing.assert_allclose(metrics["loss"], expected, **tol)
+  assert metrics["examples"] == 16
