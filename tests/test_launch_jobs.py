@@ -192,3 +192,25 @@ def _leaves(tree):
   if isinstance(tree, dict):
     return [leaf for k in sorted(tree) for leaf in _leaves(tree[k])]
   return [np.asarray(tree)]
+
+
+def test_the_failure_message_says_what_became_of_every_other_worker():
+  from types import SimpleNamespace
+
+  from epljax.launch import supervisor
+
+  def running(index, code, log=None):
+    return SimpleNamespace(worker=SimpleNamespace(index=index, log_path=log), code=code,
+                           tail=["Traceback", "ValueError: boom"])
+
+  failed, stopped, ended = running(0, 1, "logs/worker_0.log"), running(1, None), running(2, -9)
+  text = supervisor._failure(failed, "exited with code 1", [stopped], [failed, stopped, ended])
+  host = os.uname().nodename
+  assert text == (f"worker 0 (on {host}) exited with code 1; stopped the 1 other running "
+                  "worker(s); already ended: worker 2 was killed by SIGKILL. Its log: "
+                  "logs/worker_0.log")
+  alone = running(0, 3)
+  assert supervisor._failure(alone, "exited with code 3", [], [alone]) == (
+      f"worker 0 (on {host}) exited with code 3; no other worker. Its last lines (prefixed "
+      "[worker 0] above; --log_dir DIR keeps a log per worker):\n    Traceback\n    "
+      "ValueError: boom")

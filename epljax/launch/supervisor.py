@@ -162,7 +162,7 @@ def _watch(running: list[_Running], signals: list[int], grace_period: float,
       others = [r for r in running if r.code is None]
       _stop(others, signal.SIGTERM, FAILURE_GRACE)
       _finish_relays(running)
-      _say(console, lock, _failure(failed, how_ended(failed.code), len(others)))
+      _say(console, lock, _failure(failed, how_ended(failed.code), others, running))
       return _status(failed.code)
     if len(ended) == len(running):
       _finish_relays(running)
@@ -173,7 +173,7 @@ def _watch(running: list[_Running], signals: list[int], grace_period: float,
       _stop([hung[0][0]], signal.SIGKILL, 0)   # its stack is in its log if it printed one
       _stop(others, signal.SIGTERM, FAILURE_GRACE)
       _finish_relays(running)
-      _say(console, lock, _failure(hung[0][0], _hang_text(hung, hang_timeout), len(others)))
+      _say(console, lock, _failure(hung[0][0], _hang_text(hung, hang_timeout), others, running))
       return 124
     time.sleep(POLL_S)
 
@@ -266,13 +266,22 @@ def _status(code: int) -> int:
   return code if code > 0 else 128 - code
 
 
-def _failure(failed: _Running, how: str, stopped: int) -> str:
+def _failure(failed: _Running, how: str, stopped: Sequence[_Running],
+             running: Sequence[_Running]) -> str:
+  """What ended the job: the failed worker, what became of each other worker (stopped by us,
+  or already ended on its own, e.g. a collective that lost its peer), and where its log is."""
   w = failed.worker
   where = (f"Its log: {w.log_path}" if w.log_path else
            f"Its last lines (prefixed [worker {w.index}] above; --log_dir DIR keeps a log "
            "per worker):\n    " + "\n    ".join(failed.tail))
-  return (f"worker {w.index} (on {_HOST}) {how}; stopped the {stopped} other running "
-          f"worker(s). {where}")
+  others = []
+  if stopped:
+    others.append(f"stopped the {len(stopped)} other running worker(s)")
+  ended = [r for r in running if r is not failed and not any(r is s for s in stopped)]
+  if ended:
+    others.append("already ended: " + ", ".join(
+        f"worker {r.worker.index} {how_ended(r.code)}" for r in ended))
+  return f"worker {w.index} (on {_HOST}) {how}; {'; '.join(others) or 'no other worker'}. {where}"
 
 
 _SIGNALS = {s.value for s in signal.Signals}
