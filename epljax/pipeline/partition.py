@@ -32,6 +32,7 @@ from jax.extend import core as jcore
 from jax.extend import source_info_util
 
 from epljax.errors import PlanError
+from epljax.pipeline.roll import Run, roll_repeats
 from epljax.sharding.capture import Capture
 from epljax.sharding.program import CALLS, DERIVATIVE_CALLS, _sub_calls
 
@@ -71,6 +72,7 @@ class Stage:
   outgoing: tuple[Any, ...]      # avals
   last: bool
   state: tuple[int, ...] = ()    # model state leaf indices (BatchNorm statistics) it updates
+  rolled: Run | None = None      # its repeated layers, run as one ``lax.scan`` (``roll.py``)
 
   def __call__(self, params: Sequence[Any], incoming: Sequence[Any], batch: Sequence[Any],
                state: Sequence[Any] = ()):
@@ -96,7 +98,11 @@ def cut_stages(cap: Capture, stage_of: Sequence[int], num_params: int,
   cutter = _Cutter(cap, stage_of, num_params, num_state)
   cutter.run()
   cutter.check_state(list(cap.input_paths[num_params:num_params + num_state]))
-  return cutter.build()
+  stages = []
+  for stage in cutter.build():
+    jaxpr, run = roll_repeats(stage.jaxpr)
+    stages.append(dataclasses.replace(stage, jaxpr=jaxpr, rolled=run))
+  return tuple(stages)
 
 
 class _Cutter:

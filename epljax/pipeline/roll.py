@@ -1,0 +1,236 @@
+"""Repeated layers of a stage as one ``lax.scan``: a stage's program that does not grow with depth.
+
+A stage cut from a model whose layers are written out (a Python loop of Flax modules) holds
+its layers one after the other: 12 copies of a block's equations, forward and backward, each
+compiled on its own. ``roll_repeats`` finds the longest run of equal blocks in a stage's
+program and writes it as a ``lax.scan`` over the blocks' inputs stacked along a new leading
+axis (their parameters), so the compiled stage holds one block, as a hand-written pipeline over
+stacked layers does. The arithmetic is the same, in the same order.
+
+Blocks are found by structure, never by names: a run of ``n >= 2`` equal stretches of ``p``
+equations (same primitives, parameters, shapes and literals) is rolled when its dataflow is a
+loop's: every value a block reads is made inside the block, made by the block just before it
+(the carry), the same value for every block (a mask, a constant), or one input per block (its
+parameters: stacked). A value made by a block and read two blocks later, or read after the run
+from any block but the last, leaves the stage unrolled. Only runs that contain a matmul or a
+convolution are rolled (a layer), and none with side effects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend import core as jcore
+from jax.extend import source_info_util
+
+from epljax.sharding.program import any_eqn
+
+_LAYER = frozenset({"dot_general", "conv_general_dilated"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """``repeats`` blocks of ``length`` equations, starting at equation ``start``."""
+  start: int
+  length: int
+  repeats: int
+
+
+# How each operand of the block's template equation is found, in every block:
+# ("lit", Literal) | ("own", (j, i)) output i of equation j of the same block |
+# ("carry", slot) | ("same", Var) one outer value for every block | ("xs", index) stacked.
+_Source = tuple[str, Any]
+
+
+@dataclasses.dataclass
+class _Loop:
+  run: Run
+  sources: list[list[_Source]]           # per template equation, per operand
+  carry: list[tuple[int, int]]           # slots: (j, i) of the value the previous block made
+  carry_init: list[Any]                  # per slot: the outer atom block 0 reads, or None
+  xs: list[tuple[Any, ...]]              # per stacked input: its outer var in each block
+  results: dict[Any, int]                # outer use of the last block's value -> carry slot
+
+
+def roll_repeats(closed: jcore.ClosedJaxpr) -> tuple[jcore.ClosedJaxpr, Run | None]:
+  """``closed`` with its longest loop-shaped run of equal blocks as a ``lax.scan``, and that
+  run (``None``, and ``closed`` unchanged, when there is none)."""
+  eqns = closed.jaxpr.eqns
+  sigs = _signatures(eqns)
+  for run in _candidates(sigs):
+    if not any(any_eqn(e, lambda q: q.primitive.name in _LAYER)
+               for e in eqns[run.start:run.start + run.length]):
+      continue
+    loop = _as_loop(closed.jaxpr, run)
+    if loop is not None:
+      return _rolled(closed, loop), run
+  return closed, None
+
+
+def _signatures(eqns: Sequence[jcore.JaxprEqn]) -> list[int]:
+  """Equal integers for equations that compute the same thing on values of the same types."""
+  ids: dict[tuple, int] = {}
+  out = []
+  for eqn in eqns:
+    ins = tuple(("lit", repr(a.val), str(a.aval)) if isinstance(a, jcore.Literal) else str(a.aval)
+                for a in eqn.invars)
+    key = (eqn.primitive.name, _params_key(eqn.params), ins,
+           tuple(str(v.aval) for v in eqn.outvars), bool(eqn.effects))
+    out.append(ids.setdefault(key, len(ids)))
+  return out
+
+
+def _params_key(params: dict) -> tuple:
+  # Sub-programs print canonically (their variables are named locally); rule functions of
+  # custom derivatives are new objects per call, so they are compared by type, their primal
+  # programs by text.
+  return tuple((k, repr(v) if not callable(v) or isinstance(v, jcore.ClosedJaxpr) else
+                type(v).__name__) for k, v in sorted(params.items()))
+
+
+def _candidates(sigs: Sequence[int]) -> list[Run]:
+  """Every maximal run of ``>= 2`` equal stretches, the most equations saved first."""
+  at: dict[int, list[int]] = {}
+  for i, s in enumerate(sigs):
+    at.setdefault(s, []).append(i)
+  runs = set()
+  n_eqns = len(sigs)
+  for a, s in enumerate(sigs):
+    for b in at[s]:
+      p = b - a
+      if p <= 0 or a + 2 * p > n_eqns:
+        continue
+      n = 1
+      while a + (n + 1) * p <= n_eqns and sigs[a + n * p:a + (n + 1) * p] == sigs[a:a + p]:
+        n += 1
+      if n >= 2:
+        runs.add(Run(a, p, n))
+  return sorted(runs, key=lambda r: (-r.length * (r.repeats - 1), r.start, r.length))
+
+
+def _as_loop(jaxpr: jcore.Jaxpr, run: Run) -> _Loop | None:
+  """The loop ``run`` is, or ``None`` when its dataflow is not a loop's."""
+  a, p, n = run.start, run.length, run.repeats
+  made: dict[Any, tuple[int, int, int]] = {}     # var -> (block, j, i)
+  for k in range(n):
+    for j in range(p):
+      eqn = jaxpr.eqns[a + k * p + j]
+      if eqn.effects:
+        return None
+      for i, v in enumerate(eqn.outvars):
+        made[v] = (k, j, i)
+  carry: list[tuple[int, int]] = []
+  carry_init: list[Any] = []
+  xs: list[tuple[Any, ...]] = []
+  sources: list[list[_Source]] = []
+  for j in range(p):
+    row = []
+    for o in range(len(jaxpr.eqns[a + j].invars)):
+      atoms = [jaxpr.eqns[a + k * p + j].invars[o] for k in range(n)]
+      source = _source(atoms, made, carry, carry_init, xs)
+      if source is None:
+        return None
+      row.append(source)
+    sources.append(row)
+  # Values of the run read after it (or returned) must be the last block's carried values.
+  results: dict[Any, int] = {}
+  later = [v for e in jaxpr.eqns[a + n * p:] for v in e.invars] + list(jaxpr.outvars)
+  for v in later:
+    if isinstance(v, jcore.Literal) or v not in made:
+      continue
+    k, j, i = made[v]
+    if k != n - 1:
+      return None
+    if (j, i) not in carry:
+      carry.append((j, i))
+      carry_init.append(None)   # made before it is read in every block: starts as zeros
+    results[v] = carry.index((j, i))
+  for slot, init in zip(carry, carry_init):
+    out = jaxpr.eqns[a + slot[0]].outvars[slot[1]].aval
+    if init is not None and (init.aval.shape, init.aval.dtype) != (out.shape, out.dtype):
+      return None
+  return _Loop(run, sources, carry, carry_init, xs, results)
+
+
+def _source(atoms, made, carry, carry_init, xs) -> _Source | None:
+  first = atoms[0]
+  if isinstance(first, jcore.Literal):
+    return ("lit", first) if all(isinstance(x, jcore.Literal) for x in atoms) else None
+  where = [made.get(x) for x in atoms]
+  if all(w is not None and w[0] == k for k, w in enumerate(where)):       # made in its block
+    own = {w[1:] for w in where}
+    return ("own", own.pop()) if len(own) == 1 else None
+  if where[0] is None and all(w is not None and w[0] == k - 1            # the previous block's
+                              for k, w in enumerate(where) if k):
+    slots = {w[1:] for w in where[1:]}
+    if len(slots) != 1:
+      return None
+    slot = slots.pop()
+    if slot in carry:
+      if carry_init[carry.index(slot)] is not first:
+        return None
+    else:
+      carry.append(slot)
+      carry_init.append(first)
+    return ("carry", carry.index(slot))
+  if any(w is not None for w in where):
+    return None
+  if all(x is first for x in atoms):
+    return ("same", first)
+  if any(x.aval.shape != first.aval.shape or x.aval.dtype != first.aval.dtype for x in atoms):
+    return None
+  key = tuple(atoms)
+  if key not in xs:
+    xs.append(key)
+  return ("xs", xs.index(key))
+
+
+def _bind(eqn: jcore.JaxprEqn, values: Sequence[Any]) -> list[Any]:
+  name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+  with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), \
+      eqn.ctx.manager:
+    out = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _rolled(closed: jcore.ClosedJaxpr, loop: _Loop) -> jcore.ClosedJaxpr:
+  jaxpr = closed.jaxpr
+  a, p, n = loop.run.start, loop.run.length, loop.run.repeats
+  template = jaxpr.eqns[a:a + p]
+
+  def fn(*args):
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
+    env.update(zip(jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
+    for eqn in jaxpr.eqns[:a]:
+      env.update(zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars])))
+
+    def block(carried, stacked):
+      own: dict[tuple[int, int], Any] = {}
+      pick = {"lit": lambda s: s.val, "own": own.__getitem__, "carry": carried.__getitem__,
+              "same": read, "xs": stacked.__getitem__}
+      for j, eqn in enumerate(template):
+        outs = _bind(eqn, [pick[kind](s) for kind, s in loop.sources[j]])
+        own.update(((j, i), x) for i, x in enumerate(outs))
+      return [own[slot] for slot in loop.carry], None
+
+    init = []
+    for (j, i), atom in zip(loop.carry, loop.carry_init):
+      aval = template[j].outvars[i].aval
+      init.append(jnp.zeros(aval.shape, aval.dtype) if atom is None else
+                  lax.convert_element_type(read(atom), aval.dtype))
+    stacked = [jnp.stack([read(v) for v in vs]) for vs in loop.xs]
+    final, _ = lax.scan(block, init, stacked, length=n)
+    env.update((v, final[slot]) for v, slot in loop.results.items())
+    for eqn in jaxpr.eqns[a + n * p:]:
+      env.update(zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars])))
+    return [read(v) for v in jaxpr.outvars]
+
+  rolled = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                                for v in jaxpr.invars])
+  return rolled
