@@ -216,12 +216,15 @@ def main(argv=None) -> None:
     return
   if args.compile:
     import pipeline_compile as pc
-    body = table(["blocks", "epljax trace+compile s", "hand-written s", "ratio",
-                  "epljax HLO kchars", "hand-written HLO kchars", "HLO ratio"], pc.measure())
+    body = table(["blocks", "roll_layers", "epljax trace+compile s", "hand-written s", "ratio",
+                  "epljax HLO kchars", "hand-written HLO kchars", "HLO ratio",
+                  "epljax temp MiB/dev"], pc.measure())
     body += (f"\n\nResidual MLP blocks of width {pc.WIDTH}, S={pc.S} stages, M={pc.M} micro "
              f"batches of {pc.ROWS} rows, 2 replicas on 8 devices. epljax: Trainer.init + lower + "
-             "compile of the step; hand-written: blocks stacked on the stage axis, a scan over a "
-             "stage's blocks, a GPipe tick loop with ppermute in shard_map, jax.grad through it.")
+             "compile of the step (parameters reach their stage in one all_to_all per dtype; "
+             "pipeline.roll_layers on: a stage's repeated blocks run as one lax.scan); "
+             "hand-written: blocks stacked on the stage axis, a scan over a stage's blocks, a "
+             "GPipe tick loop with ppermute in shard_map, jax.grad through it.")
     print(body)
     if args.record:
       record("Pipeline compile cost vs depth (bench/pipeline.py --compile)", body)

@@ -153,9 +153,10 @@ class Plan:
     if self.pipeline is not None:
       lines += ["", "pipeline stages"]
       lines += _table(
-          ["stage", "task graph", "params", "bytes/device", "activations in", "kept/micro batch"],
+          ["stage", "task graph", "params", "bytes/device", "activations in", "kept/micro batch",
+           "loop"],
           [[i.index, i.name, i.num_params, _bytes(i.param_bytes), _bytes(i.incoming_bytes),
-            _bytes(i.kept_bytes)] for i in self.pipeline.stage_info()])
+            _bytes(i.kept_bytes), i.loop] for i in self.pipeline.stage_info()])
       lines += [f"  {line}" for line in self.pipeline.describe()]
     lines += ["", "variables"]
     lines += _table(

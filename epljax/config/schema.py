@@ -33,6 +33,10 @@ class PipelineConfig:
       "virtual stages). With v > 1 the S*v task graphs (scopes, or auto.auto_parallel's cuts) "
       "are chunks and stage s runs chunks s, s+S, ...: the bubble shrinks to "
       "(S-1)/(v*M+S-1). num_micro_batch must be a multiple of S.", minimum=1)
+  roll_layers: bool = key(
+      False, "Beyond EPL: run each stage's repeated layers (found by structure) as one "
+      "lax.scan, so its compiled program does not grow with depth. Costs memory: the scan's "
+      "stacked weights are kept per in-flight micro batch (bench/pipeline.py --compile).")
 
 
 @dataclasses.dataclass(frozen=True)

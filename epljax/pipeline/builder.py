@@ -62,6 +62,7 @@ class StageInfo:
   param_bytes: int        # the stage's own parameters (before padding)
   incoming_bytes: int     # activations received per micro batch
   kept_bytes: int         # kept per micro batch for its backward (residuals, inputs)
+  loop: str = "-"         # its repeated layers run as one scan: "6 x 33 ops" (``roll.py``)
 
 
 class Pipeline:
@@ -126,6 +127,11 @@ class Pipeline:
            for spec, a in zip(specs, self.param_avals)]
     self._stored = out
     self.param_specs = list(specs)
+    # Where each stage's leaves arrive in its buffer (``storage.exchange``).
+    self.dims = [storage.stage_dim(sh.spec) for sh in out]
+    self.layouts = storage.exchange_layouts([s.params for s in self.stages], self.param_avals,
+                                            self.dims, size)
+    self.sizes = self.layouts[0].sizes
     if self.slotted:
       self.slot_layouts = slots.assign([[self._slot_type(i) for i in s.params]
                                         for s in self.stages])
@@ -158,8 +164,8 @@ class Pipeline:
       types = dict(self.slot_layouts[0].types)
       return {k: jax.lax.with_sharding_constraint(
           v, NamedSharding(self.mesh, types[k].stacked_spec(STAGE))) for k, v in stacked.items()}
-    return storage.pack(jax.tree.leaves(params), self._by_row(self.stages),
-                        self._by_row(self.layouts), self.sizes)
+    return storage.exchange(jax.tree.leaves(params), self._by_row(self.layouts),
+                            self._by_row([s.params for s in self.stages]), self.dims, self.mesh)
 
   def pack_state(self, model_state: Any) -> dict[str, jax.Array]:
     """The model state tree -> ``{slot: (S, *shape)}`` over ``stage`` (empty without state)."""
@@ -181,22 +187,17 @@ class Pipeline:
     new = [slots.as_key(x, a) for x, a in zip(new, self.state_avals)]
     return jax.tree.unflatten(jax.tree.structure(model_state), new)
 
-  def unpack(self, packed: dict[str, jax.Array]) -> Any:
-    """``{dtype: (S x v, size)}`` -> the user's parameter tree (a leaf held by several stages: the
-    first stage's copy)."""
-    return jax.tree.unflatten(self.params_def, self._leaves(packed, total=False))
-
   def gradients_of(self, packed: dict[str, jax.Array]) -> Any:
     """Packed gradients -> the user's tree; a leaf held by several stages gets their sum (the
     transpose of ``pack``, which copies it to each)."""
-    return jax.tree.unflatten(self.params_def, self._leaves(packed, total=True))
-
-  def _leaves(self, packed: dict[str, jax.Array], *, total: bool) -> list[Any]:
+    members = [s.params for s in self.stages]
     if self.slotted:
-      return slots.unstack(packed, [s.params for s in self.stages], self.slot_layouts,
-                           self.param_avals, total=total)
-    return storage.unpack(packed, self._by_row(self.stages), self._by_row(self.layouts),
-                          self.param_avals, total=total)
+      leaves = slots.unstack(packed, members, self.slot_layouts, self.param_avals, total=True)
+    else:
+      leaves = storage.exchange_gradients(packed, self._by_row(self.layouts),
+                                          self._by_row(members), self.dims, self.param_avals,
+                                          self.mesh)
+    return jax.tree.unflatten(self.params_def, leaves)
 
   def _by_row(self, per_chunk: Sequence[Any]) -> list[Any]:
     return [per_chunk[c] for c in self.rows]
@@ -244,7 +245,8 @@ class Pipeline:
       fns.append(fn)
     self.branches, self.branch_of = runtime.distinct_branches(
         self.stages, fns, self.param_avals, self.batch_avals, self.stash,
-        param_layouts=self.slot_layouts, state_avals=self.state_avals,
+        param_layouts=self.slot_layouts if self.slotted else self.layouts,
+        state_avals=self.state_avals,
         state_layouts=self.state_layouts)
     self.buffers = runtime.buffer_sizes(self.branches)
     # Tensor-parallel stages: the loop is written for (data, stage); GSPMD splits ``model``.
@@ -279,7 +281,9 @@ class Pipeline:
         kept += packing.nbytes(branch.incoming.sizes) if branch.needs_inputs else 0
       rows.append(StageInfo(stage.index, stage.name, len(stage.params),
                             self._stage_param_bytes(stage),
-                            packing.nbytes(packing.Layout.of(stage.incoming).sizes), kept))
+                            packing.nbytes(packing.Layout.of(stage.incoming).sizes), kept,
+                            f"{stage.rolled.repeats} x {stage.rolled.length} ops"
+                            if stage.rolled else "-"))
     return rows
 
   def _split_of(self, spec: Sequence[Any]) -> int:
@@ -395,7 +399,7 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
     raise AssertionError("the per-replica trace found other task graphs than the global one")
   outvars = cap.program.closed_jaxpr.jaxpr.outvars
   aux_avals = [v.aval for v in outvars[1:len(outvars) - n_s]]
-  stages = cut_stages(cap, layout.stage_of, n_p, n_s)
+  stages = cut_stages(cap, layout.stage_of, n_p, n_s, roll=config.roll_layers)
   schedule = make_schedule(config.strategy, layout.num_stages, config.num_micro_batch,
                            config.num_virtual_stages)
   if config.num_micro_batch < layout.num_stages:

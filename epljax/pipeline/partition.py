@@ -86,23 +86,23 @@ class Stage:
 
 
 def cut_stages(cap: Capture, stage_of: Sequence[int], num_params: int,
-               num_state: int = 0) -> tuple[Stage, ...]:
+               num_state: int = 0, roll: bool = False) -> tuple[Stage, ...]:
   """The stages of the captured program ``(params..., state..., batch...) -> (loss, aux...,
   new_state...)``.
 
   ``stage_of`` maps task graph index -> stage; the first ``num_params`` program inputs are
   parameters, the next ``num_state`` model state (each leaf read and updated by one stage,
   its new value among the last ``num_state`` outputs); the rest are batch leaves, read by
-  every stage.
+  every stage. ``roll``: each stage's repeated layers become one ``lax.scan`` (``roll.py``).
   """
   cutter = _Cutter(cap, stage_of, num_params, num_state)
   cutter.run()
   cutter.check_state(list(cap.input_paths[num_params:num_params + num_state]))
-  stages = []
-  for stage in cutter.build():
-    jaxpr, run = roll_repeats(stage.jaxpr)
-    stages.append(dataclasses.replace(stage, jaxpr=jaxpr, rolled=run))
-  return tuple(stages)
+  stages = cutter.build()
+  if not roll:
+    return stages
+  rolled = [(s, *roll_repeats(s.jaxpr)) for s in stages]
+  return tuple(dataclasses.replace(s, jaxpr=jaxpr, rolled=run) for s, jaxpr, run in rolled)
 
 
 class _Cutter:

@@ -14,6 +14,11 @@ loop's: every value a block reads is made inside the block, made by the block ju
 parameters: stacked). A value made by a block and read two blocks later, or read after the run
 from any block but the last, leaves the stage unrolled. Only runs that contain a matmul or a
 convolution are rolled (a layer), and none with side effects.
+
+Opt-in (``pipeline.roll_layers``): the stacked weights are made inside the stage's forward, so
+the pipeline keeps them with each in-flight micro batch's residuals (a copy of the stage's
+layer weights per kept micro batch), where the written-out layers keep none. Worth it when
+compile time, not memory, is what limits a deep model.
 """
 
 from __future__ import annotations

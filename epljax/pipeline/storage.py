@@ -1,34 +1,35 @@
 """The stored parameters (the user's leaves, each also sharded over ``stage``) and the loop's
-packed per-stage buffers: ``pack`` copies a leaf into every stage that reads it, ``unpack``
-(with ``total``) is its transpose, summing a tied leaf's gradients."""
+per-stage buffers.
+
+A leaf is stored in ``S`` pieces, one per stage device (its shard on the dimension ``stage``
+splits, or a ``1/S`` slice of its flattened values when no dimension divides). The loop needs
+each stage's leaves whole on that stage's devices. ``exchange`` moves them there with one
+``all_to_all`` per dtype over ``stage``: device ``r`` sends every stage its ``r``-th piece of
+each leaf that stage reads, so every byte moves once and a device never holds more than its own
+stage's parameters. A stage's buffer is its pieces as they arrive, ``(S, slot)`` per dtype
+(piece ``r`` of every leaf in source ``r``'s slot), and ``ExchangeLayout.unpack`` reassembles
+the leaves inside the stage. ``gradients`` is the transpose: one ``all_to_all`` back, and a
+leaf read by several stages (tied embeddings) gets the sum of their gradients. Both are a fixed
+number of collectives and a few static slices per leaf, however deep the model.
+(Tensor-parallel stages keep whole leaves in slots instead: ``slots.py``.)
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-
-def pack(leaves, stages, layouts, sizes) -> dict[str, jax.Array]:
-  rows = [layout.pack([leaves[i] for i in s.params], sizes) for s, layout in zip(stages, layouts)]
-  return {k: jnp.stack([r[k] for r in rows]) for k in sizes}
-
-
-def unpack(packed, stages, layouts, avals, *, total: bool) -> list[Any]:
-  """Row ``r`` of ``packed`` holds ``stages[r]`` (in row order: with virtual stages a device's
-  chunks are consecutive rows, ``Pipeline.rows``)."""
-  leaves: list[Any] = [None] * len(avals)
-  for row, (s, layout) in enumerate(zip(stages, layouts)):
-    for i, value in zip(s.params, layout.unpack({k: v[row] for k, v in packed.items()})):
-      if leaves[i] is None:
-        leaves[i] = value
-      elif total:
-        leaves[i] = leaves[i] + value
-  # A leaf no stage holds (a parameter the loss never reads) has a zero gradient.
-  return [jnp.zeros(a.shape, a.dtype) if x is None else x for x, a in zip(leaves, avals)]
+from epljax.mesh import STAGE
+from epljax.pipeline import packing
 
 
 def axis_size(mesh, entry) -> int:
@@ -46,3 +47,187 @@ def add_axis(spec: P, shape: tuple[int, ...], axis: str, size: int) -> P | None:
   dim = max(free, key=lambda d: (shape[d], -d))
   entries[dim] = axis
   return P(*entries)
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+  """One leaf of a stage: ``S`` pieces of ``size`` elements, at ``offset`` in every slot."""
+  dtype: str
+  shape: tuple[int, ...]
+  dim: int | None      # the dimension split over ``stage``; None: slices of the flat values
+  offset: int
+  size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ExchangeLayout:
+  """A stage's leaves in its exchanged buffer ``{dtype: (S * slot,)}`` (see the module doc)."""
+  entries: tuple[Piece, ...]
+  stages: int
+  slots: tuple[tuple[str, int], ...]    # (dtype, slot size), the same for every stage
+
+  @property
+  def sizes(self) -> dict[str, int]:
+    return {name: self.stages * slot for name, slot in self.slots}
+
+  def unpack(self, buffers: Mapping[str, jax.Array]) -> list[jax.Array]:
+    slot = dict(self.slots)
+    rows = {k: v.reshape(self.stages, slot[k]) for k, v in buffers.items()}
+    return [_whole(lax.slice_in_dim(rows[e.dtype], e.offset, e.offset + e.size, axis=1), e)
+            for e in self.entries]
+
+  def pack(self, values: Sequence[Any], padded: Mapping[str, int]) -> dict[str, jax.Array]:
+    """Whole leaves (the stage's gradients) -> its buffer: the transpose of ``unpack``."""
+    parts: dict[str, list[jax.Array]] = {name: [] for name in padded}
+    for e, v in zip(self.entries, values, strict=True):
+      parts[e.dtype].append(_pieces(jnp.asarray(v).astype(e.dtype), e, self.stages))
+    return {name: _fill(parts[name], self.stages, size // self.stages, name).reshape(size)
+            for name, size in padded.items()}
+
+
+def exchange_layouts(members: Sequence[Sequence[int]], avals: Sequence[Any],
+                     dims: Sequence[int | None], stages: int) -> list[ExchangeLayout]:
+  """Per stage (its leaf indices ``members``): where each of its leaves' pieces sit; ``dims``:
+  per leaf, the dimension its storage splits over ``stage`` (None: not split)."""
+  offsets = []
+  used: dict[str, int] = {}
+  for member in members:
+    entries, at = [], {}
+    for i in member:
+      a, d = avals[i], dims[i]
+      name = packing.dtype_name(a.dtype)
+      size = math.prod(a.shape) // stages if d is not None else -(-math.prod(a.shape) // stages)
+      entries.append((name, tuple(a.shape), d, at.get(name, 0), size))
+      at[name] = at.get(name, 0) + size
+    offsets.append(entries)
+    for name, n in at.items():
+      used[name] = max(used.get(name, 0), n)
+  slots = tuple(sorted(used.items()))
+  return [ExchangeLayout(tuple(Piece(*e) for e in entries), stages, slots) for entries in offsets]
+
+
+def exchange(leaves: Sequence[Any], rows: Sequence[ExchangeLayout],
+             members: Sequence[Sequence[int]], dims: Sequence[int | None],
+             mesh: Mesh) -> dict[str, jax.Array]:
+  """The stored leaves -> ``{dtype: (S v, S slot)}`` over ``stage``: row ``R`` is the buffer of
+  ``rows[R]`` (the layout of the chunk in row ``R``, whose leaves are ``members[R]``)."""
+  n_stages = mesh.shape[STAGE]
+  per = len(rows) // n_stages
+  slot = dict(rows[0].slots)
+
+  def local(*local_leaves):
+    r = lax.axis_index(STAGE)
+    send = {}
+    for name in slot:
+      parts = []
+      for layout, member in zip(rows, members):
+        mine = [_my_piece(local_leaves[i], e, r, n_stages) for i, e in zip(member, layout.entries)
+                if e.dtype == name]
+        parts.append(_fill([m[None] for m in mine], 1, slot[name], name)[0])
+      send[name] = jnp.stack(parts).reshape(n_stages, per, slot[name])
+    got = {k: lax.all_to_all(v, STAGE, 0, 0, tiled=True) for k, v in send.items()}
+    return {k: v.transpose(1, 0, 2).reshape(per, n_stages * slot[k]) for k, v in got.items()}
+
+  return jax.shard_map(local, mesh=mesh, in_specs=tuple(_spec(l, d) for l, d in zip(leaves, dims)),
+                       out_specs=P(STAGE), axis_names=frozenset({STAGE}), check_vma=False)(*leaves)
+
+
+def exchange_gradients(packed: Mapping[str, jax.Array], rows: Sequence[ExchangeLayout],
+                       members: Sequence[Sequence[int]], dims: Sequence[int | None],
+                       avals: Sequence[Any], mesh: Mesh) -> list[jax.Array]:
+  """The transpose of ``exchange``: per stored leaf, the sum of its stages' gradients, in the
+  leaf's stored layout (zeros for a leaf no stage reads)."""
+  n_stages = mesh.shape[STAGE]
+  per = len(rows) // n_stages
+  slot = dict(rows[0].slots)
+
+  def local(bufs):
+    back = {k: lax.all_to_all(v.reshape(per, n_stages, slot[k]).transpose(1, 0, 2), STAGE, 0, 0,
+                              tiled=True) for k, v in bufs.items()}   # [s, j]: row s v + j's
+    sums: list[Any] = [None] * len(avals)
+    for row, (layout, member) in enumerate(zip(rows, members)):
+      for i, e in zip(member, layout.entries):
+        piece = lax.slice_in_dim(back[e.dtype][row // per, row % per], e.offset,
+                                 e.offset + e.size)
+        sums[i] = piece if sums[i] is None else sums[i] + piece
+    flat = [i for i in range(len(avals)) if sums[i] is not None and dims[i] is None]
+    gathered = {}
+    for name in {packing.dtype_name(avals[i].dtype) for i in flat}:   # one gather per dtype
+      mine = [i for i in flat if packing.dtype_name(avals[i].dtype) == name]
+      every = lax.all_gather(jnp.concatenate([sums[i] for i in mine]), STAGE)
+      at = 0
+      for i in mine:
+        n = sums[i].shape[0]
+        gathered[i] = every[:, at:at + n].reshape(-1)[:math.prod(avals[i].shape)].reshape(
+            avals[i].shape)
+        at += n
+    out = []
+    for i, a in enumerate(avals):
+      if sums[i] is None:
+        out.append(jnp.zeros(_local_shape(a.shape, dims[i], n_stages), a.dtype))
+      elif dims[i] is None:
+        out.append(gathered[i])
+      else:
+        out.append(sums[i].reshape(_local_shape(a.shape, dims[i], n_stages)))
+    return tuple(out)
+
+  specs = tuple(_spec(a, d) for a, d in zip(avals, dims))
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(STAGE),), out_specs=specs,
+                       axis_names=frozenset({STAGE}), check_vma=False)(dict(packed))
+
+
+def stage_dim(spec: P) -> int | None:
+  """The dimension a stored leaf's ``spec`` splits over ``stage`` (alone), or None."""
+  for d, e in enumerate(spec):
+    if e == STAGE:
+      return d
+    if isinstance(e, tuple) and STAGE in e:   # internal invariant: add_axis puts it alone
+      raise AssertionError(f"stage shares dimension {d} of {spec}")
+  return None
+
+
+def _spec(leaf: Any, dim: int | None) -> P:
+  return P(*([None] * dim), STAGE) if dim is not None else P()
+
+
+def _local_shape(shape: tuple[int, ...], dim: int | None, stages: int) -> tuple[int, ...]:
+  if dim is None:
+    return tuple(shape)
+  return (*shape[:dim], shape[dim] // stages, *shape[dim + 1:])
+
+
+def _my_piece(local: jax.Array, e: Piece, r: jax.Array, stages: int) -> jax.Array:
+  """Device ``r``'s piece of a leaf: its shard, or its slice of the (padded) flat values."""
+  flat = jnp.ravel(local).astype(e.dtype)
+  if e.dim is not None:
+    return flat
+  flat = jnp.pad(flat, (0, stages * e.size - flat.shape[0]))
+  return lax.dynamic_slice_in_dim(flat, r * e.size, e.size)
+
+
+def _whole(pieces: jax.Array, e: Piece) -> jax.Array:
+  """``(S, size)`` pieces -> the leaf."""
+  stages = pieces.shape[0]
+  if e.dim is None:
+    return pieces.reshape(-1)[:math.prod(e.shape)].reshape(e.shape)
+  shards = pieces.reshape(stages, *_local_shape(e.shape, e.dim, stages))
+  return jnp.moveaxis(shards, 0, e.dim).reshape(e.shape)
+
+
+def _pieces(value: jax.Array, e: Piece, stages: int) -> jax.Array:
+  """The leaf -> its ``(S, size)`` pieces (the transpose of ``_whole``)."""
+  if e.dim is None:
+    flat = jnp.ravel(value)
+    return jnp.pad(flat, (0, stages * e.size - flat.shape[0])).reshape(stages, e.size)
+  d = e.dim
+  split = value.reshape(*e.shape[:d], stages, e.shape[d] // stages, *e.shape[d + 1:])
+  return jnp.moveaxis(split, d, 0).reshape(stages, e.size)
+
+
+def _fill(parts: list[jax.Array], lead: int, slot: int, dtype: str) -> jax.Array:
+  """``(lead, n_k)`` parts side by side, padded with zeros to ``(lead, slot)``."""
+  used = sum(p.shape[1] for p in parts)
+  if used < slot:
+    parts = [*parts, jnp.zeros((lead, slot - used), dtype)]
+  return jnp.concatenate(parts, axis=1) if len(parts) > 1 else (
+      parts[0] if parts else jnp.zeros((lead, 0), dtype))

@@ -1,0 +1,115 @@
+"""A stage's repeated layers as one scan (``pipeline/roll.py``) and the parameter exchange
+(``pipeline/storage.py``): the compiled pipeline does not grow with depth, and stays exact."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.extend import core as jcore
+
+import epljax as epl
+from epljax import hlo
+from epljax.pipeline.roll import Run, roll_repeats
+from helpers import classification_batch, linen_fns
+from pipeline_helpers import Stack, check_matches_reference
+
+
+def _params(blocks, width=8, seed=0):
+  keys = jax.random.split(jax.random.key(seed), 2 * blocks)
+  return [(jax.random.normal(keys[2 * k], (width, width)) * 0.3,
+           jax.random.normal(keys[2 * k + 1], (width,)) * 0.1) for k in range(blocks)]
+
+
+def _residual(params, x):
+  h = x @ jnp.ones((x.shape[1], 8)) * 0.1
+  for w, b in params:
+    h = h + jnp.tanh(h @ w + b)
+  return jnp.sum(h ** 2)
+
+
+def _rolled_and_plain(fn, *args):
+  closed = jax.make_jaxpr(fn)(*args)
+  rolled, run = roll_repeats(closed)
+  flat = jax.tree.leaves(args)
+  run_it = lambda c: jcore.jaxpr_as_fun(c)(*flat)  # noqa: E731
+  return rolled, run, run_it(rolled), run_it(closed)
+
+
+def test_layers_written_in_a_loop_become_one_scan_with_the_same_result():
+  x = jax.random.normal(jax.random.key(1), (4, 6))
+  rolled, run, got, want = _rolled_and_plain(_residual, _params(5), x)
+  assert run is not None and run.repeats == 5, run
+  scans = [e for e in rolled.jaxpr.eqns if e.primitive.name == "scan"]
+  assert [e.params["length"] for e in scans] == [5]
+  outside = [e for e in rolled.jaxpr.eqns if e.primitive.name == "dot_general"]
+  assert len(outside) == 1, "only the stem's matmul stays outside the scan"
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  # And its derivative, which is what the pipeline's stages take.
+  g_rolled = jax.grad(lambda p, x: jcore.jaxpr_as_fun(rolled)(*jax.tree.leaves((p, x)))[0])(
+      _params(5), x)
+  g_plain = jax.grad(_residual)(_params(5), x)
+  for a, b in zip(jax.tree.leaves(g_rolled), jax.tree.leaves(g_plain)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_value_read_two_layers_later_is_not_a_loop():
+  def dense_skips(params, x):     # layer k reads layers k-1 and k-2: no single carry
+    prev, h = x, x
+    for w, b in params:
+      prev, h = h, jnp.tanh(h @ w + b) + prev
+    return jnp.sum(h)
+
+  x = jax.random.normal(jax.random.key(1), (4, 8))
+  rolled, run, got, want = _rolled_and_plain(dense_skips, _params(4), x)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  if run is not None:   # only a stretch whose dataflow is a loop's may be rolled
+    assert isinstance(run, Run) and run.repeats >= 2
+
+
+def test_shared_weights_are_closed_over_not_stacked():
+  w, b = _params(1)[0]
+  x = jax.random.normal(jax.random.key(1), (4, 6))
+  rolled, run, got, want = _rolled_and_plain(lambda p, x: _residual([p] * 4, x), (w, b), x)
+  assert run is not None and run.repeats == 4
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def _step_text(stages, layers, **config):
+  epl.init({"pipeline.num_micro_batch": 4, **config})
+  batch = classification_batch(32)
+  model = Stack(stages=stages, layers=layers, width=16)
+  if stages == 1:   # no pipeline: the same model trained data-parallel
+    init_fn, loss_fn = linen_fns(model)
+    trainer = epl.Trainer(init_fn, loss_fn, optax.adam(1e-2))
+    state = trainer.init(jax.random.key(0), batch)
+  else:
+    trainer, state = check_matches_reference(model, batch, optax.adam(1e-2))
+  return trainer, trainer.lower(state, batch).compile().as_text()
+
+
+def _moves(text):
+  return sorted(c.kind for c in hlo.collectives(text)
+                if c.kind in ("all-to-all", "all-gather", "collective-permute"))
+
+
+def test_parameters_reach_their_stage_in_one_all_to_all_whatever_the_depth():
+  _, text_2 = _step_text(2, 2)
+  _, text_6 = _step_text(2, 6)
+  # One all-to-all per dtype each way moves the parameters and their gradients (not one gather
+  # per leaf); the loop's two permutes carry activations and their gradients.
+  assert _moves(text_6).count("all-to-all") == 2, _moves(text_6)
+  assert _moves(text_2) == _moves(text_6)
+
+
+def test_rolled_layers_stay_exact_and_the_program_grows_slower_than_unpipelined():
+  shallow, text_2 = _step_text(2, 2, **{"pipeline.roll_layers": True})
+  deep, text_6 = _step_text(2, 6, **{"pipeline.roll_layers": True})
+  plan = str(deep.plan)
+  assert "6 x " in plan and "loop" in plan, plan
+  assert _moves(text_2) == _moves(text_6)
+  # 8 more layers add less program than they add to the same model without stages (its
+  # optimizer and checks grow per leaf in both; the layers themselves only there).
+  _, dp_4 = _step_text(1, 4)
+  _, dp_12 = _step_text(1, 12)
+  assert len(text_6) - len(text_2) < 0.8 * (len(dp_12) - len(dp_4)), (
+      len(text_2), len(text_6), len(dp_4), len(dp_12))
