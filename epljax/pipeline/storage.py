@@ -128,7 +128,7 @@ def exchange(leaves: Sequence[Any], rows: Sequence[ExchangeLayout],
     got = {k: lax.all_to_all(v, STAGE, 0, 0, tiled=True) for k, v in send.items()}
     return {k: v.transpose(1, 0, 2).reshape(per, n_stages * slot[k]) for k, v in got.items()}
 
-  return jax.shard_map(local, mesh=mesh, in_specs=tuple(_spec(l, d) for l, d in zip(leaves, dims)),
+  return jax.shard_map(local, mesh=mesh, in_specs=tuple(map(_spec, dims)),
                        out_specs=P(STAGE), axis_names=frozenset({STAGE}), check_vma=False)(*leaves)
 
 
@@ -171,7 +171,7 @@ def exchange_gradients(packed: Mapping[str, jax.Array], rows: Sequence[ExchangeL
         out.append(sums[i].reshape(_local_shape(a.shape, dims[i], n_stages)))
     return tuple(out)
 
-  specs = tuple(_spec(a, d) for a, d in zip(avals, dims))
+  specs = tuple(map(_spec, dims))
   return jax.shard_map(local, mesh=mesh, in_specs=(P(STAGE),), out_specs=specs,
                        axis_names=frozenset({STAGE}), check_vma=False)(dict(packed))
 
@@ -186,7 +186,7 @@ def stage_dim(spec: P) -> int | None:
   return None
 
 
-def _spec(leaf: Any, dim: int | None) -> P:
+def _spec(dim: int | None) -> P:
   return P(*([None] * dim), STAGE) if dim is not None else P()
 
 
