@@ -216,13 +216,17 @@ def main(argv=None) -> None:
     return
   if args.compile:
     import pipeline_compile as pc
-    body = table(["blocks", "roll_layers", "epljax trace+compile s", "hand-written s", "ratio",
+    body = table(["blocks", "model as written", "epljax init + step s", "epljax step s",
+                  "hand-written s", "ratio", "step-only ratio",
                   "epljax HLO kchars", "hand-written HLO kchars", "HLO ratio",
                   "epljax temp MiB/dev"], pc.measure())
     body += (f"\n\nResidual MLP blocks of width {pc.WIDTH}, S={pc.S} stages, M={pc.M} micro "
-             f"batches of {pc.ROWS} rows, 2 replicas on 8 devices. epljax: Trainer.init + lower + "
-             "compile of the step (parameters reach their stage in one all_to_all per dtype; "
-             "pipeline.roll_layers on: a stage's repeated blocks run as one lax.scan); "
+             f"batches of {pc.ROWS} rows, 2 replicas on 8 devices. epljax: Trainer.init (trace, "
+             "plan, and compiling the parameters' init) + lower + compile of the step; step-only: "
+             "lower + compile of the step alone (parameters reach their stage in one all_to_all "
+             "per dtype; roll_layers: a stage's repeated blocks run as one lax.scan; nn.scan: "
+             "the blocks under nn.scan, auto.auto_parallel with 4 stages splits the scan into one "
+             "scan per stage and each stage reads its layers where they are stored); "
              "hand-written: blocks stacked on the stage axis, a scan over a stage's blocks, a "
              "GPipe tick loop with ppermute in shard_map, jax.grad through it.")
     print(body)

@@ -7,7 +7,10 @@ blocks, S=4 stages (``set_default_strategy`` every L/4 blocks), M=8 micro batche
 on 8 devices:
 
 - epljax: ``trainer.init`` (trace, capture, stage cut, plan) plus lowering and compiling the
-  train step; HLO size = characters of the compiled step's HLO text;
+  train step; HLO size = characters of the compiled step's HLO text. Three ways a user writes
+  the model: a Python loop of blocks (``set_default_strategy`` every L/4 blocks), the same with
+  ``pipeline.roll_layers``, and the blocks under ``nn.scan`` cut by ``auto.auto_parallel`` (the
+  scan split into one scan per stage, its stacked weights stored ``P("stage", ...)``);
 - hand-written: the blocks' parameters stacked ``(S, L/S, ...)`` on the ``stage`` axis, one
   ``lax.scan`` over a stage's blocks, a GPipe loop of ``M + S - 1`` ticks with ``ppermute`` in a
   ``shard_map`` over ``(data, stage)``, ``jax.grad`` through it and an SGD update, lowered and
@@ -51,16 +54,44 @@ class Deep(nn.Module):
     return nn.Dense(CLASSES)(h)
 
 
+class ScanBlock(nn.Module):
+  @nn.compact
+  def __call__(self, h, _):
+    return Block()(h), None
+
+
+class Scanned(nn.Module):
+  """``Deep`` with its blocks under ``nn.scan`` (weights stacked on a leading layers axis)."""
+  layers: int
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(WIDTH)(x)
+    blocks = nn.scan(ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                     length=self.layers)
+    h, _ = blocks()(h, None)
+    return nn.Dense(CLASSES)(h)
+
+
+VARIANTS = ("loop", "loop + roll_layers", "nn.scan")
+
+
 def batch(rows: int) -> dict:
   rng = np.random.default_rng(0)
   return {"x": rng.normal(size=(rows, FEATURES)).astype(np.float32),
           "y": rng.integers(0, CLASSES, rows).astype(np.int32)}
 
 
-def epljax_cost(layers: int, roll: bool = False) -> tuple[float, int, float]:
-  """Seconds, HLO characters and temp MiB per device of the compiled step."""
-  epl.init({"pipeline.num_micro_batch": M, "pipeline.roll_layers": roll})
-  model = Deep(layers)
+def epljax_cost(layers: int, variant: str = "loop") -> tuple[float, float, int, float]:
+  """Seconds (init + step, the step's lowering and compile alone), HLO characters and temp MiB
+  per device of the compiled step (``VARIANTS``)."""
+  if variant == "nn.scan":
+    epl.init({"pipeline.num_micro_batch": M, "auto.auto_parallel": True,
+              "pipeline.num_stages": S})
+    model = Scanned(layers)
+  else:
+    epl.init({"pipeline.num_micro_batch": M, "pipeline.roll_layers": variant != "loop"})
+    model = Deep(layers)
   b = batch(2 * M * ROWS)
 
   def loss_fn(variables, bt):
@@ -70,8 +101,10 @@ def epljax_cost(layers: int, roll: bool = False) -> tuple[float, int, float]:
   start = time.perf_counter()
   trainer = epl.Trainer(lambda k, bt: model.init(k, bt["x"]), loss_fn, optax.sgd(0.1))
   state = trainer.init(jax.random.key(0), b)
+  step_start = time.perf_counter()
   compiled = trainer.lower(state, b).compile()
-  return (time.perf_counter() - start, len(compiled.as_text()),
+  end = time.perf_counter()
+  return (end - start, end - step_start, len(compiled.as_text()),
           compiled.memory_analysis().temp_size_in_bytes / 2**20)
 
 
@@ -144,10 +177,11 @@ def measure(depths=(4, 24, 48)) -> list[list]:
   rows = []
   for layers in depths:
     hand_s, hand_hlo = handwritten_cost(layers)
-    for roll in (False, True):
-      epl_s, epl_hlo, temp = epljax_cost(layers, roll)
-      rows.append([layers, "on" if roll else "off", f"{epl_s:.1f}", f"{hand_s:.1f}",
-                   f"**{epl_s / hand_s:.1f}x**", f"{epl_hlo / 1e3:.0f}", f"{hand_hlo / 1e3:.0f}",
+    for variant in VARIANTS:
+      epl_s, step_s, epl_hlo, temp = epljax_cost(layers, variant)
+      rows.append([layers, variant, f"{epl_s:.1f}", f"{step_s:.1f}", f"{hand_s:.1f}",
+                   f"**{epl_s / hand_s:.1f}x**", f"{step_s / hand_s:.1f}x",
+                   f"{epl_hlo / 1e3:.0f}", f"{hand_hlo / 1e3:.0f}",
                    f"{epl_hlo / hand_hlo:.1f}x", f"{temp:.1f}"])
     print(f"L={layers} done", flush=True)
   return rows

@@ -32,7 +32,7 @@ from epljax import strategy as strategy_lib
 from epljax.errors import PlanError
 from epljax.features import BuildContext, Feature, StateShardings
 from epljax.mesh import MODEL, Layout, abstract_mesh, build_mesh
-from epljax.pipeline.auto import auto_stage_cuts, check_auto
+from epljax.pipeline.auto import auto_stage_cuts, check_auto, scan_split
 from epljax.plan import Leaf, Plan, leaf_bytes_per_device, tree_bytes_per_device
 from epljax.sharding import annotations
 from epljax.sharding import specs as specs_lib
@@ -133,6 +133,11 @@ def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
   cap = capture_loss(var, micro_shapes, len(cluster.devices), **options)
   if config.auto.auto_parallel:   # EPL's automatic pipeline partitioning
     check_auto(cap, config.pipeline.num_stages)
+    split = scan_split(cap, config.pipeline.num_stages, var.num_params) if (
+        config.pipeline.num_virtual_stages == 1) else None
+    if split is not None:   # scanned layers: one scan per stage
+      options["rewrite"] = split
+      cap = capture_loss(var, micro_shapes, len(cluster.devices), **options)
     options["stage_cuts"] = auto_stage_cuts(   # S x v chunks with virtual stages
         cap, config.pipeline.num_stages * config.pipeline.num_virtual_stages)
     cap = capture_loss(var, micro_shapes, len(cluster.devices), **options)

@@ -12,6 +12,10 @@ between two equations is a *legal* cut when
   (input and output embeddings). Blocking its span would leave one stage with everything; it
   is held by every stage that uses it instead (``partition.py``), its gradients summed.
 
+A top-level ``scan`` holding more than its share of the model (layers under ``nn.scan``) is
+first split into one scan per stage (``scan_split``, ``chunks.py``); a stacked weight read
+through those chunks counts as one parameter per chunk, so the cut may fall between chunks.
+
 Among the legal places, each cut goes where the running sums of estimated FLOPs (matmuls
 ``2 x output x contracted``, everything else one per output element) and of parameter bytes
 (each parameter counted at its first use) are together closest to equal shares. Trace order
@@ -28,6 +32,7 @@ import warnings
 from collections.abc import Sequence
 
 from epljax.errors import PlanError
+from epljax.pipeline import chunks
 from epljax.sharding.capture import Capture
 from epljax.sharding.program import CALLS as _TRANSPARENT  # cutting through a call is fine
 from epljax.sharding.program import Node
@@ -39,10 +44,11 @@ def auto_stage_cuts(capture: Capture, num_stages: int) -> tuple[int, ...]:
   if num_stages > len(nodes):
     raise PlanError(f"pipeline.num_stages={num_stages} with auto.auto_parallel, but the traced "
                     f"loss has only {len(nodes)} equations to divide.")
-  node_costs, first_bytes = [node_flops(n) for n in nodes], _first_use_bytes(capture)
+  node_costs = [node_flops(n) for n in nodes]
+  first_bytes = _first_use_bytes(capture, num_stages)
   _warn_opaque_giants(capture, node_costs, first_bytes, num_stages)
   flops, params = _prefix(node_costs), _prefix(first_bytes)
-  legal = _legal_cuts(capture, flops, flops[-1] / num_stages)
+  legal = _legal_cuts(capture, flops, flops[-1] / num_stages, num_stages)
 
   def distance(c: int, k: int) -> float:
     share = k / num_stages
@@ -61,31 +67,61 @@ def auto_stage_cuts(capture: Capture, num_stages: int) -> tuple[int, ...]:
   return tuple(cuts)
 
 
-def _warn_opaque_giants(capture: Capture, flops: Sequence[float], first_bytes: Sequence[float],
-                        num_stages: int, limit: float = 1.5) -> None:
-  """Warns (``StageBalanceWarning``) when one loop, branch or custom-derivative call the cut
-  cannot enter holds more than ``limit`` stages' shares of the FLOPs or parameter bytes: the
-  layers of an ``nn.scan`` are one such call, so no cut can balance them."""
-  groups: dict[int, list] = {}   # outermost opaque call -> [primitive, path, FLOPs, bytes]
+def scan_split(capture: Capture, num_stages: int, num_params: int):
+  """The rewrite (``chunks.split_scan``) giving each of ``num_stages`` stages its share of the
+  top-level scan that holds the most of the model, when that scan holds more than 1.5 stages'
+  shares and can be split; else None."""
+  groups = _opaque_groups(capture)
+  if not groups:
+    return None
+  eqn_id, (_, _, f, b) = max(groups.items(), key=lambda kv: max(kv[1][2], kv[1][3]))
+  if _share(capture, f, b) * num_stages <= 1.5:
+    return None
+  top = [i for i, e in enumerate(capture.program.closed_jaxpr.jaxpr.eqns) if id(e) == eqn_id]
+  if not top:
+    return None
+  found = chunks.scan_splitter(capture.program.closed_jaxpr, top[0], num_stages, num_params)
+  return None if isinstance(found, str) else found
+
+
+def _opaque_groups(capture: Capture) -> dict[int, list]:
+  """Outermost loop, branch or custom-derivative call -> [primitive, path, FLOPs, bytes]."""
+  first_bytes = _first_use_bytes(capture, 1)
+  groups: dict[int, list] = {}
   for n in capture.program.nodes:
     ids = _opaque(n)
     if not ids:
       continue
     name = next(p for p in n.enclosing if p not in _TRANSPARENT)
     g = groups.setdefault(ids[0], [name, "/".join(n.module_frames[:2]), 0.0, 0.0])
-    g[2] += flops[n.index]
+    g[2] += node_flops(n)
     g[3] += first_bytes[n.index]
-  total_flops, total_bytes = sum(flops), sum(first_bytes)
-  for name, path, f, b in groups.values():
-    share = max(f / total_flops if total_flops else 0.0, b / total_bytes if total_bytes else 0.0)
+  return groups
+
+
+def _share(capture: Capture, f: float, b: float) -> float:
+  total_flops = sum(node_flops(n) for n in capture.program.nodes)
+  total_bytes = sum(_first_use_bytes(capture, 1))
+  return max(f / total_flops if total_flops else 0.0, b / total_bytes if total_bytes else 0.0)
+
+
+def _warn_opaque_giants(capture: Capture, flops: Sequence[float], first_bytes: Sequence[float],
+                        num_stages: int, limit: float = 1.5) -> None:
+  """Warns (``StageBalanceWarning``) when one loop, branch or custom-derivative call the cut
+  cannot enter holds more than ``limit`` stages' shares of the FLOPs or parameter bytes (a
+  scan ``scan_split`` could not split)."""
+  for name, path, f, b in _opaque_groups(capture).values():
+    share = _share(capture, f, b)
     if share * num_stages > limit:
       warnings.warn(
           f"auto.auto_parallel cannot balance {num_stages} stages: one `{name}` (at "
           f"{path or 'the top level'}) holds {share:.0%} of the model's estimated FLOPs or "
           "parameter bytes, and the automatic cut does not enter loops, branches or "
-          "custom-derivative calls. Layers under `nn.scan` are one such loop: write them as a "
-          "Python loop (or `nn.remat` per layer) for auto.auto_parallel, or cut the stages "
-          "with `epl.replicate(..., name=...)` scopes.", StageBalanceWarning, stacklevel=4)
+          "custom-derivative calls. A top-level scan over stacked layers (`nn.scan`) is split "
+          "into one scan per stage when its length divides by the number of stages (and "
+          "pipeline.num_virtual_stages is 1); otherwise write the layers as a Python loop, or "
+          "cut the stages with `epl.replicate(..., name=...)` scopes.",
+          StageBalanceWarning, stacklevel=4)
 
 
 def _prefix(values: Sequence[float]) -> list[float]:
@@ -95,15 +131,30 @@ def _prefix(values: Sequence[float]) -> list[float]:
   return out
 
 
-def _first_use_bytes(capture: Capture) -> list[float]:
-  """Per node: the bytes of the parameters first used there."""
+def _first_use_bytes(capture: Capture, num_stages: int) -> list[float]:
+  """Per node: the bytes of the parameters (or stage chunks of stacked ones) first used there."""
   out = [0.0] * len(capture.program.nodes)
   for leaf in range(len(capture.input_paths)):
-    uses = [n.index for n, _ in capture.program.uses_of_input(leaf)]
-    if uses:
-      aval = capture.program.closed_jaxpr.jaxpr.invars[leaf].aval
-      out[min(uses)] += math.prod(aval.shape) * aval.dtype.itemsize
+    for uses, nbytes in param_parts(capture, leaf, num_stages):
+      out[min(uses)] += nbytes
   return out
+
+
+def param_parts(capture: Capture, leaf: int, num_stages: int) -> list[tuple[list[int], float]]:
+  """The uses of parameter ``leaf`` in groups that must share a stage, with their bytes: one
+  group, or, for a leaf read only through stage chunks of its rows (``chunks.py``), one per
+  chunk (a stage holds only its chunk)."""
+  uses = sorted({n.index for n, _ in capture.program.uses_of_input(leaf)})
+  if not uses:
+    return []
+  aval = capture.program.closed_jaxpr.jaxpr.invars[leaf].aval
+  nodes = capture.program.nodes
+  found = [chunks.chunk_of(nodes[i].eqn, tuple(aval.shape), num_stages)
+           if not nodes[i].enclosing else None for i in uses]
+  if num_stages > 1 and all(c is not None for c in found) and len(set(found)) == len(found):
+    part = math.prod(aval.shape) * aval.dtype.itemsize / num_stages
+    return [([i], part) for i in uses]
+  return [(uses, float(math.prod(aval.shape) * aval.dtype.itemsize))]
 
 
 def node_flops(node: Node) -> float:
@@ -120,7 +171,8 @@ def node_flops(node: Node) -> float:
   return float(out)
 
 
-def _legal_cuts(capture: Capture, flops: Sequence[float], share: float) -> list[int]:
+def _legal_cuts(capture: Capture, flops: Sequence[float], share: float,
+                num_stages: int) -> list[int]:
   nodes = capture.program.nodes
   blocked = [False] * (len(nodes) + 1)
   blocked[0] = blocked[len(nodes)] = True
@@ -129,13 +181,17 @@ def _legal_cuts(capture: Capture, flops: Sequence[float], share: float) -> list[
     before, after = _opaque(nodes[i - 1]), _opaque(nodes[i])
     if set(before) & set(after):
       blocked[i] = True
-  # Between two uses of one parameter, unless they are more than a stage's share apart (tied).
+  # Between two uses of one parameter (or chunk), unless they are more than a stage's share
+  # apart (tied); and right after a chunk's slice (it goes with the scan it feeds).
   for leaf in range(len(capture.input_paths)):
-    uses = sorted({n.index for n, _ in capture.program.uses_of_input(leaf)})
-    if not uses or flops[uses[-1]] - flops[uses[0] + 1] > share:
-      continue
-    for i in range(uses[0] + 1, uses[-1] + 1):
-      blocked[i] = True
+    groups = param_parts(capture, leaf, num_stages)
+    for uses, _ in groups:
+      if len(groups) > 1:
+        blocked[uses[0] + 1] = True
+      if flops[uses[-1]] - flops[uses[0] + 1] > share:
+        continue
+      for i in range(uses[0] + 1, uses[-1] + 1):
+        blocked[i] = True
   return [i for i in range(len(nodes) + 1) if not blocked[i]]
 
 
@@ -171,21 +227,20 @@ def stage_names(num_stages: int) -> Sequence[str]:
 def stage_balance(capture: Capture, stage_of: Sequence[int], num_stages: int
                   ) -> tuple[list[float], list[int]]:
   """Estimated FLOPs and parameter bytes per stage (a tied parameter counts in each stage
-  using it), from the capture's nodes and ``stage_of`` (task graph -> stage)."""
+  using it, a stacked one read in stage chunks its chunk in each), from the capture's nodes
+  and ``stage_of`` (task graph -> stage)."""
   flops = [0.0] * num_stages
   params = [0] * num_stages
   for n in capture.program.nodes:
     tg = capture.node_taskgraph[n.index]
     if tg >= 0:
       flops[stage_of[tg]] += node_flops(n)
-  jaxpr = capture.program.closed_jaxpr.jaxpr
   for leaf in range(len(capture.input_paths)):
-    stages = {stage_of[capture.node_taskgraph[n.index]]
-              for n, _ in capture.program.uses_of_input(leaf)
-              if capture.node_taskgraph[n.index] >= 0}
-    aval = jaxpr.invars[leaf].aval
-    for s in stages:
-      params[s] += math.prod(aval.shape) * aval.dtype.itemsize
+    for uses, nbytes in param_parts(capture, leaf, num_stages):
+      holders = {stage_of[capture.node_taskgraph[i]] for i in uses
+                 if capture.node_taskgraph[i] >= 0}
+      for s in holders:
+        params[s] += int(nbytes)
   return flops, params
 
 

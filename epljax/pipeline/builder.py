@@ -82,7 +82,16 @@ class Pipeline:
     self.schedule = schedule
     self.mesh = layout.mesh
     self.batch_axes = batch_axes
-    self.layouts = [packing.Layout.of([param_avals[i] for i in s.params]) for s in stages]
+    # Stacked leaves read by each stage in its own row chunk (``chunks.py``): part index ->
+    # leaf, and the avals of the user's leaves then of the parts (what the stages take).
+    self.parts = dict(sorted({v: i for s in stages for v, i in s.parts}.items()))
+    n_stages = schedule.num_stages
+    self.all_avals = self.param_avals + [
+        jax.ShapeDtypeStruct((param_avals[i].shape[0] // n_stages, *param_avals[i].shape[1:]),
+                             param_avals[i].dtype) for i in self.parts.values()]
+    if list(self.parts) != list(range(len(param_avals), len(self.all_avals))):  # invariant
+      raise AssertionError(f"pipeline parts are not numbered after the leaves: {self.parts}")
+    self.layouts = [packing.Layout.of([self.all_avals[i] for i in s.params]) for s in stages]
     self.sizes = packing.padded_sizes(self.layouts)
     # Packed row r holds chunk rows[r]: stage s's v chunks s, s + S, ... are rows sv..sv+v-1.
     self.rows = chunk_rows(schedule.num_stages, schedule.num_virtual_stages)
@@ -123,19 +132,38 @@ class Pipeline:
   def param_shardings(self, specs: Sequence[P]) -> Any:
     """Per user leaf: its spec (from the stage's strategy) with ``stage`` added."""
     size = self.mesh.shape[STAGE]
-    out = [NamedSharding(self.mesh, storage.add_axis(spec, tuple(a.shape), STAGE, size) or spec)
-           for spec, a in zip(specs, self.param_avals)]
+    chunked = set(self.parts.values())
+    out = [NamedSharding(self.mesh, self._rows_over_stage(i, spec) if i in chunked else
+                         storage.add_axis(spec, tuple(a.shape), STAGE, size) or spec)
+           for i, (spec, a) in enumerate(zip(specs, self.param_avals))]
     self._stored = out
     self.param_specs = list(specs)
-    # Where each stage's leaves arrive in its buffer (``storage.exchange``).
+    # Where each stage's leaves arrive in its buffer (``storage.exchange``); parts stay put.
     self.dims = [storage.stage_dim(sh.spec) for sh in out]
-    self.layouts = storage.exchange_layouts([s.params for s in self.stages], self.param_avals,
-                                            self.dims, size)
+    self.layouts = storage.exchange_layouts(self._exchanged(), self.param_avals, self.dims, size)
     self.sizes = self.layouts[0].sizes
+    if self.parts:
+      types = tuple((storage.part_key(v - len(self.param_avals)),
+                     slots.SlotType.of(self.all_avals[v])) for v in self.parts)
+      self.layouts = [storage.WithParts(layout, tuple(
+          storage.part_key(v - len(self.param_avals)) for v, _ in stage.parts), types)
+          for layout, stage in zip(self.layouts, self.stages)]
     if self.slotted:
       self.slot_layouts = slots.assign([[self._slot_type(i) for i in s.params]
                                         for s in self.stages])
     return jax.tree.unflatten(self.params_def, out)
+
+  def _rows_over_stage(self, i: int, spec: P) -> P:
+    """A chunked leaf's stored spec: its rows (layers) over ``stage``, stage ``s`` holding
+    chunk ``s``."""
+    if len(spec) and spec[0] is not None:
+      raise PlanError(_ROWS_TAKEN.format(path=self.param_paths[i], spec=spec,
+                                         shape=tuple(self.param_avals[i].shape)))
+    return P(STAGE, *tuple(spec)[1:])
+
+  def _exchanged(self) -> list[tuple[int, ...]]:
+    """Per stage, the leaves the exchange brings (its parameters but its parts)."""
+    return [tuple(i for i in s.params if i not in self.parts) for s in self.stages]
 
   def state_sharding(self, leaf: Any, param_sharding: NamedSharding) -> NamedSharding:
     """An optimizer-state leaf of a parameter: the parameter's sharding when the shapes agree,
@@ -164,8 +192,16 @@ class Pipeline:
       types = dict(self.slot_layouts[0].types)
       return {k: jax.lax.with_sharding_constraint(
           v, NamedSharding(self.mesh, types[k].stacked_spec(STAGE))) for k, v in stacked.items()}
-    return storage.exchange(jax.tree.leaves(params), self._by_row(self.layouts),
-                            self._by_row([s.params for s in self.stages]), self.dims, self.mesh)
+    leaves = jax.tree.leaves(params)
+    layouts = [getattr(x, "exchanged", x) for x in self.layouts]
+    out = storage.exchange(leaves, self._by_row(layouts), self._by_row(self._exchanged()),
+                           self.dims, self.mesh)
+    n_stages = self.mesh.shape[STAGE]
+    for v, i in self.parts.items():   # stage s's chunk is already on its devices
+      stacked = leaves[i].reshape(n_stages, -1, *leaves[i].shape[1:])
+      out[storage.part_key(v - len(leaves))] = jax.lax.with_sharding_constraint(
+          stacked, NamedSharding(self.mesh, P(STAGE)))
+    return out
 
   def pack_state(self, model_state: Any) -> dict[str, jax.Array]:
     """The model state tree -> ``{slot: (S, *shape)}`` over ``stage`` (empty without state)."""
@@ -194,9 +230,14 @@ class Pipeline:
     if self.slotted:
       leaves = slots.unstack(packed, members, self.slot_layouts, self.param_avals, total=True)
     else:
-      leaves = storage.exchange_gradients(packed, self._by_row(self.layouts),
-                                          self._by_row(members), self.dims, self.param_avals,
-                                          self.mesh)
+      n = len(self.param_avals)
+      parts = {storage.part_key(v - n): i for v, i in self.parts.items()}
+      layouts = [getattr(x, "exchanged", x) for x in self.layouts]
+      leaves = list(storage.exchange_gradients(
+          {k: g for k, g in packed.items() if k not in parts}, self._by_row(layouts),
+          self._by_row(self._exchanged()), self.dims, self.param_avals, self.mesh))
+      for k, i in parts.items():
+        leaves[i] = packed[k].reshape(self.param_avals[i].shape)
     return jax.tree.unflatten(self.params_def, leaves)
 
   def _by_row(self, per_chunk: Sequence[Any]) -> list[Any]:
@@ -221,7 +262,13 @@ class Pipeline:
     row of every slot (split over ``model`` where the slot is)."""
     if self.slotted:
       return sum(t.nbytes // self._split_of(t.spec) for _, t in self.slot_layouts[0].types)
-    return packing.nbytes(self.sizes)
+    return packing.nbytes(self.sizes) + self.part_bytes_per_device
+
+  @property
+  def part_bytes_per_device(self) -> int:
+    """The stage's chunks of stacked leaves (kept where they are stored)."""
+    return sum(math.prod(self.all_avals[v].shape) * self.all_avals[v].dtype.itemsize
+               for v in self.parts)
 
   # -- the step -----------------------------------------------------------------------------
   def check_compiled(self, hlo_text: str) -> None:
@@ -244,7 +291,7 @@ class Pipeline:
         fn = f.forward(fn, ctx)
       fns.append(fn)
     self.branches, self.branch_of = runtime.distinct_branches(
-        self.stages, fns, self.param_avals, self.batch_avals, self.stash,
+        self.stages, fns, self.all_avals, self.batch_avals, self.stash,
         param_layouts=self.slot_layouts if self.slotted else self.layouts,
         state_avals=self.state_avals,
         state_layouts=self.state_layouts)
@@ -290,12 +337,12 @@ class Pipeline:
     return math.prod(storage.axis_size(self.mesh, e) for e in spec if e is not None)
 
   def _leaf_split(self, i: int) -> int:
-    """Devices leaf ``i`` is split over (its spec, without ``stage``)."""
-    return self._split_of(self.param_specs[i])
+    """Devices leaf (or part) ``i`` is split over (its spec, without ``stage``)."""
+    return self._split_of(self.param_specs[self.parts.get(i, i)])
 
   def _stage_param_bytes(self, stage: Stage) -> int:
     """A stage's own parameters per device of the stage (split over ``model`` where split)."""
-    return sum(math.prod(self.param_avals[i].shape) * self.param_avals[i].dtype.itemsize
+    return sum(math.prod(self.all_avals[i].shape) * self.all_avals[i].dtype.itemsize
                // self._leaf_split(i) for i in stage.params)
 
   def describe_split(self) -> list[str]:
@@ -332,6 +379,12 @@ class Pipeline:
     lines.append(f"params    {_kib(self.param_bytes_per_device)} per device as stored (the "
                  f"user's leaves, sharded over stage); {_kib(self.packed_bytes_per_device)} "
                  + inside)
+    if self.parts:
+      lines.append(
+          f"parts     {len(self.parts)} stacked leaves (scanned layers) stored split over stage "
+          f"on their layers axis; each stage reads its own {_kib(self.part_bytes_per_device)} "
+          "where stored, never exchanged: "
+          + _listing([self.param_paths[i] for i in self.parts.values()]))
     lines += self.describe_split()
     for stage in self.stages:
       if stage.state:
@@ -399,7 +452,8 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
     raise AssertionError("the per-replica trace found other task graphs than the global one")
   outvars = cap.program.closed_jaxpr.jaxpr.outvars
   aux_avals = [v.aval for v in outvars[1:len(outvars) - n_s]]
-  stages = cut_stages(cap, layout.stage_of, n_p, n_s, roll=config.roll_layers)
+  stages = cut_stages(cap, layout.stage_of, n_p, n_s, roll=config.roll_layers,
+                      parts=layout.num_virtual_stages == 1 and not any(k > 1 for k in split))
   schedule = make_schedule(config.strategy, layout.num_stages, config.num_micro_batch,
                            config.num_virtual_stages)
   if config.num_micro_batch < layout.num_stages:
@@ -439,6 +493,12 @@ of the whole micro batch, as on one device, but each replica's stages see only i
 (a stage's batch statistics are not reduced across replicas). Give each stage all of a
 replica's devices, epl.replicate({whole}, name=...) (or epl.split({whole}, ...)), so that one
 replica sees whole micro batches; or use normalization without batch statistics (LayerNorm)."""
+
+_ROWS_TAKEN = """\
+Parameter '{path}' (shape {shape}) is a stack of layers each pipeline stage reads its own rows
+of, so it is stored split over stage on its first dimension, but its spec {spec} already splits
+that dimension. Leave the layers axis of scanned layers unsplit (map its logical axis name to
+None, or give the parameter an epl.annotate spec that starts with None)."""
 
 _PERMUTE_IN_STAGE = """\
 The compiled pipeline step has {n} collective-permute(s) ({shapes}) inside a tensor-parallel

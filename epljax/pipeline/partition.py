@@ -15,7 +15,9 @@ The outgoing activations of stage ``s`` are the values computed on stages ``<= s
 after it (a value used two stages later passes through the stage in between). Parameters never
 travel: every stage that reads a parameter takes it as its own input, so a parameter used by two
 stages (tied input and output embeddings) is held by both and the pipeline sums its two
-gradients (``Stage.params`` of both name it; ``shared_params`` lists them). Every stage
+gradients (``Stage.params`` of both name it; ``shared_params`` lists them), except a stacked
+parameter that stage ``s`` reads only through the ``s``-th of ``S`` equal row chunks (scanned
+layers split per stage, ``chunks.py``): each stage takes its own chunk (a *part*). Every stage
 reads the batch itself, so labels reach the last stage without travelling; values computed
 from the batch alone (masks, one-hot labels) are recomputed where they are used rather than
 sent. A value flowing from a later stage to an earlier one is an error naming both.
@@ -32,6 +34,7 @@ from jax.extend import core as jcore
 from jax.extend import source_info_util
 
 from epljax.errors import PlanError
+from epljax.pipeline import chunks
 from epljax.pipeline.roll import Run, roll_repeats
 from epljax.sharding.capture import Capture
 from epljax.sharding.program import CALLS, DERIVATIVE_CALLS, _sub_calls
@@ -73,6 +76,9 @@ class Stage:
   last: bool
   state: tuple[int, ...] = ()    # model state leaf indices (BatchNorm statistics) it updates
   rolled: Run | None = None      # its repeated layers, run as one ``lax.scan`` (``roll.py``)
+  # Its chunks of stacked parameters: (index in ``params``, the user's leaf). A part's index is
+  # ``num_params + j`` (the ``j``-th chunked leaf); its value is the stage's chunk of the leaf.
+  parts: tuple[tuple[int, int], ...] = ()
 
   def __call__(self, params: Sequence[Any], incoming: Sequence[Any], batch: Sequence[Any],
                state: Sequence[Any] = ()):
@@ -86,16 +92,18 @@ class Stage:
 
 
 def cut_stages(cap: Capture, stage_of: Sequence[int], num_params: int,
-               num_state: int = 0, roll: bool = False) -> tuple[Stage, ...]:
+               num_state: int = 0, roll: bool = False, parts: bool = False
+               ) -> tuple[Stage, ...]:
   """The stages of the captured program ``(params..., state..., batch...) -> (loss, aux...,
   new_state...)``.
 
   ``stage_of`` maps task graph index -> stage; the first ``num_params`` program inputs are
   parameters, the next ``num_state`` model state (each leaf read and updated by one stage,
   its new value among the last ``num_state`` outputs); the rest are batch leaves, read by
-  every stage. ``roll``: each stage's repeated layers become one ``lax.scan`` (``roll.py``).
+  every stage. ``roll``: each stage's repeated layers become one ``lax.scan`` (``roll.py``);
+  ``parts``: stages take their chunks of stacked parameters (else they hold the whole leaf).
   """
-  cutter = _Cutter(cap, stage_of, num_params, num_state)
+  cutter = _Cutter(cap, stage_of, num_params, num_state, parts)
   cutter.run()
   cutter.check_state(list(cap.input_paths[num_params:num_params + num_state]))
   stages = cutter.build()
@@ -108,7 +116,7 @@ def cut_stages(cap: Capture, stage_of: Sequence[int], num_params: int,
 class _Cutter:
 
   def __init__(self, cap: Capture, stage_of: Sequence[int], num_params: int,
-               num_state: int = 0):
+               num_state: int = 0, parts: bool = False):
     self.cap = cap
     self.node_tg = cap.node_taskgraph
     self.stage_of = list(stage_of)
@@ -131,6 +139,27 @@ class _Cutter:
     self.cursor = 0
     self.outputs: list[Any] = []
     self.batch_only: set[_Key] = set()
+    self.part_nodes, self.chunked = self._find_parts() if parts else ({}, [])
+    self.part_keys: dict[tuple[int, int], _Key] = {}
+
+  def _find_parts(self) -> tuple[dict[int, tuple[int, int]], list[int]]:
+    """The slices that give stage ``s`` the ``s``-th row chunk of a stacked parameter
+    (node -> (leaf, chunk)), for the leaves read only that way; and those leaves."""
+    program, found, leaves = self.cap.program, {}, []
+    for leaf in range(self.num_params):
+      shape = tuple(program.invars[leaf].aval.shape)
+      mine: dict[int, int] | None = {}
+      for n, _ in program.uses_of_input(leaf):
+        c = None if n.enclosing else chunks.chunk_of(n.eqn, shape, self.num_stages)
+        tg = self.node_tg[n.index]
+        if c is None or tg < 0 or self.stage_of[tg] != c or c in mine.values():
+          mine = None
+          break
+        mine[n.index] = c
+      if mine and self.num_stages > 1:
+        found.update((i, (leaf, c)) for i, c in mine.items())
+        leaves.append(leaf)
+    return found, leaves
 
   # -- walking ------------------------------------------------------------------------------
   def run(self) -> None:
@@ -152,6 +181,12 @@ class _Cutter:
   def _walk(self, jaxpr: jcore.Jaxpr, alias: dict, prefix) -> None:
     for eqn in jaxpr.eqns:
       count = _count_nodes(eqn)
+      if count == 1 and self.cursor in self.part_nodes:   # a stage's chunk of a stacked leaf
+        leaf, c = self.part_nodes[self.cursor]
+        key = self.part_keys.setdefault((leaf, c), _Key(eqn.outvars[0].aval, "part", leaf, c))
+        alias[eqn.outvars[0]] = key
+        self.cursor += 1
+        continue
       tgs = {t for t in self.node_tg[self.cursor:self.cursor + count] if t >= 0}
       stages = sorted({self.stage_of[t] for t in tgs})
       if len(stages) > 1:
@@ -187,6 +222,8 @@ class _Cutter:
       return 0
     if key.kind == "param":
       return self.param_stage[key.index]
+    if key.kind == "part":
+      return key.value
     return self.items[self.producer[key]].stage
 
   def _assign_untagged(self) -> None:
@@ -263,6 +300,7 @@ class _Cutter:
                     if isinstance(k, _Key) and k.kind == "param"}
       self._read |= {k.index for k in self.outputs + self.state_outputs
                      if isinstance(k, _Key) and k.kind == "param"}
+      self._read |= set(self.chunked)
     return self._read
 
   def _stage(self, s: int, member: list[int], boundary: list[list[_Key]]) -> Stage:
@@ -298,8 +336,10 @@ class _Cutter:
               if i not in read and self.param_stage[i] == s and i not in order]
     state = [j for j in range(self.num_state) if self.state_owner(j) == s]
     order = [i for i in order if i < self.num_params]
+    reads = [k for i in member for k in self.items[i].inputs] + (self.outputs if last else [])
+    parts = list(dict.fromkeys(k for k in reads if isinstance(k, _Key) and k.kind == "part"))
     incoming = boundary[s - 1] if s > 0 else []
-    invars = [new(self.inputs[i]) for i in order]
+    invars = [new(self.inputs[i]) for i in order] + [new(k) for k in parts]
     invars += [new(self.inputs[self.num_params + j]) for j in state]
     invars += [new(k) for k in incoming]
     invars += [new(k) for k in self.inputs[self.num_vars:]]
@@ -322,9 +362,11 @@ class _Cutter:
                            tuple(f"in{i}" for i in range(len(invars))),
                            tuple(f"out{i}" for i in range(len(outvars))))
     jaxpr = jcore.Jaxpr(constvars, invars, outvars, eqns, effects, info)
-    return Stage(s, self.names[s], jcore.ClosedJaxpr(jaxpr, consts), tuple(order),
+    virtual = [(self.num_params + self.chunked.index(k.index), k.index) for k in parts]
+    return Stage(s, self.names[s], jcore.ClosedJaxpr(jaxpr, consts),
+                 tuple(order) + tuple(v for v, _ in virtual),
                  tuple(k.aval for k in incoming), tuple(k.aval for k in outgoing), last,
-                 tuple(state))
+                 tuple(state), parts=tuple(virtual))
 
   # -- model state ----------------------------------------------------------------------------
   def state_owner(self, j: int) -> int:
@@ -352,7 +394,10 @@ def shared_params(stages: Sequence[Stage]) -> dict[int, tuple[int, ...]]:
   """Parameter leaf -> the stages holding it, for the parameters held by more than one."""
   holders: dict[int, list[int]] = {}
   for stage in stages:
+    own = {v for v, _ in stage.parts}
     for i in stage.params:
+      if i in own:
+        continue
       holders.setdefault(i, []).append(stage.index)
   return {i: tuple(h) for i, h in holders.items() if len(h) > 1}
 

@@ -31,9 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
-from jax.extend import source_info_util
 
-from epljax.sharding.program import any_eqn
+from epljax.sharding.program import any_eqn, bind_eqn
 
 _LAYER = frozenset({"dot_general", "conv_general_dilated"})
 
@@ -195,14 +194,6 @@ def _source(atoms, made, carry, carry_init, xs) -> _Source | None:
   return ("xs", xs.index(key))
 
 
-def _bind(eqn: jcore.JaxprEqn, values: Sequence[Any]) -> list[Any]:
-  name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-  with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), \
-      eqn.ctx.manager:
-    out = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
-  return list(out) if eqn.primitive.multiple_results else [out]
-
-
 def _rolled(closed: jcore.ClosedJaxpr, loop: _Loop) -> jcore.ClosedJaxpr:
   jaxpr = closed.jaxpr
   a, p, n = loop.run.start, loop.run.length, loop.run.repeats
@@ -213,14 +204,14 @@ def _rolled(closed: jcore.ClosedJaxpr, loop: _Loop) -> jcore.ClosedJaxpr:
     env.update(zip(jaxpr.invars, args))
     read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
     for eqn in jaxpr.eqns[:a]:
-      env.update(zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars])))
+      env.update(zip(eqn.outvars, bind_eqn(eqn, [read(v) for v in eqn.invars])))
 
     def block(carried, stacked):
       own: dict[tuple[int, int], Any] = {}
       pick = {"lit": lambda s: s.val, "own": own.__getitem__, "carry": carried.__getitem__,
               "same": read, "xs": stacked.__getitem__}
       for j, eqn in enumerate(template):
-        outs = _bind(eqn, [pick[kind](s) for kind, s in loop.sources[j]])
+        outs = bind_eqn(eqn, [pick[kind](s) for kind, s in loop.sources[j]])
         own.update(((j, i), x) for i, x in enumerate(outs))
       return [own[slot] for slot in loop.carry], None
 
@@ -233,7 +224,7 @@ def _rolled(closed: jcore.ClosedJaxpr, loop: _Loop) -> jcore.ClosedJaxpr:
     final, _ = lax.scan(block, init, stacked, length=n)
     env.update((v, final[slot]) for v, slot in loop.results.items())
     for eqn in jaxpr.eqns[a + n * p:]:
-      env.update(zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars])))
+      env.update(zip(eqn.outvars, bind_eqn(eqn, [read(v) for v in eqn.invars])))
     return [read(v) for v in jaxpr.outvars]
 
   rolled = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)

@@ -150,7 +150,7 @@ class Branch:
 @dataclasses.dataclass(frozen=True)
 class Buffers:
   """Sizes (per dtype) of every buffer the loop carries."""
-  params: dict[str, Any]    # {dtype: size} packed, or {slot: slots.SlotType}
+  params: dict[str, Any]    # {dtype: size} packed (and {part: slots.SlotType}), or slots
   payload: dict[str, int]
   grad_payload: dict[str, int]
   residuals: dict[str, int]
@@ -193,7 +193,8 @@ def buffer_sizes(branches: Sequence[Branch]) -> Buffers:
   slotted = isinstance(branches[0].params, slots.SlotLayout)
   return Buffers(
       params=(dict(branches[0].params.types) if slotted else
-              packing.padded_sizes([b.params for b in branches])),
+              {**packing.padded_sizes([b.params for b in branches]),
+               **dict(getattr(branches[0].params, "part_types", ()))}),
       payload=packing.padded_sizes(edges),
       grad_payload=packing.padded_sizes(edges, inexact_only=True),
       residuals=packing.padded_sizes([b.residuals.layout for b in branches]),

@@ -12,6 +12,11 @@ the leaves inside the stage. ``gradients`` is the transpose: one ``all_to_all`` 
 leaf read by several stages (tied embeddings) gets the sum of their gradients. Both are a fixed
 number of collectives and a few static slices per leaf, however deep the model.
 (Tensor-parallel stages keep whole leaves in slots instead: ``slots.py``.)
+
+A stacked leaf whose stage ``s`` reads only its ``s``-th row chunk (scanned layers split per
+stage, ``chunks.py``) is stored split over ``stage`` on its rows, so each stage device already
+holds its chunk: it skips the exchange and rides beside the buffers as ``{"part<j>": (S, rows,
+...)}`` (``WithParts``), a free reshape of the stored leaf, its gradient likewise.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from epljax.mesh import STAGE
-from epljax.pipeline import packing
+from epljax.pipeline import packing, slots
 
 
 def axis_size(mesh, entry) -> int:
@@ -83,6 +88,38 @@ class ExchangeLayout:
       parts[e.dtype].append(_pieces(jnp.asarray(v).astype(e.dtype), e, self.stages))
     return {name: _fill(parts[name], self.stages, size // self.stages, name).reshape(size)
             for name, size in padded.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class WithParts:
+  """A stage's parameters: its exchanged leaves (in ``exchanged``'s order), then its chunks of
+  stacked leaves, ``keys`` into the buffers (see the module doc); ``part_types``: every part
+  of the pipeline (the buffer type). Same interface as ``ExchangeLayout`` for the runtime."""
+  exchanged: ExchangeLayout
+  keys: tuple[str, ...]
+  part_types: tuple[tuple[str, slots.SlotType], ...]
+
+  @property
+  def sizes(self) -> dict[str, int]:
+    return self.exchanged.sizes
+
+  def unpack(self, buffers: Mapping[str, jax.Array]) -> list[jax.Array]:
+    own = {k: buffers[k] for k, _ in self.exchanged.slots}
+    return self.exchanged.unpack(own) + [buffers[k] for k in self.keys]
+
+  def pack(self, values: Sequence[Any], padded: Mapping[str, Any]) -> dict[str, Any]:
+    types = dict(self.part_types)
+    n = len(self.exchanged.entries)
+    out: dict[str, Any] = self.exchanged.pack(
+        values[:n], {k: v for k, v in padded.items() if k not in types})
+    out.update((k, t.zeros()) for k, t in types.items())
+    out.update((k, jnp.asarray(v, types[k].dtype)) for k, v in zip(self.keys, values[n:],
+                                                                   strict=True))
+    return out
+
+
+def part_key(j: int) -> str:
+  return f"part{j}"
 
 
 def exchange_layouts(members: Sequence[Sequence[int]], avals: Sequence[Any],

@@ -66,17 +66,21 @@ def capture(fn: Callable[..., Any], variables: Sequence[Any], extra: Sequence[An
             input_paths: Sequence[str], num_devices: int,
             module_rules: Sequence[ModuleRule] = (),
             definitions: Sequence[Frame | None] = (),
-            stage_cuts: Sequence[int] | None = None) -> Capture:
+            stage_cuts: Sequence[int] | None = None,
+            rewrite: Callable[[Any], Any] | None = None) -> Capture:
   """Traces ``fn(*variables, *extra)`` on abstract values and assigns task graphs.
 
   ``variables`` are flat leaves (parameters and model state) named by ``input_paths``;
   ``extra`` (the batch) is traced too but never checked for being shared. ``definitions``
   gives, per variable leaf, the scope frame its initializer was traced in (``defining_frames``).
   ``stage_cuts`` (``auto.auto_parallel``): the node indices where stages 1.. start; the nodes
-  are cut into ``stage_<i>`` task graphs of the model's one strategy.
+  are cut into ``stage_<i>`` task graphs of the model's one strategy. ``rewrite``: applied to
+  the traced program first (``pipeline.chunks.split_scan``: scanned layers in stage chunks).
   """
   with strategy_lib.trace_session():
     closed = jax.make_jaxpr(fn)(*variables, *extra)
+    if rewrite is not None:
+      closed = rewrite(closed)
   program = Program(closed)
   top_default = _top_default(program)
   specs: dict[str, _Spec] = {}

@@ -105,6 +105,16 @@ def walk(closed: Any, enter: Callable[[jcore.JaxprEqn], bool] = lambda eqn: True
               tuple(resolve(0, v) for v in jaxpr.outvars))
 
 
+def bind_eqn(eqn: jcore.JaxprEqn, values: Any, **params: Any) -> list[Any]:
+  """Replays ``eqn`` on ``values`` in the current trace, under its own name stack (the capture
+  reads scopes from it); ``params`` override the equation's."""
+  name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+  with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), \
+      eqn.ctx.manager:
+    out = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params({**eqn.params, **params}))
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
 def sub_calls(eqn: jcore.JaxprEqn) -> list[Call] | None:
   """How a call-like equation maps its operands and results to its bodies, or None when it is
   innermost (or a higher-order primitive whose bodies do not line up with its operands)."""

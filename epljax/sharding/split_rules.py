@@ -155,6 +155,10 @@ class _State:
       if dim is not None and dim != eqn.params.get("axis"):
         for idx in range(len(eqn.outvars)):
           self.set_out(node, D.pieces_dim(eqn, dim), idx)
+    elif prim == "slice" and self.view(node, 0) is not None:
+      # Rows of a parameter (a stage's chunk of stacked layers, ``pipeline/chunks.py``): still
+      # that parameter, dimension for dimension.
+      self.views[eqn.outvars[0]] = self.view(node, 0)
     elif prim in ("slice", "dynamic_slice", "pad", "argmax", "argmin") or prim.startswith(
         "reduce_"):
       dim = self.split_dim(node, 0)

@@ -1,0 +1,101 @@
+"""Scanned layers across pipeline stages: one ``lax.scan`` over ``L`` stacked layers becomes
+``k`` scans over ``L / k`` layers each, so the automatic cut can give each stage its share.
+
+Large JAX models write their layers as one ``scan`` (``nn.scan``, ``nn.remat_scan``) over
+weights stacked along a leading layers axis. The stage cut never enters a loop, so such a model
+used to land in one stage. ``split_scan`` rewrites the traced program: the scan at top-level
+position ``position`` runs as ``k`` consecutive scans (the carry passed along, the stacked
+outputs concatenated), the ``j``-th over rows ``[j L/k, (j+1) L/k)`` of every stacked input,
+taken by a static ``slice``. Same arithmetic, in the same order.
+
+The pipeline then keeps such a weight where it is stored: a leaf read only through these
+slices, chunk ``j`` by stage ``j`` (a *part*, ``partition.py``), is stored ``P("stage", ...)``
+on its layers axis, so each stage device already holds its stage's layers and the step moves
+none of them (``builder.py``). Its optimizer state and checkpoint stay one stacked leaf.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax import lax
+from jax.extend import core as jcore
+from jax.extend import source_info_util
+
+from epljax.sharding.program import bind_eqn, scan_counts
+
+
+def scan_splitter(closed: jcore.ClosedJaxpr, position: int, parts: int, num_params: int
+                  ) -> Callable[[jcore.ClosedJaxpr], jcore.ClosedJaxpr] | str:
+  """The rewrite splitting top-level equation ``position`` into ``parts`` scans, or why not
+  (a sentence for the warning)."""
+  eqn = closed.jaxpr.eqns[position]
+  if eqn.primitive.name != "scan":
+    return f"it is a `{eqn.primitive.name}`, not a scan"
+  length = eqn.params["length"]
+  if eqn.params["reverse"]:
+    return "it runs in reverse"
+  if length % parts:
+    return f"its {length} iterations do not divide into {parts} stages"
+  first_x = sum(scan_counts(eqn))
+  params = set(closed.jaxpr.invars[:num_params])
+  stacked = [v for v in eqn.invars[first_x:] if v in params]
+  if not stacked:
+    return "no parameter is stacked along its iterations"
+  return functools.partial(split_scan, position=position, parts=parts)
+
+
+def split_scan(closed: jcore.ClosedJaxpr, *, position: int, parts: int) -> jcore.ClosedJaxpr:
+  """``closed`` with its top-level scan at ``position`` run as ``parts`` scans (module doc)."""
+  jaxpr = closed.jaxpr
+  if jaxpr.eqns[position].primitive.name != "scan":   # internal invariant: traces agree
+    raise AssertionError(f"equation {position} is no longer the scan to split")
+
+  def fn(*args):
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
+    env.update(zip(jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
+    for k, eqn in enumerate(jaxpr.eqns):
+      values = [read(v) for v in eqn.invars]
+      outs = _in_parts(eqn, values, parts) if k == position else bind_eqn(eqn, values)
+      env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+  return jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                              for v in jaxpr.invars])
+
+
+def _in_parts(eqn: jcore.JaxprEqn, values: Sequence[Any], parts: int) -> list[Any]:
+  n_consts, n_carry = scan_counts(eqn)
+  consts, carry = values[:n_consts], values[n_consts:n_consts + n_carry]
+  xs = values[n_consts + n_carry:]
+  length = eqn.params["length"] // parts
+  stacked_outs = []
+  for j in range(parts):
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+      chunk = [lax.slice_in_dim(x, j * length, (j + 1) * length, axis=0) for x in xs]
+    outs = bind_eqn(eqn, [*consts, *carry, *chunk], length=length)
+    carry, ys = outs[:n_carry], outs[n_carry:]
+    stacked_outs.append(ys)
+  return [*carry, *(lax.concatenate(list(ys), 0) for ys in zip(*stacked_outs))]
+
+
+def chunk_of(node_eqn: jcore.JaxprEqn, shape: tuple[int, ...], parts: int) -> int | None:
+  """Which of ``parts`` equal row chunks a ``slice`` of a leaf of ``shape`` takes, or None
+  when it is not one (another dimension sliced, strides, a range off the chunk grid)."""
+  if node_eqn.primitive.name != "slice" or not shape or shape[0] % parts:
+    return None
+  start, limit = node_eqn.params["start_indices"], node_eqn.params["limit_indices"]
+  strides = node_eqn.params["strides"]
+  if strides is not None and any(s != 1 for s in strides):
+    return None
+  if tuple(start[1:]) != (0,) * (len(shape) - 1) or tuple(limit[1:]) != tuple(shape[1:]):
+    return None
+  rows = shape[0] // parts
+  if start[0] % rows or limit[0] - start[0] != rows:
+    return None
+  return start[0] // rows

@@ -1,0 +1,144 @@
+"""Scanned layers across pipeline stages (``pipeline/chunks.py``): the automatic cut splits an
+``nn.scan`` into one scan per stage, each stage reads its layers where they are stored, and
+training stays exact against one device."""
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.extend import core as jcore
+
+import epljax as epl
+from epljax import hlo
+from epljax.pipeline.auto import StageBalanceWarning
+from epljax.pipeline.chunks import scan_splitter, split_scan
+from helpers import classification_batch
+from pipeline_helpers import check_matches_reference
+
+WIDTH = 16
+
+
+def _stacked_scan(ws, bs, xs, h):
+  """A scan over stacked weights with a carry, a per-step input and stacked outputs."""
+  def body(c, layer):
+    w, b, x = layer
+    c = jnp.tanh(c @ w + b + x)
+    return c, jnp.sum(c, axis=-1)
+  return lax.scan(body, h, (ws, bs, xs))
+
+
+def _scan_args(layers=6):
+  k = jax.random.split(jax.random.key(0), 4)
+  return (jax.random.normal(k[0], (layers, 8, 8)) * 0.4, jax.random.normal(k[1], (layers, 8)),
+          jax.random.normal(k[2], (layers, 3, 8)), jax.random.normal(k[3], (3, 8)))
+
+
+def test_a_split_scan_computes_the_same_values_in_stage_chunks():
+  args = _scan_args()
+  closed = jax.make_jaxpr(_stacked_scan)(*args)
+  position = [e.primitive.name for e in closed.jaxpr.eqns].index("scan")
+  split = scan_splitter(closed, position, 3, num_params=2)
+  assert callable(split), split
+  rewritten = split(closed)
+  scans = [e for e in rewritten.jaxpr.eqns if e.primitive.name == "scan"]
+  assert [e.params["length"] for e in scans] == [2, 2, 2]
+  got = jcore.jaxpr_as_fun(rewritten)(*args)
+  want = jcore.jaxpr_as_fun(closed)(*args)
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_array_equal(g, w)   # same arithmetic, same order
+
+
+@pytest.mark.parametrize("why, fn, parts, num_params", [
+    ("reverse", lambda ws, bs, xs, h: lax.scan(
+        lambda c, l: (jnp.tanh(c @ l[0] + l[1]), None), h, (ws, bs), reverse=True), 2, 2),
+    ("do not divide", _stacked_scan, 4, 2),
+    ("no parameter", _stacked_scan, 2, 0),
+])
+def test_a_scan_that_cannot_be_split_says_why(why, fn, parts, num_params):
+  closed = jax.make_jaxpr(fn)(*_scan_args())
+  position = [e.primitive.name for e in closed.jaxpr.eqns].index("scan")
+  found = scan_splitter(closed, position, parts, num_params)
+  assert isinstance(found, str) and why in found, found
+
+
+def test_splitting_checks_the_program_still_has_the_scan_there():
+  closed = jax.make_jaxpr(lambda ws, bs, xs, h: _stacked_scan(ws, bs, xs, 2 * h))(*_scan_args())
+  assert [e.primitive.name for e in closed.jaxpr.eqns] == ["mul", "scan"]
+  with pytest.raises(AssertionError, match="no longer the scan"):
+    split_scan(closed, position=0, parts=2)
+
+
+class _Layer(nn.Module):
+  @nn.compact
+  def __call__(self, h, _):
+    return h + nn.Dense(WIDTH)(nn.gelu(nn.Dense(WIDTH)(nn.LayerNorm()(h)))), None
+
+
+class Scanned(nn.Module):
+  """A classifier whose residual layers run under ``nn.scan`` (weights stacked by layer)."""
+  layers: int
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(WIDTH)(x)
+    layers = nn.scan(_Layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                     length=self.layers)
+    h, _ = layers()(h, None)
+    return nn.Dense(10)(h)
+
+
+def _train(layers: int, optimizer, **config):
+  epl.init({"auto.auto_parallel": True, "pipeline.num_stages": 2,
+            "pipeline.num_micro_batch": 4, **config})
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", StageBalanceWarning)   # balanced: no warning
+    return check_matches_reference(Scanned(layers), classification_batch(16), optimizer)
+
+
+def _all_to_all_bytes(text: str) -> int:
+  return sum(c.bytes for c in hlo.collectives(text) if c.kind == "all-to-all")
+
+
+@pytest.mark.parametrize("optimizer, config", [
+    (optax.adam(1e-2), {"zero.level": "v1"}),
+    (optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+     {"zero.level": "v3"}),
+], ids=["adam-zero_v1", "adamw_masked-zero_v3"])
+def test_scanned_layers_train_exactly_on_stages_with_any_optimizer(optimizer, config):
+  trainer, state = _train(4, optimizer, **config)
+  pipe = trainer.plan.pipeline
+  assert pipe.shared == {}, pipe.shared       # no stage holds another stage's layers
+  assert len(pipe.parts) == 6, pipe.parts     # 2 Dense kernels and biases, LayerNorm
+  for leaf in trainer.plan.leaves:
+    if leaf.shape and leaf.shape[0] == 4 and len(leaf.shape) > 1:
+      assert tuple(leaf.spec)[0] == "stage", (leaf.path, leaf.spec)
+
+
+def test_each_stage_reads_its_layers_where_stored_whatever_the_depth():
+  texts, sizes = {}, {}
+  for layers in (4, 8):
+    trainer, state = _train(layers, optax.sgd(0.1, momentum=0.9))
+    batch = classification_batch(16)
+    texts[layers] = trainer.lower(state, batch).compile().as_text()
+    sizes[layers] = trainer.plan.pipeline.part_bytes_per_device
+    assert "parts     6 stacked leaves" in str(trainer.plan)
+  assert sizes[8] == 2 * sizes[4]
+  # Only the stem and the head travel (one all-to-all per dtype each way): the stacked layers
+  # never do, so doubling them moves no more bytes, and the program does not grow with depth.
+  assert _all_to_all_bytes(texts[4]) == _all_to_all_bytes(texts[8]) > 0
+  assert len(texts[8]) < 1.02 * len(texts[4]), (len(texts[4]), len(texts[8]))
+
+
+def test_a_scan_that_does_not_divide_into_the_stages_says_so():
+  epl.init({"auto.auto_parallel": True, "pipeline.num_stages": 2,
+            "pipeline.num_micro_batch": 2})
+  model = Scanned(3)
+  trainer = epl.Trainer(lambda k, b: model.init(k, b["x"]),
+                        lambda v, b: jnp.mean(model.apply(v, b["x"]) ** 2), optax.sgd(0.1))
+  with pytest.warns(StageBalanceWarning, match="length divides by the number of stages"):
+    trainer.init(jax.random.key(0), classification_batch(8))
