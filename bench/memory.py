@@ -3,6 +3,7 @@
     python bench/memory.py            # print the tables
     python bench/memory.py --record   # and append them to bench/RESULTS.md
     python bench/memory.py --zoo      # the model zoo of tests/models instead (--record too)
+    python bench/memory.py --zoo-gc 2048   # the zoo's GC auto cut at a batch of 2048 rows
 
 A decoder-only transformer (pre-LayerNorm, causal self-attention, gelu MLP) trained with Adam
 on 8 data-parallel devices. For each configuration: per-device bytes of the compiled step
@@ -213,6 +214,34 @@ def zoo_main(record_it: bool, argv) -> None:
     record("Memory features over the model zoo (bench/memory.py --zoo)", body, argv)
 
 
+def zoo_gc_main(rows: int, record_it: bool, argv) -> None:
+  """GC auto against none on every zoo model at ``rows`` rows: at 512 rows the looped MLP's
+  step is mostly gradients and Adam (which no checkpointing changes), at 2048 its activations
+  dominate, as they do in training."""
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+  from models import ZOO
+  out = []
+  for name in ZOO:
+    none = zoo_measure(name, {}, rows=rows)
+    auto = zoo_measure(name, {"gradient_checkpoint.type": "auto"}, rows=rows)
+    out.append([name, STRUCTURE[name], f"{none['temp'] / 1024:.0f}",
+                f"{auto['temp'] / 1024:.0f}", f"**{none['temp'] / auto['temp']:.2f}x**",
+                f"{auto['flops'] / none['flops']:.2f}",
+                f"{abs(auto['loss'] - none['loss']):.1e}"])
+    print(f"{name} done", flush=True)
+  body = "\n\n".join([
+      f"The zoo of tests/models, global batch {rows} rows, Adam, 8 data-parallel CPU devices: "
+      "temporaries per device (KiB) of the compiled train step from memory_analysis(), FLOPs "
+      "from cost_analysis() as a ratio to no checkpointing, |loss difference| of the first "
+      "step.",
+      table(["model", "structure", "temp none", "temp GC auto", "cut", "FLOPs", "|d loss|"],
+            out)])
+  print(body)
+  if record_it:
+    record(f"GC auto over the model zoo at {rows} rows (bench/memory.py --zoo-gc {rows})",
+           body, argv)
+
+
 def mib(n: float) -> str:
   return f"{n / 2**20:.2f}"
 
@@ -221,7 +250,11 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--record", action="store_true")
   parser.add_argument("--zoo", action="store_true", help="the model zoo of tests/models")
+  parser.add_argument("--zoo-gc", type=int, metavar="ROWS",
+                      help="only GC auto vs none on the zoo, at ROWS rows")
   args = parser.parse_args(argv)
+  if args.zoo_gc:
+    return zoo_gc_main(args.zoo_gc, args.record, argv)
   if args.zoo:
     return zoo_main(args.record, argv)
   results = {name: measure(name, config) for name, config in CONFIGS.items()}

@@ -44,6 +44,8 @@ STRATEGIES = {
                    "pipeline.num_micro_batch": 2},
     "pipeline_4": {"auto.auto_parallel": True, "pipeline.num_stages": 4,
                    "pipeline.num_micro_batch": 4},
+    # Two tensor-parallel stages named by the user (data 2 x stage 2 x model 2).
+    "pipeline_split": {"pipeline.num_stages": 2, "pipeline.num_micro_batch": 2},
     "gc_auto": {"gradient_checkpoint.type": "auto"},
     "zero_v1": {"zero.level": "v1"},
     "zero_v3": {"zero.level": "v3"},
@@ -53,6 +55,17 @@ STRATEGIES = {
 # Cells that cannot be balanced and must say so (none left: the layers under nn.scan are split
 # into one scan per stage, ``pipeline/chunks.py``).
 SAYS_UNBALANCED: set[tuple[str, str]] = set()
+
+
+# The module-path rules a user writes for ``pipeline_split``: consecutive layers in two named
+# split(2) stages; what no rule matches (the embedding lookups, a tied embedding's logits)
+# follows its data. Llama's layers are one nn.scan and mlp_loop one module: no layer boundary
+# for a module path to name, so they have no such cell.
+STAGE_SPLITS = {
+    "gemma": ("Gemma/layer_[01]", "Gemma/(layer_[23]|final_norm)"),
+    "gpt2": ("GPT2/(wpe|h_0)", "GPT2/(h_1|ln_f)"),
+    "vit": ("ViT/(patch_embed|encoder_0)", "ViT/(encoder_1|ln_f|head)"),
+}
 
 
 def optimizer():
@@ -66,6 +79,8 @@ def cells():
     for strategy in STRATEGIES:
       if strategy == "split_logical" and model.logical_rules is None:
         continue   # the model carries no logical axis names
+      if strategy == "pipeline_split" and name not in STAGE_SPLITS:
+        continue
       yield pytest.param(name, strategy, id=f"{name}-{strategy}")
 
 
@@ -116,6 +131,9 @@ def run_cell(model: ZooModel, strategy: str):
     # The user marks the whole model as one split(2) task graph; the specs come from the
     # model's own logical axis names.
     epl.annotate({model.annotate_pattern.split("/")[0]: epl.split(2)})
+  elif strategy == "pipeline_split":
+    epl.annotate({pattern: epl.split(2, name=f"stage_{i}")
+                  for i, pattern in enumerate(STAGE_SPLITS[model.name])})
   amp = strategy == "amp_o1"
   tol = DEEP_TOL if model.deep else TOL
   with rules, warnings.catch_warnings(record=True) as caught:
@@ -222,6 +240,10 @@ def test_zoo_contract(name, strategy):
     check_specs(model, trainer, expect_megatron=True)
   elif (name, strategy) in SAYS_UNBALANCED:
     assert plan.num_stages == int(strategy.split("_")[1])
+  elif strategy == "pipeline_split":
+    assert dict(plan.mesh.shape) == {"data": 2, "stage": 2, "model": 2}
+    assert plan.pipeline.split == (2, 2)
+    check_stages(trainer, name, 2)
   elif strategy.startswith("pipeline_"):
     check_stages(trainer, name, int(strategy.split("_")[1]))
   else:

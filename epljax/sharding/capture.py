@@ -292,12 +292,16 @@ def _input_taskgraph(used: set[int], defined: int | None, taskgraphs: tuple[Task
     if len(others) <= 1:
       return defined
     used = used | {defined}
-  if len(used) > 1 and all(taskgraphs[t].strategy == strategy_lib.REPLICATE
-                           and not taskgraphs[t].name.startswith("taskgraph_") for t in used):
-    # Named replicated task graphs may share a parameter: on the same devices it is one
-    # parameter; as pipeline stages (tied embeddings) every stage using it holds it and the
-    # pipeline sums its gradients. It is listed under the first. (An unnamed scope entered
-    # twice is an error below: most likely one scope meant as one task graph.)
+  kinds = {(taskgraphs[t].strategy, taskgraphs[t].device_count) for t in used}
+  if len(used) > 1 and not any(taskgraphs[t].name.startswith("taskgraph_") for t in used) and (
+      {k for k, _ in kinds} == {strategy_lib.REPLICATE}
+      or (len(kinds) == 1 and next(iter(kinds))[0] == SPLIT)):
+    # Named task graphs of one kind (replicate, or split over equally many devices) may share
+    # a parameter: on the same devices it is one parameter; as pipeline stages (tied
+    # embeddings) every stage using it holds it and the pipeline sums its gradients. It is
+    # listed under the first, whose split rules give its spec (the others' uses must agree).
+    # (An unnamed scope entered twice is an error below: most likely one scope meant as one
+    # task graph.)
     return min(used)
   if len(used) > 1:
     names = " and ".join(f"'{taskgraphs[t].name}' ({taskgraphs[t].strategy}"
@@ -310,9 +314,10 @@ _SHARED_PARAM = """\
 Parameter '{path}' (shape {shape}) is used by two task graphs: {names}.
 A parameter belongs to the one task graph whose operations use it, and different task graphs
 may live on different devices, so epljax will not pick one. Either
-  - use the parameter inside one scope only, or only inside named `epl.replicate` scopes
-    (pipeline stages: a weight tied across stages, like input and output embeddings, is held
-    by each stage and its gradients summed); or
+  - use the parameter inside one scope only, or only inside named scopes of one kind
+    (`epl.replicate`, or `epl.split` over equally many devices; pipeline stages: a weight tied
+    across stages, like input and output embeddings, is held by each stage and its gradients
+    summed); or
   - if an unnamed scope was entered twice (a loop, or the model called twice in the loss),
     give it a name, e.g. `with epl.replicate(1, name="encoder"):`, so every entry is one task
     graph."""
