@@ -44,6 +44,10 @@ STRATEGIES = {
                    "pipeline.num_micro_batch": 2},
     "pipeline_4": {"auto.auto_parallel": True, "pipeline.num_stages": 4,
                    "pipeline.num_micro_batch": 4},
+    # The looped MLP's stages each run their repeated blocks as one scan (the other models
+    # have one layer, or two different ones, per stage: nothing repeats to roll).
+    "pipeline_roll": {"auto.auto_parallel": True, "pipeline.num_stages": 2,
+                      "pipeline.num_micro_batch": 2, "pipeline.roll_layers": True},
     # Two tensor-parallel stages named by the user (data 2 x stage 2 x model 2).
     "pipeline_split": {"pipeline.num_stages": 2, "pipeline.num_micro_batch": 2},
     "gc_auto": {"gradient_checkpoint.type": "auto"},
@@ -80,6 +84,8 @@ def cells():
       if strategy == "split_logical" and model.logical_rules is None:
         continue   # the model carries no logical axis names
       if strategy == "pipeline_split" and name not in STAGE_SPLITS:
+        continue
+      if strategy == "pipeline_roll" and name != "mlp_loop":
         continue
       yield pytest.param(name, strategy, id=f"{name}-{strategy}")
 
@@ -244,6 +250,9 @@ def test_zoo_contract(name, strategy):
     assert dict(plan.mesh.shape) == {"data": 2, "stage": 2, "model": 2}
     assert plan.pipeline.split == (2, 2)
     check_stages(trainer, name, 2)
+  elif strategy == "pipeline_roll":
+    check_stages(trainer, name, 2)
+    assert all(row.loop != "-" for row in plan.pipeline.stage_info()), plan
   elif strategy.startswith("pipeline_"):
     check_stages(trainer, name, int(strategy.split("_")[1]))
   else:
