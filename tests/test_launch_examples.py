@@ -26,6 +26,10 @@ def _lines(text, prefix=""):
     if (line.startswith("epljax:") or "epljax.launch:" in line or "[Gloo]" in line
         or "peer ranks" in line or re.match(r"[IWEF]\d{4} ", line)):   # the runtimes' logs
       continue
+    if re.fullmatch(r"\s*\d+\s*", line):
+      # The tail of a Gloo line ("... peer ranks is : 7"): its threads write unlocked, so a
+      # rank's message can be cut by another's newline. No example prints a bare number.
+      continue
     if not line.strip() or re.search(r"\d+%\|", line):   # worker 0's progress bar redraws
       continue
     out.append(re.sub(r"\(\d+(\.\d+)? s\)", "", line).rstrip())

@@ -15,9 +15,10 @@ from jax.extend import core as jcore
 
 import epljax as epl
 from epljax import hlo
+from epljax.errors import PlanError
 from epljax.pipeline.auto import StageBalanceWarning
 from epljax.pipeline.chunks import scan_splitter, split_scan
-from helpers import classification_batch
+from helpers import classification_batch, cross_entropy
 from pipeline_helpers import check_matches_reference
 
 WIDTH = 16
@@ -71,6 +72,10 @@ def test_splitting_checks_the_program_still_has_the_scan_there():
   assert [e.primitive.name for e in closed.jaxpr.eqns] == ["mul", "scan"]
   with pytest.raises(AssertionError, match="no longer the scan"):
     split_scan(closed, position=0, parts=2)
+  with pytest.raises(AssertionError, match="no longer the scan"):   # another length there
+    split_scan(closed, position=1, parts=2, length=8)
+  with pytest.raises(AssertionError, match="no longer the scan"):   # does not divide
+    split_scan(closed, position=1, parts=4)
 
 
 class _Layer(nn.Module):
@@ -100,6 +105,46 @@ def _train(layers: int, optimizer, **config):
     return check_matches_reference(Scanned(layers), classification_batch(16), optimizer)
 
 
+def _gated_fns(layers: int = 8):
+  """Plain JAX: a stem, then a scan over stacked weights *and* a per-layer gate computed from
+  another parameter (a stacked input that is not a parameter, like dropout keys)."""
+  def init_fn(rng, batch):
+    k = jax.random.split(rng, 4)
+    return {"params": {"stem": jax.random.normal(k[0], (20, WIDTH)) * 0.2,
+                       "mix": jax.random.normal(k[1], (WIDTH, WIDTH)) * 0.2,
+                       "w": jax.random.normal(k[2], (layers, WIDTH, WIDTH)) * 0.3,
+                       "b": jnp.zeros((layers, WIDTH)),
+                       "head": jax.random.normal(k[3], (WIDTH, 10)) * 0.2}}
+
+  def loss_fn(variables, batch):
+    p = variables["params"]
+    h = jnp.tanh(jnp.tanh(batch["x"] @ p["stem"]) @ p["mix"])
+    gates = jax.nn.sigmoid(p["mix"][:layers] * jnp.arange(1.0, layers + 1.0)[:, None])
+
+    def layer(c, xs):
+      w, b, g = xs
+      return c + g * jnp.tanh(c @ w + b), None
+
+    h, _ = lax.scan(layer, h, (p["w"], p["b"], gates))
+    return cross_entropy(h @ p["head"], batch["y"])
+
+  return init_fn, loss_fn
+
+
+def test_each_stage_takes_its_own_chunk_with_a_stacked_input_that_is_not_a_parameter():
+  for stages in (2, 4):
+    epl.init({"auto.auto_parallel": True, "pipeline.num_stages": stages,
+              "pipeline.num_micro_batch": 4})
+    trainer, _ = check_matches_reference(None, classification_batch(16), optax.sgd(0.1),
+                                         fns=_gated_fns())
+    pipe = trainer.plan.pipeline
+    # w and b: each stage reads its rows where they are stored; no stage holds them whole.
+    chunked = sorted(pipe.param_paths[i] for i in pipe.parts.values())
+    assert chunked == ["params/b", "params/w"], pipe.parts
+    assert pipe.shared == {}, pipe.shared
+    assert [dict(s.parts) for s in pipe.stages] == [dict(pipe.stages[0].parts)] * stages
+
+
 def _all_to_all_bytes(text: str) -> int:
   return sum(c.bytes for c in hlo.collectives(text) if c.kind == "all-to-all")
 
@@ -120,14 +165,13 @@ def test_scanned_layers_train_exactly_on_stages_with_any_optimizer(optimizer, co
 
 
 def test_each_stage_reads_its_layers_where_stored_whatever_the_depth():
-  texts, sizes = {}, {}
+  texts = {}
   for layers in (4, 8):
     trainer, state = _train(layers, optax.sgd(0.1, momentum=0.9))
     batch = classification_batch(16)
     texts[layers] = trainer.lower(state, batch).compile().as_text()
-    sizes[layers] = trainer.plan.pipeline.part_bytes_per_device
     assert "parts     6 stacked leaves" in str(trainer.plan)
-  assert sizes[8] == 2 * sizes[4]
+    assert trainer.plan.pipeline.shared == {}
   # Only the stem and the head travel (one all-to-all per dtype each way): the stacked layers
   # never do, so doubling them moves no more bytes, and the program does not grow with depth.
   assert _all_to_all_bytes(texts[4]) == _all_to_all_bytes(texts[8]) > 0
@@ -140,5 +184,38 @@ def test_a_scan_that_does_not_divide_into_the_stages_says_so():
   model = Scanned(3)
   trainer = epl.Trainer(lambda k, b: model.init(k, b["x"]),
                         lambda v, b: jnp.mean(model.apply(v, b["x"]) ** 2), optax.sgd(0.1))
-  with pytest.warns(StageBalanceWarning, match="length divides by the number of stages"):
+  with pytest.warns(StageBalanceWarning, match="its 3 iterations do not divide into 2 stages"):
+    trainer.init(jax.random.key(0), classification_batch(8))
+
+
+class _NormedLayer(nn.Module):
+  @nn.compact
+  def __call__(self, h, _):
+    return h + nn.BatchNorm(use_running_average=False)(nn.Dense(WIDTH)(h)), None
+
+
+class ScannedWithStats(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(WIDTH)(x)
+    layers = nn.scan(_NormedLayer, variable_axes={"params": 0, "batch_stats": 0},
+                     split_rngs={"params": True}, length=8)
+    return nn.Dense(10)(layers()(h, None)[0])
+
+
+def test_a_scan_that_updates_model_state_is_not_split_and_says_why():
+  epl.init({"auto.auto_parallel": True, "pipeline.num_stages": 2,
+            "pipeline.num_micro_batch": 2})
+  model = ScannedWithStats()
+
+  def loss_fn(variables, batch):
+    logits, updates = model.apply(variables, batch["x"], mutable=["batch_stats"])
+    return cross_entropy(logits, batch["y"]), updates
+
+  trainer = epl.Trainer(lambda k, b: model.init(k, b["x"]), loss_fn, optax.sgd(0.1),
+                        mutable=["batch_stats"])
+  # The stage holding the scan keeps its statistics whole; with 4 replicas of 2 stages the
+  # statistics would be per replica, which pipelines refuse (test_pipeline_state.py).
+  with pytest.warns(StageBalanceWarning, match="reads model state"), \
+      pytest.raises(PlanError, match="model state"):
     trainer.init(jax.random.key(0), classification_batch(8))

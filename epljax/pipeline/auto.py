@@ -12,12 +12,13 @@ between two equations is a *legal* cut when
   (input and output embeddings). Blocking its span would leave one stage with everything; it
   is held by every stage that uses it instead (``partition.py``), its gradients summed.
 
-A top-level ``scan`` holding more than its share of the model (layers under ``nn.scan``) is
+A top-level ``scan`` holding more than a stage's share of the model (``nn.scan`` layers) is
 first split into one scan per stage (``scan_split``, ``chunks.py``); a stacked weight read
 through those chunks counts as one parameter per chunk, so the cut may fall between chunks.
 
 Among the legal places, each cut goes where the running sums of estimated FLOPs (matmuls
-``2 x output x contracted``, everything else one per output element) and of parameter bytes
+``2 x output x contracted``, everything else one per output element, times the iterations of
+the scans around them) and of parameter bytes
 (each parameter counted at its first use) are together closest to equal shares. Trace order
 is a topological order, so activations only ever flow to later stages.
 
@@ -38,15 +39,20 @@ from epljax.sharding.program import CALLS as _TRANSPARENT  # cutting through a c
 from epljax.sharding.program import Node
 
 
-def auto_stage_cuts(capture: Capture, num_stages: int) -> tuple[int, ...]:
-  """Node indices where stages 1..S-1 start (see the module doc)."""
+def auto_stage_cuts(capture: Capture, num_stages: int, not_split: str | None = None
+                    ) -> tuple[int, ...]:
+  """Node indices where stages 1..S-1 start (see the module doc). ``not_split``: why the
+  largest scan was not split per stage (for the warning)."""
   nodes = capture.program.nodes
   if num_stages > len(nodes):
     raise PlanError(f"pipeline.num_stages={num_stages} with auto.auto_parallel, but the traced "
                     f"loss has only {len(nodes)} equations to divide.")
+  starts = _chunk_starts(capture, num_stages)
+  if starts is not None:   # a scan split per stage: stage s starts with chunk s
+    return starts
   node_costs = [node_flops(n) for n in nodes]
   first_bytes = _first_use_bytes(capture, num_stages)
-  _warn_opaque_giants(capture, node_costs, first_bytes, num_stages)
+  _warn_opaque_giants(capture, node_costs, first_bytes, num_stages, not_split)
   flops, params = _prefix(node_costs), _prefix(first_bytes)
   legal = _legal_cuts(capture, flops, flops[-1] / num_stages, num_stages)
 
@@ -67,21 +73,51 @@ def auto_stage_cuts(capture: Capture, num_stages: int) -> tuple[int, ...]:
   return tuple(cuts)
 
 
-def scan_split(capture: Capture, num_stages: int, num_params: int):
-  """The rewrite (``chunks.split_scan``) giving each of ``num_stages`` stages its share of the
-  top-level scan that holds the most of the model, when that scan holds more than 1.5 stages'
-  shares and can be split; else None."""
+def scan_split(capture: Capture, num_stages: int, num_params: int, num_vars: int):
+  """``(rewrite, None)``: ``chunks.split_scan`` giving each of ``num_stages`` stages its share
+  of the top-level scan that holds the most of the model, when a scan holds more than one
+  stage's share (no cut around it balances the stages); ``(None, why not)`` when none of those
+  can be split; ``(None, None)`` when no scan needs it."""
   groups = _opaque_groups(capture)
-  if not groups:
+  heavy = sorted(((_share(capture, f, b), eqn_id) for eqn_id, (_, _, f, b) in groups.items()
+                  if _share(capture, f, b) * num_stages > 1.0), reverse=True)
+  eqns = capture.program.closed_jaxpr.jaxpr.eqns
+  why = None
+  for _, eqn_id in heavy:
+    top = [i for i, e in enumerate(eqns) if id(e) == eqn_id]
+    if not top:
+      why = why or "it is inside a call (a jit, a checkpoint), not at the top of the loss"
+      continue
+    found = chunks.scan_splitter(capture.program.closed_jaxpr, top[0], num_stages, num_params,
+                                 num_vars)
+    if not isinstance(found, str):
+      return found, None
+    why = why or found
+  return None, why
+
+
+def _chunk_starts(capture: Capture, num_stages: int) -> tuple[int, ...] | None:
+  """Where chunks 1..S-1 of a split scan begin (their first slice, and the slices of its
+  other stacked inputs just before it), when the program has one; else None."""
+  first: dict[int, int] = {}
+  for leaf in range(len(capture.input_paths)):
+    groups = param_parts(capture, leaf, num_stages)
+    if len(groups) < 2:
+      continue
+    aval = capture.program.closed_jaxpr.jaxpr.invars[leaf].aval
+    for (i,), _ in groups:
+      c = chunks.chunk_of(capture.program.nodes[i].eqn, tuple(aval.shape), num_stages)
+      first[c] = min(first.get(c, i), i)
+  if sorted(first) != list(range(num_stages)):
     return None
-  eqn_id, (_, _, f, b) = max(groups.items(), key=lambda kv: max(kv[1][2], kv[1][3]))
-  if _share(capture, f, b) * num_stages <= 1.5:
-    return None
-  top = [i for i, e in enumerate(capture.program.closed_jaxpr.jaxpr.eqns) if id(e) == eqn_id]
-  if not top:
-    return None
-  found = chunks.scan_splitter(capture.program.closed_jaxpr, top[0], num_stages, num_params)
-  return None if isinstance(found, str) else found
+  nodes = capture.program.nodes
+  out = []
+  for c in range(1, num_stages):
+    at = first[c]
+    while at > 0 and nodes[at - 1].primitive == "slice" and not nodes[at - 1].enclosing:
+      at -= 1
+    out.append(at)
+  return tuple(out)
 
 
 def _opaque_groups(capture: Capture) -> dict[int, list]:
@@ -106,7 +142,8 @@ def _share(capture: Capture, f: float, b: float) -> float:
 
 
 def _warn_opaque_giants(capture: Capture, flops: Sequence[float], first_bytes: Sequence[float],
-                        num_stages: int, limit: float = 1.5) -> None:
+                        num_stages: int, not_split: str | None = None,
+                        limit: float = 1.5) -> None:
   """Warns (``StageBalanceWarning``) when one loop, branch or custom-derivative call the cut
   cannot enter holds more than ``limit`` stages' shares of the FLOPs or parameter bytes (a
   scan ``scan_split`` could not split)."""
@@ -119,8 +156,10 @@ def _warn_opaque_giants(capture: Capture, flops: Sequence[float], first_bytes: S
           "parameter bytes, and the automatic cut does not enter loops, branches or "
           "custom-derivative calls. A top-level scan over stacked layers (`nn.scan`) is split "
           "into one scan per stage when its length divides by the number of stages (and "
-          "pipeline.num_virtual_stages is 1); otherwise write the layers as a Python loop, or "
-          "cut the stages with `epl.replicate(..., name=...)` scopes.",
+          "pipeline.num_virtual_stages is 1)"
+          + (f"; the largest was not split: {not_split}" if not_split else "")
+          + ". Otherwise write the layers as a Python loop, or cut the stages with "
+          "`epl.replicate(..., name=...)` scopes.",
           StageBalanceWarning, stacklevel=4)
 
 
@@ -158,17 +197,17 @@ def param_parts(capture: Capture, leaf: int, num_stages: int) -> list[tuple[list
 
 
 def node_flops(node: Node) -> float:
-  """Estimated FLOPs of one equation."""
+  """Estimated FLOPs of one equation, as often as it runs (inside scans: per iteration)."""
   eqn = node.eqn
   out = sum(math.prod(getattr(v.aval, "shape", ())) for v in eqn.outvars)
   if node.primitive == "dot_general":
     (lc, _), _ = eqn.params["dimension_numbers"]
     lhs = eqn.invars[0].aval.shape
-    return 2.0 * out * math.prod(lhs[d] for d in lc)
+    return node.trips * 2.0 * out * math.prod(lhs[d] for d in lc)
   if node.primitive == "conv_general_dilated":
     rhs = eqn.invars[1].aval.shape
-    return 2.0 * out * math.prod(rhs) / max(rhs)
-  return float(out)
+    return node.trips * 2.0 * out * math.prod(rhs) / max(rhs)
+  return float(node.trips * out)
 
 
 def _legal_cuts(capture: Capture, flops: Sequence[float], share: float,

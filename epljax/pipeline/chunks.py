@@ -28,10 +28,11 @@ from jax.extend import source_info_util
 from epljax.sharding.program import bind_eqn, scan_counts
 
 
-def scan_splitter(closed: jcore.ClosedJaxpr, position: int, parts: int, num_params: int
+def scan_splitter(closed: jcore.ClosedJaxpr, position: int, parts: int, num_params: int,
+                  num_vars: int | None = None
                   ) -> Callable[[jcore.ClosedJaxpr], jcore.ClosedJaxpr] | str:
   """The rewrite splitting top-level equation ``position`` into ``parts`` scans, or why not
-  (a sentence for the warning)."""
+  (a sentence for the warning). Program inputs ``[num_params, num_vars)`` are model state."""
   eqn = closed.jaxpr.eqns[position]
   if eqn.primitive.name != "scan":
     return f"it is a `{eqn.primitive.name}`, not a scan"
@@ -40,19 +41,33 @@ def scan_splitter(closed: jcore.ClosedJaxpr, position: int, parts: int, num_para
     return "it runs in reverse"
   if length % parts:
     return f"its {length} iterations do not divide into {parts} stages"
-  first_x = sum(scan_counts(eqn))
-  params = set(closed.jaxpr.invars[:num_params])
-  stacked = [v for v in eqn.invars[first_x:] if v in params]
-  if not stacked:
+  invars = closed.jaxpr.invars
+  operands = [v for v in eqn.invars if isinstance(v, jcore.Var)]
+  state = set(invars[num_params:num_vars if num_vars is not None else num_params])
+  if any(v in state for v in operands):
+    return ("it reads model state (BatchNorm statistics), which one stage must keep whole "
+            "between micro batches")
+  params = set(invars[:num_params])
+  stacked = [v for v in eqn.invars[sum(scan_counts(eqn)):] if isinstance(v, jcore.Var)]
+  if not any(v in params for v in stacked):
     return "no parameter is stacked along its iterations"
-  return functools.partial(split_scan, position=position, parts=parts)
+  return functools.partial(split_scan, position=position, parts=parts, length=length,
+                           operands=len(eqn.invars))
 
 
-def split_scan(closed: jcore.ClosedJaxpr, *, position: int, parts: int) -> jcore.ClosedJaxpr:
-  """``closed`` with its top-level scan at ``position`` run as ``parts`` scans (module doc)."""
+def split_scan(closed: jcore.ClosedJaxpr, *, position: int, parts: int,
+               length: int | None = None, operands: int | None = None) -> jcore.ClosedJaxpr:
+  """``closed`` with its top-level scan at ``position`` run as ``parts`` scans (module doc);
+  ``length`` / ``operands``: what ``scan_splitter`` saw there, checked again (every trace of
+  the loss must have the same scan at the same place)."""
   jaxpr = closed.jaxpr
-  if jaxpr.eqns[position].primitive.name != "scan":   # internal invariant: traces agree
-    raise AssertionError(f"equation {position} is no longer the scan to split")
+  eqn = jaxpr.eqns[position] if position < len(jaxpr.eqns) else None
+  if (eqn is None or eqn.primitive.name != "scan" or eqn.params["reverse"]
+      or eqn.params["length"] % parts
+      or (length is not None and eqn.params["length"] != length)
+      or (operands is not None and len(eqn.invars) != operands)):   # internal invariant
+    raise AssertionError(f"equation {position} is no longer the scan to split "
+                         f"({eqn.primitive.name if eqn else 'no equation'})")
 
   def fn(*args):
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))

@@ -69,8 +69,9 @@ class Stage:
   index: int
   name: str
   jaxpr: jcore.ClosedJaxpr
-  params: tuple[int, ...]        # variable leaf indices, in the order the jaxpr takes them
-                                 # (a parameter read by several stages is in each of them)
+  params: tuple[int, ...]        # parameter leaf indices, in the order the jaxpr takes them
+                                 # (a parameter read by several stages is in each of them),
+                                 # then its parts (``parts``: numbered after the leaves)
   incoming: tuple[Any, ...]      # avals
   outgoing: tuple[Any, ...]      # avals
   last: bool
@@ -151,8 +152,11 @@ class _Cutter:
       mine: dict[int, int] | None = {}
       for n, _ in program.uses_of_input(leaf):
         c = None if n.enclosing else chunks.chunk_of(n.eqn, shape, self.num_stages)
-        tg = self.node_tg[n.index]
-        if c is None or tg < 0 or self.stage_of[tg] != c or c in mine.values():
+        # The slice and everything reading it are on stage c (else the stage holds the leaf).
+        readers = [n, *program.node_consumers(n)]
+        if c is None or c in mine.values() or any(
+            self.node_tg[r.index] < 0 or self.stage_of[self.node_tg[r.index]] != c
+            for r in readers):
           mine = None
           break
         mine[n.index] = c
@@ -362,6 +366,8 @@ class _Cutter:
                            tuple(f"in{i}" for i in range(len(invars))),
                            tuple(f"out{i}" for i in range(len(outvars))))
     jaxpr = jcore.Jaxpr(constvars, invars, outvars, eqns, effects, info)
+    if any(k.value != s for k in parts):   # internal invariant: _find_parts checked readers
+      raise AssertionError(f"stage {s} reads another stage's chunk of a stacked parameter")
     virtual = [(self.num_params + self.chunked.index(k.index), k.index) for k in parts]
     return Stage(s, self.names[s], jcore.ClosedJaxpr(jaxpr, consts),
                  tuple(order) + tuple(v for v, _ in virtual),

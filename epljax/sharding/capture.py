@@ -299,7 +299,8 @@ def _input_taskgraph(used: set[int], defined: int | None, taskgraphs: tuple[Task
     # Named task graphs of one kind (replicate, or split over equally many devices) may share
     # a parameter: on the same devices it is one parameter; as pipeline stages (tied
     # embeddings) every stage using it holds it and the pipeline sums its gradients. It is
-    # listed under the first, whose split rules give its spec (the others' uses must agree).
+    # listed under the first, whose split rules give its spec (a later use that contracts it
+    # on another dimension is refused by the split rules).
     # (An unnamed scope entered twice is an error below: most likely one scope meant as one
     # task graph.)
     return min(used)

@@ -33,6 +33,15 @@ def is_elementwise(eqn) -> bool:
   return True
 
 
+def rows_only(eqn) -> bool:
+  """A ``slice`` that keeps every dimension but the first whole, without strides."""
+  start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+  strides = eqn.params.get("strides")
+  full = shape(eqn.invars[0])
+  return (all(s == 0 for s in start[1:]) and tuple(limit[1:]) == tuple(full[1:])
+          and (strides is None or all(st == 1 for st in strides)))
+
+
 def align(v: View, value_shape: tuple[int, ...], leaf_shape: tuple[int, ...]) -> View:
   """A parameter read with fewer leading dims (the per-layer slice of a scanned stack)."""
   if (len(value_shape) < len(v.dims)

@@ -193,6 +193,8 @@ class Node:
   enclosing_ids: tuple[int, ...] = ()      # and which equations those are (ids)
   module_frames: tuple[str, ...] = ()      # the name-stack scopes alone: no transform entries
                                            # (``vmap``, ``jvp``), method suffixes dropped
+  trips: int = 1                           # how often it runs: the lengths of the scans around
+                                           # it multiplied (a while loop's count is unknown: 1)
 
   @property
   def primitive(self) -> str:
@@ -240,10 +242,14 @@ def _node(index: int, visit: Visit) -> Node:
   stack = visit.name_stack.stack
   modules = tuple(s.name if s.name.startswith("epl.") else _METHOD.sub("", s.name)
                   for s in stack if type(s).__name__ == "Scope")
+  trips = 1
+  for e in visit.enclosing:
+    if e.primitive.name == "scan":
+      trips *= int(e.params["length"])
   return Node(index, visit.eqn, tuple(getattr(s, "name", str(s)) for s in stack),
               tuple(_bases(r) for r in visit.inputs),
               tuple(e.primitive.name for e in visit.enclosing),
-              tuple(id(e) for e in visit.enclosing), modules)
+              tuple(id(e) for e in visit.enclosing), modules, trips)
 
 
 # -- the memory features' view: steps, plain calls entered ------------------------------------

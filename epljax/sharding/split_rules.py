@@ -155,7 +155,7 @@ class _State:
       if dim is not None and dim != eqn.params.get("axis"):
         for idx in range(len(eqn.outvars)):
           self.set_out(node, D.pieces_dim(eqn, dim), idx)
-    elif prim == "slice" and self.view(node, 0) is not None:
+    elif prim == "slice" and self.view(node, 0) is not None and D.rows_only(eqn):
       # Rows of a parameter (a stage's chunk of stacked layers, ``pipeline/chunks.py``): still
       # that parameter, dimension for dimension.
       self.views[eqn.outvars[0]] = self.view(node, 0)
