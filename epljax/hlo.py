@@ -12,6 +12,8 @@ import math
 import re
 from collections.abc import Iterable
 
+import numpy as np
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 _LINE = re.compile(
@@ -43,6 +45,24 @@ class Collective:
       sizes = dict(re.findall(r"'(\w+)'=(\d+)", mesh.group(1)))
       axes = re.findall(r"'(\w+)'", mesh.group(2))
       return math.prod(int(sizes[a]) for a in axes if a in sizes)
+    return None
+
+  def device_groups(self, num_devices: int) -> list[list[int]] | None:
+    """The partitions of each replica group (``{}``: all of them), or None when the text is
+    in a form not read here."""
+    text = self.replica_groups.strip()
+    if text in ("", "{}"):
+      return [list(range(num_devices))]
+    if text.startswith("{{"):
+      return [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}", text)]
+    iota = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+    if iota:   # [groups, size] <= iota over dims, transposed by perm
+      shape = [int(d) for d in iota.group(1).split(",")]
+      dims = [int(d) for d in iota.group(2).split(",")]
+      ids = np.arange(math.prod(dims)).reshape(dims)
+      if iota.group(3):
+        ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
+      return ids.reshape(shape[0], -1).tolist()
     return None
 
 

@@ -72,3 +72,15 @@ def test_collectives_in_branches_are_those_only_some_devices_may_reach():
   assert [c.kind for c in hlo.collectives_in_branches(BRANCHED)] == ["collective-permute"]
   assert [c.kind for c in hlo.executed_collectives(BRANCHED)] == [
       "collective-permute", "all-reduce"]
+
+
+def test_replica_groups_are_read_in_every_form_xla_prints():
+  def groups(text):
+    return hlo.Collective("all-reduce", (), 0, text).device_groups(8)
+
+  assert groups("{{0,1},{2,3},{4,5},{6,7}}") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+  assert groups("{}") == [list(range(8))]
+  assert groups("[4,2]<=[8]") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+  assert groups("[2,4]<=[4,2]T(1,0)") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+  assert groups("[4,2]<=[2,2,2]T(0,2,1)") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+  assert groups("mesh['x'=8]{'x'}") is None   # a form not read: the caller must not guess

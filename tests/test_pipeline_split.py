@@ -146,7 +146,16 @@ def test_a_permute_inside_a_split_stage_is_refused_before_the_step_runs(scopes_r
 
   pipe = scopes_run[0].plan.pipeline
   pipe.check_compiled(scopes_run[0].plan.compiled.as_text())   # the real step passes
-  with pytest.raises(PlanError, match=r"(?s)1 collective-permute\(s\) \(f32\[4\]\) inside a "
-                     r"tensor-parallel\sstage's computation \('stage_0': split\(2\), 'stage_1': "
-                     r"split\(2\)\).* would hang"):
+  with pytest.raises(PlanError, match=r"(?s)1 collective\(s\) \(collective-permute: f32\[4\]\) "
+                     r"inside a\stensor-parallel\sstage's computation \('stage_0': split\(2\), "
+                     r"'stage_1': split\(2\)\).* would hang"):
     pipe.check_compiled(test_hlo.BRANCHED)
+  # Other collectives in a branch: fine within one stage's devices (mesh data 2 x stage 2 x
+  # model 2: partitions 0, 1 are stage 0's model pair), refused across stages (0 and 2).
+  within = test_hlo.BRANCHED.replace(
+      "collective-permute(%p), channel_id=1, source_target_pairs={{0,1},{1,0}}",
+      "all-reduce(%p), channel_id=1, replica_groups=[4,2]<=[8], to_apply=%add")
+  pipe.check_compiled(within)
+  across = within.replace("replica_groups=[4,2]<=[8]", "replica_groups=[4,2]<=[2,2,2]T(0,2,1)")
+  with pytest.raises(PlanError, match=r"1 collective\(s\) \(all-reduce: f32\[4\]\)"):
+    pipe.check_compiled(across)

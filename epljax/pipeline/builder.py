@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -272,13 +273,26 @@ class Pipeline:
 
   # -- the step -----------------------------------------------------------------------------
   def check_compiled(self, hlo_text: str) -> None:
-    """Refuses a compiled step in which GSPMD put a ``collective-permute`` inside a stage's
-    branch: with ``model`` left to GSPMD (tensor-parallel stages) only that stage's devices
-    reach it, and a permute waiting for the others would hang the step."""
-    stuck = [c for c in hlo.collectives_in_branches(hlo_text) if c.kind == "collective-permute"]
+    """Refuses a compiled step in which GSPMD put a collective inside a stage's branch that
+    waits for devices of other stages: with ``model`` left to GSPMD (tensor-parallel stages)
+    only that stage's devices reach it, and the step would hang. A ``collective-permute`` is
+    refused whatever its pairs (XLA:CPU's waits for every device); another collective when one
+    of its groups holds devices of two stages (or cannot be read)."""
+    mesh_shape = tuple(self.mesh.devices.shape)
+    stage_axis = list(self.mesh.axis_names).index(STAGE)
+
+    def crosses(c: hlo.Collective) -> bool:
+      if c.kind == "collective-permute":
+        return True
+      groups = c.device_groups(self.mesh.size)
+      return groups is None or any(
+          len({np.unravel_index(d, mesh_shape)[stage_axis] for d in g}) > 1 for g in groups)
+
+    stuck = [c for c in hlo.collectives_in_branches(hlo_text) if crosses(c)]
     if stuck:
       raise PlanError(_PERMUTE_IN_STAGE.format(
-          n=len(stuck), shapes=", ".join(sorted({"+".join(c.shapes) for c in stuck})[:4]),
+          n=len(stuck), kinds=", ".join(sorted({c.kind for c in stuck})),
+          shapes=", ".join(sorted({"+".join(c.shapes) for c in stuck})[:4]),
           splits=", ".join(f"'{s.name}': split({k})" for s, k in zip(self.stages, self.split)
                            if k > 1)))
 
@@ -501,10 +515,11 @@ that dimension. Leave the layers axis of scanned layers unsplit (map its logical
 None, or give the parameter an epl.annotate spec that starts with None)."""
 
 _PERMUTE_IN_STAGE = """\
-The compiled pipeline step has {n} collective-permute(s) ({shapes}) inside a tensor-parallel
-stage's computation ({splits}). GSPMD inserts these to move a model-split activation between
-devices; inside a pipeline stage only that stage's devices run them, so the step would hang
-waiting for the others, and it is not started. Keep each stage's model split on whole
+The compiled pipeline step has {n} collective(s) ({kinds}: {shapes}) inside a tensor-parallel
+stage's computation ({splits}) that wait for devices of other stages (any collective-permute
+does, on CPU). GSPMD inserts these to move a model-split activation between devices; inside a
+pipeline stage only that stage's devices run them, so the step would hang waiting for the
+others, and it is not started. Keep each stage's model split on whole
 dimensions the stage's matmuls contract or produce (Megatron's column then row), give the
 stage's parameters explicit specs with epl.annotate, or use epl.replicate stages."""
 
