@@ -33,7 +33,7 @@ from epljax.errors import PlanError
 from epljax.features import BuildContext, Feature, StateShardings
 from epljax.mesh import MODEL, Layout, abstract_mesh, build_mesh
 from epljax.pipeline.auto import auto_stage_cuts, check_auto, scan_split
-from epljax.plan import Leaf, Plan, leaf_bytes_per_device, tree_bytes_per_device
+from epljax.plan import EVERY_STAGE, Leaf, Plan, leaf_bytes_per_device, tree_bytes_per_device
 from epljax.sharding import annotations
 from epljax.sharding import specs as specs_lib
 from epljax.sharding.capture import Capture, capture, defining_frames
@@ -353,9 +353,11 @@ def make_plan(var: Variables, cap: Capture, where: Placement, features: Sequence
       batch, lambda nd: NamedSharding(mesh, specs_lib.batch_spec(axes, nd)))
   n_p = var.num_params
   final = jax.tree.leaves(base.params) + jax.tree.leaves(base.model_state)
+  by_layer = set(pipe.parts.values()) if pipe is not None else set()   # each stage its rows
   leaves = [
       Leaf(path, tuple(x.shape), str(x.dtype), sh.spec,
            leaf_bytes_per_device(x.shape, x.dtype, sh),
+           EVERY_STAGE if i in by_layer else
            cap.taskgraphs[tg].name if tg is not None else "-", i < n_p, ls.rule)
       for i, (path, x, sh, tg, ls) in enumerate(zip(
           var.paths, var.leaves, final, cap.input_taskgraph, where.leaf_specs))]

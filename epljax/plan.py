@@ -20,6 +20,10 @@ from epljax import hlo
 from epljax.strategy import TaskGraph
 
 
+# The task graph column of a stacked leaf each pipeline stage holds its own layers of.
+EVERY_STAGE = "every stage"
+
+
 @dataclasses.dataclass(frozen=True)
 class Leaf:
   """One variable leaf: where it lives and what it costs per device."""
@@ -144,7 +148,9 @@ class Plan:
         "",
         "task graphs",
     ]
-    per_tg = {tg.name: [leaf for leaf in self.leaves if leaf.taskgraph == tg.name]
+    # A stacked leaf split by layer over the stages (``EVERY_STAGE``) counts in each of them.
+    every = [leaf for leaf in self.leaves if leaf.taskgraph == EVERY_STAGE]
+    per_tg = {tg.name: [leaf for leaf in self.leaves if leaf.taskgraph == tg.name] + every
               for tg in self.taskgraphs}
     lines += _table(
         ["index", "name", "strategy", "devices", "params", "bytes/device"],

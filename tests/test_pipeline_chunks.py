@@ -18,6 +18,7 @@ from epljax import hlo
 from epljax.errors import PlanError
 from epljax.pipeline.auto import StageBalanceWarning
 from epljax.pipeline.chunks import scan_splitter, split_scan
+from epljax.plan import EVERY_STAGE
 from helpers import classification_batch, cross_entropy
 from pipeline_helpers import check_matches_reference
 
@@ -172,6 +173,8 @@ def test_each_stage_reads_its_layers_where_stored_whatever_the_depth():
     texts[layers] = trainer.lower(state, batch).compile().as_text()
     assert "parts     6 stacked leaves" in str(trainer.plan)
     assert trainer.plan.pipeline.shared == {}
+    by_layer = [leaf.path for leaf in trainer.plan.leaves if leaf.taskgraph == EVERY_STAGE]
+    assert len(by_layer) == 6, by_layer   # the task graph table counts them in each stage
   # Only the stem and the head travel (one all-to-all per dtype each way): the stacked layers
   # never do, so doubling them moves no more bytes, and the program does not grow with depth.
   assert _all_to_all_bytes(texts[4]) == _all_to_all_bytes(texts[8]) > 0
