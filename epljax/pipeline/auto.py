@@ -52,7 +52,7 @@ def auto_stage_cuts(capture: Capture, num_stages: int, not_split: str | None = N
     return starts
   node_costs = [node_flops(n) for n in nodes]
   first_bytes = _first_use_bytes(capture, num_stages)
-  _warn_opaque_giants(capture, node_costs, first_bytes, num_stages, not_split)
+  _warn_opaque_giants(capture, num_stages, not_split)
   flops, params = _prefix(node_costs), _prefix(first_bytes)
   legal = _legal_cuts(capture, flops, flops[-1] / num_stages, num_stages)
 
@@ -78,9 +78,8 @@ def scan_split(capture: Capture, num_stages: int, num_params: int, num_vars: int
   of the top-level scan that holds the most of the model, when a scan holds more than one
   stage's share (no cut around it balances the stages); ``(None, why not)`` when none of those
   can be split; ``(None, None)`` when no scan needs it."""
-  groups = _opaque_groups(capture)
-  heavy = sorted(((_share(capture, f, b), eqn_id) for eqn_id, (_, _, f, b) in groups.items()
-                  if _share(capture, f, b) * num_stages > 1.0), reverse=True)
+  heavy = sorted(((share, eqn_id) for eqn_id, (_, _, share) in _opaque_groups(capture).items()
+                  if share * num_stages > 1.0), reverse=True)
   eqns = capture.program.closed_jaxpr.jaxpr.eqns
   why = None
   for _, eqn_id in heavy:
@@ -120,9 +119,12 @@ def _chunk_starts(capture: Capture, num_stages: int) -> tuple[int, ...] | None:
   return tuple(out)
 
 
-def _opaque_groups(capture: Capture) -> dict[int, list]:
-  """Outermost loop, branch or custom-derivative call -> [primitive, path, FLOPs, bytes]."""
+def _opaque_groups(capture: Capture) -> dict[int, tuple[str, str, float]]:
+  """Outermost loop, branch or custom-derivative call -> (primitive, path, share): the larger
+  of its shares of the model's estimated FLOPs and parameter bytes."""
+  flops = [node_flops(n) for n in capture.program.nodes]
   first_bytes = _first_use_bytes(capture, 1)
+  total_flops, total_bytes = sum(flops), sum(first_bytes)
   groups: dict[int, list] = {}
   for n in capture.program.nodes:
     ids = _opaque(n)
@@ -130,25 +132,19 @@ def _opaque_groups(capture: Capture) -> dict[int, list]:
       continue
     name = next(p for p in n.enclosing if p not in _TRANSPARENT)
     g = groups.setdefault(ids[0], [name, "/".join(n.module_frames[:2]), 0.0, 0.0])
-    g[2] += node_flops(n)
+    g[2] += flops[n.index]
     g[3] += first_bytes[n.index]
-  return groups
+  return {i: (name, path, max(f / total_flops if total_flops else 0.0,
+                              b / total_bytes if total_bytes else 0.0))
+          for i, (name, path, f, b) in groups.items()}
 
 
-def _share(capture: Capture, f: float, b: float) -> float:
-  total_flops = sum(node_flops(n) for n in capture.program.nodes)
-  total_bytes = sum(_first_use_bytes(capture, 1))
-  return max(f / total_flops if total_flops else 0.0, b / total_bytes if total_bytes else 0.0)
-
-
-def _warn_opaque_giants(capture: Capture, flops: Sequence[float], first_bytes: Sequence[float],
-                        num_stages: int, not_split: str | None = None,
+def _warn_opaque_giants(capture: Capture, num_stages: int, not_split: str | None = None,
                         limit: float = 1.5) -> None:
   """Warns (``StageBalanceWarning``) when one loop, branch or custom-derivative call the cut
   cannot enter holds more than ``limit`` stages' shares of the FLOPs or parameter bytes (a
   scan ``scan_split`` could not split)."""
-  for name, path, f, b in _opaque_groups(capture).values():
-    share = _share(capture, f, b)
+  for name, path, share in _opaque_groups(capture).values():
     if share * num_stages > limit:
       warnings.warn(
           f"auto.auto_parallel cannot balance {num_stages} stages: one `{name}` (at "

@@ -162,6 +162,11 @@ class Pipeline:
                                          shape=tuple(self.param_avals[i].shape)))
     return P(STAGE, *tuple(spec)[1:])
 
+  @property
+  def _exchange_layouts(self) -> list[storage.ExchangeLayout]:
+    """Per stage, the layout of what the exchange brings (``layouts`` without the parts)."""
+    return [getattr(x, "exchanged", x) for x in self.layouts]
+
   def _exchanged(self) -> list[tuple[int, ...]]:
     """Per stage, the leaves the exchange brings (its parameters but its parts)."""
     return [tuple(i for i in s.params if i not in self.parts) for s in self.stages]
@@ -194,9 +199,8 @@ class Pipeline:
       return {k: jax.lax.with_sharding_constraint(
           v, NamedSharding(self.mesh, types[k].stacked_spec(STAGE))) for k, v in stacked.items()}
     leaves = jax.tree.leaves(params)
-    layouts = [getattr(x, "exchanged", x) for x in self.layouts]
-    out = storage.exchange(leaves, self._by_row(layouts), self._by_row(self._exchanged()),
-                           self.dims, self.mesh)
+    out = storage.exchange(leaves, self._by_row(self._exchange_layouts),
+                           self._by_row(self._exchanged()), self.dims, self.mesh)
     n_stages = self.mesh.shape[STAGE]
     for v, i in self.parts.items():   # stage s's chunk is already on its devices
       stacked = leaves[i].reshape(n_stages, -1, *leaves[i].shape[1:])
@@ -233,9 +237,8 @@ class Pipeline:
     else:
       n = len(self.param_avals)
       parts = {storage.part_key(v - n): i for v, i in self.parts.items()}
-      layouts = [getattr(x, "exchanged", x) for x in self.layouts]
       leaves = list(storage.exchange_gradients(
-          {k: g for k, g in packed.items() if k not in parts}, self._by_row(layouts),
+          {k: g for k, g in packed.items() if k not in parts}, self._by_row(self._exchange_layouts),
           self._by_row(self._exchanged()), self.dims, self.param_avals, self.mesh))
       for k, i in parts.items():
         leaves[i] = packed[k].reshape(self.param_avals[i].shape)

@@ -25,6 +25,7 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
+from epljax.sharding import dims
 from epljax.sharding.program import bind_eqn, scan_counts
 
 
@@ -102,14 +103,10 @@ def _in_parts(eqn: jcore.JaxprEqn, values: Sequence[Any], parts: int) -> list[An
 def chunk_of(node_eqn: jcore.JaxprEqn, shape: tuple[int, ...], parts: int) -> int | None:
   """Which of ``parts`` equal row chunks a ``slice`` of a leaf of ``shape`` takes, or None
   when it is not one (another dimension sliced, strides, a range off the chunk grid)."""
-  if node_eqn.primitive.name != "slice" or not shape or shape[0] % parts:
+  if (node_eqn.primitive.name != "slice" or not shape or shape[0] % parts
+      or not dims.rows_only(node_eqn)):
     return None
   start, limit = node_eqn.params["start_indices"], node_eqn.params["limit_indices"]
-  strides = node_eqn.params["strides"]
-  if strides is not None and any(s != 1 for s in strides):
-    return None
-  if tuple(start[1:]) != (0,) * (len(shape) - 1) or tuple(limit[1:]) != tuple(shape[1:]):
-    return None
   rows = shape[0] // parts
   if start[0] % rows or limit[0] - start[0] != rows:
     return None
