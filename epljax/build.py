@@ -31,10 +31,10 @@ from epljax import step as step_lib
 from epljax import strategy as strategy_lib
 from epljax.errors import PlanError
 from epljax.features import BuildContext, Feature, StateShardings
-from epljax.mesh import MODEL, Layout, abstract_mesh, build_mesh
+from epljax.mesh import DATA, MODEL, Layout, abstract_mesh, build_mesh
 from epljax.pipeline.auto import auto_stage_cuts, check_auto, scan_split
 from epljax.plan import EVERY_STAGE, Leaf, Plan, leaf_bytes_per_device, tree_bytes_per_device
-from epljax.sharding import annotations
+from epljax.sharding import annotations, reductions
 from epljax.sharding import specs as specs_lib
 from epljax.sharding.capture import Capture, capture, defining_frames
 from epljax.step import TrainState
@@ -268,10 +268,11 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
   def forward(params, model_state, b, fs):
     return var.loss_call(params, model_state, b)
 
+  per_replica = communication.replica_gradients(features, ctx)
+  forward, fused = _shared_reductions(forward, var, where, features, per_replica is not None)
   # communication.fp16 / local clipping need each replica's own gradients (communication.py);
   # pipeline stages compute their gradients in their own shard_map (epljax.pipeline).
-  make_gradients = (communication.replica_gradients(features, ctx)
-                    or (lambda fwd: step_lib.accumulate_gradients(fwd, num_micro)))
+  make_gradients = (per_replica or (lambda fwd: step_lib.accumulate_gradients(fwd, num_micro)))
   if pipe is not None:
     make_gradients = lambda _: pipe.gradients(features, ctx)  # noqa: E731
   forward, gradients, update = step_lib.build(forward, make_gradients, fns.optimizer,
@@ -319,6 +320,33 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
                    out_shardings=replicated),
       eval_jit=jit(traced(evaluate), in_shardings=(state_sh, batch_sh)),
   ), user_params
+
+
+def _shared_reductions(forward, var: Variables, where: Placement, features: Sequence[Feature],
+                       per_replica: bool):
+  """The forward with gradient partial sums added before their one all-reduce
+  (``sharding.reductions``), and why not when it is not: only the plain step (no pipeline
+  stages, no feature that rewrites each parameter use or computes per-replica gradients)
+  runs the fused form."""
+  mesh = where.layout.mesh
+  if mesh.shape.get(MODEL, 1) == 1 and mesh.shape.get(DATA, 1) == 1:
+    return forward, None
+  if where.pipe is not None:
+    return forward, "pipeline stages compute their own gradients"
+  if per_replica:
+    return forward, "gradients are computed per replica (communication.fp16, local clipping)"
+  if any(isinstance(f, memory.uses.ParamUses) for f in features):
+    return forward, ("ZeRO, offload or mixed precision rewrites each parameter use "
+                     "(memory.uses)")
+  if tuple(where.batch_plan.axes) != (DATA,):
+    return forward, f"the batch is split over {where.batch_plan.axes}, not over '{DATA}' alone"
+  n_p = var.num_params
+  split = (reductions.model_dims([s.spec for s in where.leaf_specs[:n_p]], MODEL)
+           if mesh.shape.get(MODEL, 1) > 1 else {})
+  fused = reductions.shared_reduction(
+      forward, mesh=mesh, model=MODEL, data=DATA, split=split,
+      leaf_shapes=[tuple(x.shape) for x in var.leaves], leaf_paths=list(var.paths))
+  return fused, fused
 
 
 class Preflight:

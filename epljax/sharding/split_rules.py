@@ -90,6 +90,40 @@ def split_decisions(program: Program, candidates: Iterable[int], leaf_shapes: Se
   return state.decisions
 
 
+def operand_splits(program: Program, split: Mapping[int, int], leaf_shapes: Sequence[tuple],
+                   leaf_paths: Sequence[str], device_count: int) -> _State:
+  """The rules' view of ``program`` when every split is given (``split``: leaf -> dim):
+  ``view(node, pos)`` and ``split_dim(node, pos)`` of every operand (``columns.py``)."""
+  state = _State(program, set(), set(split), leaf_shapes, leaf_paths, device_count)
+  state.decisions = {i: Decision(i, d, "user") for i, d in split.items()}
+  for node in program.nodes:
+    state.visit(node)
+  return state
+
+
+def row_dims(program: Program, rows_inputs: Iterable[int], leaf_shapes: Sequence[tuple],
+             leaf_paths: Sequence[str]) -> _State:
+  """Where each value's *rows* are: the batch inputs ``rows_inputs`` hold them on dim 0, and
+  they are followed through the program like a split dimension (``split_dim(node, pos)``),
+  also from a gather's indices to its output (``columns.py``)."""
+  state = _State(program, set(), set(), leaf_shapes, leaf_paths, 1)
+  state.follow_indices = True
+  for i in rows_inputs:
+    state.split[program.invars[i]] = 0
+  for node in program.nodes:
+    state.visit(node)
+  return state
+
+
+def gather_index_dims(eqn) -> dict[int, int]:
+  """A gather's indices dims -> the output dims they index (every output dim that is not a
+  slice dim comes from one indices dim, in order; the index vector dim is the last)."""
+  dnums = eqn.params["dimension_numbers"]
+  out_rank, idx_rank = len(D.shape(eqn.outvars[0])), len(D.shape(eqn.invars[1]))
+  outs = [d for d in range(out_rank) if d not in tuple(dnums.offset_dims)]
+  return dict(zip(range(idx_rank - 1), outs))
+
+
 class _State:
 
   def __init__(self, program: Program, candidates: set[int], fixed: set[int],
@@ -97,6 +131,7 @@ class _State:
     self.program = program
     self.decisions: dict[int, Decision] = {}
     self.split: dict[object, int] = {}             # value -> split dim
+    self.follow_indices = False                    # a gather's output follows its indices
     self.views: dict[object, D.View] = {}          # value -> parameter view
     self.candidates = candidates
     self.leaf_shapes = leaf_shapes
@@ -357,6 +392,9 @@ class _State:
     return True
 
   def _gather(self, node: Node) -> None:
+    rows = self.split_dim(node, 1) if self.follow_indices else None
+    if rows is not None:
+      self.set_out(node, gather_index_dims(node.eqn).get(rows))
     w = self.view(node, 0)
     if w is None:
       return

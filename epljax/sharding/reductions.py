@@ -1,0 +1,314 @@
+"""Gradient partial sums added on each device before they are all-reduced, once.
+
+GSPMD all-reduces a partial sum where it is produced. When two partials of one gradient are
+added afterwards, that is two all-reduces where one would do; XLA's GPU pipeline can merge them
+(``AllReduceReassociate``), its CPU pipeline cannot. Two places in a split model make them:
+
+- **Sibling column matmuls** (``model`` axis). Megatron's first matmuls of a split region
+  (attention's q, k and v projections, a gated MLP's gate and up) read one unsplit activation
+  ``x``; the gradient of ``x`` through each is a partial sum over ``model``. They run in one
+  ``shard_map`` manual over ``model`` only, where ``x`` is made device-varying once
+  (``lax.pcast``): the transpose of that one cast is the one all-reduce (Megatron's ``f``).
+- **A parameter read by several row-wise ops** (``data`` axis): a tied embedding, looked up
+  by the first layer and multiplied by the last. Each use's gradient is a partial sum over the
+  rows of the batch. The parameter enters a ``shard_map`` manual over ``data`` once, as one
+  device-varying copy per replica (a ``(replicas, ...)`` array, one slice per device, no
+  memory beyond the parameter's), and each use reads its replica's copy inside its own
+  ``shard_map`` over ``data``, on its rows. The uses' gradients add up in that copy; the
+  transpose of the one cast all-reduces the sum.
+
+The equations themselves are the traced ones, bound on each device's shard, so values are
+unchanged up to the order of the final sum. Everything else (``data`` inside the matmul maps,
+``model`` inside the row maps) stays GSPMD's.
+
+Which weights are column-split, and on which dimension, is the plan's (``model`` in the
+parameter's ``PartitionSpec``); ``split_rules`` follows each weight, and the batch's rows,
+through the program to the equations that read them. Siblings are found at the top level and
+inside ``scan`` bodies (layers under ``nn.scan``), row-wise uses at the top level. Equations
+under other control flow (``cond``, ``while``, ``checkpoint`` written in the model), or in a
+``jit`` with its own shardings, run as traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+from jax.extend import source_info_util
+from jax.sharding import PartitionSpec as P
+
+from epljax.errors import PlanError
+from epljax.memory import interpret
+from epljax.sharding import dims as D
+from epljax.sharding import split_rules
+from epljax.sharding.program import CALLS, Program, Step, steps_of, sub_calls, walk
+
+
+@dataclasses.dataclass(frozen=True)
+class _Column:
+  """A column-split matmul: its weight is operand ``side``, split on its dim ``dim``."""
+  side: int
+  dim: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _RowUse:
+  """A row-wise use of parameter ``leaf`` (operand ``pos``, the parameter's dims in the order
+  ``perm``: a transpose of it); the rows are dim ``rows`` of operand ``1 - pos`` and dim
+  ``out`` of the output."""
+  leaf: int
+  pos: int
+  perm: tuple[int, ...]
+  rows: int
+  out: int
+
+
+def model_dims(specs: Sequence[P], axis: str) -> dict[int, int]:
+  """Leaf index -> the one dimension its spec splits over ``axis`` alone."""
+  out = {}
+  for i, spec in enumerate(specs):
+    for d, entry in enumerate(spec):
+      names = entry if isinstance(entry, tuple) else (entry,)
+      if names == (axis,):
+        out[i] = d
+  return out
+
+
+def column_matmuls(program: Program, split: dict[int, int], leaf_shapes, leaf_paths,
+                   devices: int) -> dict[int, _Column]:
+  """Node index -> how it is a column-split matmul reading an unsplit activation.
+  ``split`` maps parameter leaves (the first program inputs) to their ``model`` dimension."""
+  if not split:
+    return {}
+  try:
+    state = split_rules.operand_splits(program, split, leaf_shapes, leaf_paths, devices)
+  except PlanError:
+    return {}   # the plan was checked when it was made; this only looks for a speed-up
+  found = {}
+  for node in program.nodes:
+    if node.primitive != "dot_general":
+      continue
+    _, _, free = D.dot_dims(node.eqn)
+    for side in (0, 1):
+      w = state.view(node, side)
+      if w is None or w.leaf not in split or split[w.leaf] not in w.dims:
+        continue
+      dim = w.dims.index(split[w.leaf])
+      other = 1 - side
+      if (dim in free[side] and state.view(node, other) is None
+          and state.split_dim(node, other) is None):
+        found[node.index] = _Column(side, dim)
+  return found
+
+
+def row_uses(program: Program, rows_inputs: Sequence[int], replicas: int, leaf_shapes,
+             leaf_paths) -> dict[int, _RowUse]:
+  """Node index -> how it is a row-wise use of a parameter read by more than one (module
+  doc): a lookup (``gather`` from the whole parameter) or a matmul whose activation keeps its
+  rows, outside loops and branches."""
+  state = split_rules.row_dims(program, rows_inputs, leaf_shapes, leaf_paths)
+  uses: dict[int, dict[int, _RowUse]] = {}
+  for node in program.nodes:
+    if any(e not in CALLS for e in node.enclosing):
+      continue
+    eqn = node.eqn
+    candidates = []
+    if node.primitive == "gather":
+      rows = state.split_dim(node, 1)
+      out = split_rules.gather_index_dims(eqn).get(rows) if rows is not None else None
+      candidates.append((0, rows, out))
+    elif node.primitive == "dot_general":
+      _, batch, free = D.dot_dims(eqn)
+      for pos in (0, 1):
+        rows = state.split_dim(node, 1 - pos)
+        ok = rows is not None and rows in free[1 - pos] and not batch[pos]
+        candidates.append((pos, rows, D.dot_out_dim(eqn, 1 - pos, rows) if ok else None))
+    for pos, rows, out in candidates:
+      w = state.view(node, pos)
+      if (out is None or w is None or sorted(w.dims) != list(range(len(leaf_shapes[w.leaf])))
+          or D.shape(eqn.invars[1 - pos])[rows] % replicas):
+        continue
+      uses.setdefault(w.leaf, {})[node.index] = _RowUse(w.leaf, pos, w.dims, rows, out)
+  return {i: u for found in uses.values() if len(found) > 1 for i, u in found.items()}
+
+
+def shared_reduction(fn, *, mesh: jax.sharding.Mesh, model: str, data: str,
+                     split: dict[int, int], leaf_shapes: Sequence[tuple[int, ...]],
+                     leaf_paths: Sequence[str]):
+  """The forward ``fn(params, model_state, batch, fstate)`` with sibling column matmuls and
+  a parameter's row-wise uses fused (module doc). ``split``: parameter leaf -> its dimension
+  split over ``model``."""
+  stats = {"siblings": 0, "matmuls": 0, "shared": 0, "uses": 0}
+
+  def rewritten(params, model_state, batch, fstate):
+    leaves, in_tree = jax.tree.flatten((params, (model_state, batch, fstate)))
+    n_p = len(jax.tree.leaves(params))
+    n_s, n_b = len(jax.tree.leaves(model_state)), len(jax.tree.leaves(batch))
+
+    def flat_fn(*flat):
+      p, a = jax.tree.unflatten(in_tree, flat)
+      return fn(p, *a)
+
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves)
+    program = Program(closed)
+    shapes, paths = leaf_shapes[:n_p], leaf_paths[:n_p]
+    columns = column_matmuls(program, split, shapes, paths, mesh.shape[model])
+    rows = (row_uses(program, range(n_p + n_s, n_p + n_s + n_b), mesh.shape[data], shapes,
+                     paths) if mesh.shape[data] > 1 else {})
+    if not columns and not rows:
+      return fn(params, model_state, batch, fstate)
+    run = _Run(columns, rows, mesh, model, data, leaves[:n_p])
+    outs = run(closed, leaves, 0)
+    stats.update(siblings=run.groups, matmuls=run.fused, shared=len(run.copies),
+                 uses=run.row_uses)
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+  rewritten.stats = stats
+  return rewritten
+
+
+def _spec(ndim: int, dim: int | None, axis: str) -> P:
+  return P(*(axis if d == dim else None for d in range(ndim)))
+
+
+def _bind_inside(step: Step, operands: list, **changes) -> Any:
+  """Binds ``step`` inside a map under its own name stack; not its context, which holds the
+  mesh outside the map."""
+  if "out_sharding" in step.eqn.params:
+    changes["out_sharding"] = None
+  stack = source_info_util.current_name_stack() + step.name_stack
+  with source_info_util.user_context(step.eqn.source_info.traceback, name_stack=stack):
+    return interpret.bind_here(step, operands, **changes)[0]
+
+
+class _Run:
+  """Evaluates a program step by step with the fused forms (module doc)."""
+
+  def __init__(self, columns: dict[int, _Column], rows: dict[int, _RowUse], mesh,
+               model: str, data: str, params: Sequence[Any]):
+    self.columns, self.rows, self.mesh, self.model, self.data = columns, rows, mesh, model, data
+    self.params = params
+    self.groups = self.fused = self.row_uses = 0
+    self.copies: dict[int, Any] = {}     # parameter leaf -> its (replicas, ...) varying copy
+    self._spans: dict[int, int] = {}
+
+  def span(self, eqn) -> int:
+    """How many innermost equations (``Program`` nodes) ``eqn`` stands for."""
+    n = self._spans.get(id(eqn))
+    if n is None:
+      calls = sub_calls(eqn)
+      n = 1 if calls is None else sum(len(walk(inner).visits) for inner, _, _ in calls)
+      self._spans[id(eqn)] = n
+    return n
+
+  def __call__(self, closed, flat_args: Sequence[Any], offset: int) -> list[Any]:
+    """Runs ``closed`` on ``flat_args``; its first innermost equation is node ``offset``."""
+    program = steps_of(closed)
+    nodes, cursor = [], offset
+    for step in program.steps:
+      nodes.append(cursor)
+      cursor += self.span(step.eqn)
+    siblings = self._siblings(program, nodes)
+    env = interpret.start_env(program, flat_args)
+    ready: dict[int, list] = {}
+    for pos, step in enumerate(program.steps):
+      invals = [interpret.read(env, a) for a in step.inputs]
+      use = self.rows.get(nodes[pos]) if self.span(step.eqn) == 1 else None
+      if pos in ready:
+        outs = ready.pop(pos)
+      elif pos in siblings:
+        outs = self._columns(program, siblings[pos], env, ready)
+      elif use is not None:
+        outs = [self._row_use(step, use, invals)]
+      elif step.primitive == "scan" and self._inside(step, nodes[pos]):
+        body = step.eqn.params["jaxpr"]
+        run = lambda consts, carry, x, start=nodes[pos], body=body: self(  # noqa: E731
+            body, [*consts, *carry, *x], start)
+        outs = interpret.in_context(step, interpret.run_scan, step, invals, run)
+      else:
+        outs = interpret.bind(step, invals)
+      for key, val in zip(step.outputs, outs):
+        if key is not None:
+          env[key] = val
+    return [interpret.read(env, a) for a in program.outputs]
+
+  def _inside(self, step: Step, first: int) -> bool:
+    return any(first <= n < first + self.span(step.eqn) for n in self.columns)
+
+  # -- sibling column matmuls, over ``model`` --------------------------------------------
+  def _siblings(self, program, nodes: list[int]) -> dict[int, list[tuple[int, _Column]]]:
+    """First step position -> the column matmuls (positions) that read its activation, each
+    of whose weights exists by then."""
+    defined_at = {k: pos for pos, s in enumerate(program.steps) for k in s.outputs}
+    by_input: dict[Any, list[tuple[int, _Column]]] = {}
+    for pos, step in enumerate(program.steps):
+      member = self.columns.get(nodes[pos])
+      if member is None or self.span(step.eqn) != 1:
+        continue
+      x = step.inputs[1 - member.side]
+      if isinstance(x, jcore.Literal):
+        continue
+      contract, batch, _ = D.dot_dims(step.eqn)
+      key = (x, contract[1 - member.side], batch[1 - member.side])
+      by_input.setdefault(key, []).append((pos, member))
+    groups = {}
+    for found in by_input.values():
+      first = found[0][0]
+      ready = [(pos, m) for pos, m in found
+               if defined_at.get(program.steps[pos].inputs[m.side], -1) < first]
+      if len(ready) > 1:
+        groups[first] = ready
+    return groups
+
+  def _columns(self, program, group: list[tuple[int, _Column]], env: dict,
+               ready: dict) -> list:
+    """The group's matmuls in one map over ``model``; returns the first one's outputs and
+    leaves the others' in ``ready``."""
+    steps = [program.steps[pos] for pos, _ in group]
+    members = [m for _, m in group]
+    x = interpret.read(env, steps[0].inputs[1 - members[0].side])
+    weights = [interpret.read(env, s.inputs[m.side]) for s, m in zip(steps, members)]
+    axis = self.model
+
+    def local(x, *ws):
+      xv = jax.lax.pcast(x, axis, to="varying")   # one cast: its transpose is the all-reduce
+      return [_bind_inside(s, [w, xv] if m.side == 0 else [xv, w])
+              for s, m, w in zip(steps, members, ws)]
+
+    in_specs = (P(), *(_spec(w.ndim, m.dim, axis) for w, m in zip(weights, members)))
+    out_specs = [_spec(len(D.shape(s.eqn.outvars[0])), D.dot_out_dim(s.eqn, m.side, m.dim), axis)
+                 for s, m in zip(steps, members)]
+    outs = jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                         axis_names={axis})(x, *weights)
+    for (pos, _), out in zip(group[1:], outs[1:]):
+      ready[pos] = [out]
+    self.groups += 1
+    self.fused += len(group)
+    return [outs[0]]
+
+  # -- a parameter's row-wise uses, over ``data`` ------------------------------------------
+  def _row_use(self, step: Step, use: _RowUse, invals: list) -> Any:
+    """``step`` on each replica's rows, reading that replica's copy of the parameter."""
+    axis = self.data
+    if use.leaf not in self.copies:
+      def copy(w):
+        return jax.lax.pcast(w, axis, to="varying")[None]   # the transpose: one all-reduce
+      self.copies[use.leaf] = jax.shard_map(
+          copy, mesh=self.mesh, in_specs=P(), out_specs=P(axis),
+          axis_names={axis})(self.params[use.leaf])
+    other = invals[1 - use.pos]
+
+    def local(w, x):
+      w = jnp.transpose(w[0], use.perm)
+      return _bind_inside(step, [w, x] if use.pos == 0 else [x, w])
+
+    out_ndim = len(D.shape(step.eqn.outvars[0]))
+    self.row_uses += 1
+    return jax.shard_map(local, mesh=self.mesh,
+                         in_specs=(P(axis), _spec(other.ndim, use.rows, axis)),
+                         out_specs=_spec(out_ndim, use.out, axis),
+                         axis_names={axis})(self.copies[use.leaf], other)
