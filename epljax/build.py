@@ -158,7 +158,8 @@ def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
   ctx = dataclasses.replace(ctx, shardings=shardings)
   fstate = {f.name: f.init_state(ctx) for f in features}
   jits, user_params = compile_functions(fns, var, where, features, fstate, ctx, rows)
-  plan = make_plan(var, cap, where, features, fstate, jits, batch, rows)
+  sums = jits.pop("gradient_sums")
+  plan = make_plan(var, cap, where, [*features, sums], fstate, jits, batch, rows)
   state_shardings = jits.pop("state_shardings")
   user = UserState(state_shardings=state_shardings, params_shape=var.params_shape,
                    state_shape=var.state_shape, optimizer=fns.optimizer, feature_state=fstate)
@@ -269,7 +270,7 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
     return var.loss_call(params, model_state, b)
 
   per_replica = communication.replica_gradients(features, ctx)
-  forward, fused = _shared_reductions(forward, var, where, features, per_replica is not None)
+  forward, sums = _shared_reductions(forward, var, where, features, per_replica is not None)
   # communication.fp16 / local clipping need each replica's own gradients (communication.py);
   # pipeline stages compute their gradients in their own shard_map (epljax.pipeline).
   make_gradients = (per_replica or (lambda fwd: step_lib.accumulate_gradients(fwd, num_micro)))
@@ -310,6 +311,7 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
   checked = (functools.partial(Preflight, check=where.pipe.check_compiled)
              if where.pipe is not None and where.pipe.slotted else lambda f: f)
   return dict(
+      gradient_sums=sums,
       state_shardings=state_sh,
       init_jit=jax.jit(traced(init_state), out_shardings=state_sh),
       step_jit=checked(jit(traced(step), in_shardings=(state_sh, batch_sh),
@@ -322,31 +324,57 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
   ), user_params
 
 
+class _Sums:
+  """The plan's line on the fused gradient sums (``sharding.reductions``): what the traced
+  step fused, or why the step runs without them."""
+
+  def __init__(self, fused=None, why: str = ""):
+    self.fused, self.why = fused, why
+
+  def describe(self) -> str:
+    if self.why:
+      return f"gradient sums: each partial sum all-reduced where made ({self.why})"
+    if self.fused is None:
+      return ""
+    n = self.fused.stats
+    parts = []
+    if n["siblings"]:
+      parts.append(f"{n['siblings']} activations read by {n['matmuls']} column matmuls, one "
+                   f"all-reduce over {MODEL} each")
+    if n["shared"]:
+      parts.append(f"{n['shared']} parameters read by {n['uses']} row-wise uses (tied), one "
+                   f"reduction over {DATA} each")
+    return "gradient sums: " + "; ".join(parts) if parts else ""
+
+
 def _shared_reductions(forward, var: Variables, where: Placement, features: Sequence[Feature],
                        per_replica: bool):
   """The forward with gradient partial sums added before their one all-reduce
-  (``sharding.reductions``), and why not when it is not: only the plain step (no pipeline
-  stages, no feature that rewrites each parameter use or computes per-replica gradients)
-  runs the fused form."""
+  (``sharding.reductions``), and its plan line: only the plain step (no pipeline stages, no
+  feature that rewrites each parameter use or computes per-replica gradients) runs the fused
+  form; a split model says why not."""
   mesh = where.layout.mesh
-  if mesh.shape.get(MODEL, 1) == 1 and mesh.shape.get(DATA, 1) == 1:
-    return forward, None
+  split = mesh.shape.get(MODEL, 1) > 1
+  if not split and mesh.shape.get(DATA, 1) == 1:
+    return forward, _Sums()
+  why = ""
   if where.pipe is not None:
-    return forward, "pipeline stages compute their own gradients"
-  if per_replica:
-    return forward, "gradients are computed per replica (communication.fp16, local clipping)"
-  if any(isinstance(f, memory.uses.ParamUses) for f in features):
-    return forward, ("ZeRO, offload or mixed precision rewrites each parameter use "
-                     "(memory.uses)")
-  if tuple(where.batch_plan.axes) != (DATA,):
-    return forward, f"the batch is split over {where.batch_plan.axes}, not over '{DATA}' alone"
+    why = "pipeline stages compute their own gradients"
+  elif per_replica:
+    why = "gradients are computed per replica: communication.fp16 or local clipping"
+  elif any(isinstance(f, memory.uses.ParamUses) for f in features):
+    why = "ZeRO, offload or mixed precision rewrite each parameter use"
+  elif tuple(where.batch_plan.axes) != (DATA,):
+    why = f"the batch is split over {where.batch_plan.axes}, not over '{DATA}' alone"
+  if why:
+    return forward, _Sums(why=why if split else "")
   n_p = var.num_params
-  split = (reductions.model_dims([s.spec for s in where.leaf_specs[:n_p]], MODEL)
-           if mesh.shape.get(MODEL, 1) > 1 else {})
+  split_dims = (reductions.model_dims([s.spec for s in where.leaf_specs[:n_p]], MODEL)
+                if split else {})
   fused = reductions.shared_reduction(
-      forward, mesh=mesh, model=MODEL, data=DATA, split=split,
+      forward, mesh=mesh, model=MODEL, data=DATA, split=split_dims,
       leaf_shapes=[tuple(x.shape) for x in var.leaves], leaf_paths=list(var.paths))
-  return fused, fused
+  return fused, _Sums(fused)
 
 
 class Preflight:

@@ -86,3 +86,16 @@ def test_step_communicates_exactly_megatrons_minimum(split_run):
   assert comm.activation_arrays(run["step"], f"f32[{rows},16,32]") == minimum[
       "activation arrays"]
   assert comm.tensor_bytes(run["step"]) == minimum["bytes"]
+
+
+def test_plan_says_which_gradient_sums_are_fused(split_run):
+  """Each layer's attention input feeds q and kv (Gemma) or q, k and v (GPT-2); the tied
+  embedding is read by the lookup and the logits."""
+  import models
+  run = split_run
+  layers = getattr(models, run["name"]).LAYERS
+  per_layer = {"gemma": 2, "gpt2": 3}[run["name"]]
+  (line,) = [f for f in run["trainer"].plan.features if f.startswith("gradient sums")]
+  assert line == (f"gradient sums: {layers} activations read by {layers * per_layer} column "
+                  "matmuls, one all-reduce over model each; 1 parameters read by 2 row-wise "
+                  "uses (tied), one reduction over data each")
