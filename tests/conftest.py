@@ -1,6 +1,8 @@
 """Tests run on 8 simulated CPU devices; the flag must be set before JAX is imported."""
 
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
@@ -36,9 +38,11 @@ def fresh_epl():
 
 
 def pytest_configure(config):
-  # Many tests compile the same small programs (references, shared models): a per-session
-  # compilation cache saves the repeats.
-  cache = os.path.join(str(config.rootpath), ".pytest_cache", "jax_compilation_cache")
+  # Many tests compile the same small programs (references, shared models): a compilation
+  # cache of this session alone saves the repeats. Not shared: entries written by another
+  # process (a run beside this one, an earlier run) have aborted a pipeline test in-process.
+  cache = tempfile.mkdtemp(prefix="jax_compilation_cache-")
+  config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
   jax.config.update("jax_compilation_cache_dir", cache)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
