@@ -337,6 +337,9 @@ class _Sums:
     if self.fused is None:
       return ""
     n = self.fused.stats
+    if n.get("failed"):
+      return ("gradient sums: each partial sum all-reduced where made (finding what to fuse "
+              f"failed: {n['failed']}; please report it)")
     parts = []
     if n["siblings"]:
       parts.append(f"{n['siblings']} activations read by {n['matmuls']} column matmuls, one "

@@ -294,9 +294,9 @@ class Steps:
 
 def steps_of(closed, num_params: int = 0, in_tree=None, out_tree=None) -> Steps:
   """The flattened program of a (closed) jaxpr, e.g. the body of a loop; its inputs and
-  outputs are flat lists unless trees are given. Plain calls are entered (``_inlinable``),
+  outputs are flat lists unless trees are given. Plain calls are entered (``inlinable``),
   every other equation is one step."""
-  flat = walk(closed, enter=_inlinable)
+  flat = walk(closed, enter=inlinable)
   steps = tuple(Step(i, v.eqn, tuple(map(_one, v.inputs)), v.outputs, v.name_stack)
                 for i, v in enumerate(flat.visits))
   outs = tuple(map(_one, flat.outputs))
@@ -311,7 +311,7 @@ def _one(resolved):
   return resolved if isinstance(resolved, jcore.Literal) else resolved[0]
 
 
-def _inlinable(eqn) -> bool:
+def inlinable(eqn) -> bool:
   """A plain call: ``jit`` without explicit shardings, ``closed_call``."""
   if eqn.primitive.name not in CALLS:
     return False

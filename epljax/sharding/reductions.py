@@ -45,7 +45,8 @@ from epljax.errors import PlanError
 from epljax.memory import interpret
 from epljax.sharding import dims as D
 from epljax.sharding import split_rules
-from epljax.sharding.program import CALLS, Program, Step, steps_of, sub_calls, walk
+from epljax.sharding.program import (CALLS, Program, Step, inlinable, inner_eqns, steps_of,
+                                     sub_calls, walk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +100,8 @@ def column_matmuls(program: Program, split: dict[int, int], leaf_shapes, leaf_pa
         continue
       dim = w.dims.index(split[w.leaf])
       other = 1 - side
-      if (dim in free[side] and state.view(node, other) is None
-          and state.split_dim(node, other) is None):
+      if (dim in free[side] and D.shape(node.eqn.invars[side])[dim] % devices == 0
+          and state.view(node, other) is None and state.split_dim(node, other) is None):
         found[node.index] = _Column(side, dim)
   return found
 
@@ -108,18 +109,23 @@ def column_matmuls(program: Program, split: dict[int, int], leaf_shapes, leaf_pa
 def row_uses(program: Program, rows_inputs: Sequence[int], replicas: int, leaf_shapes,
              leaf_paths) -> dict[int, _RowUse]:
   """Node index -> how it is a row-wise use of a parameter read by more than one (module
-  doc): a lookup (``gather`` from the whole parameter) or a matmul whose activation keeps its
-  rows, outside loops and branches."""
+  doc): a lookup (``gather`` from the parameter itself) or a matmul with the parameter or its
+  transpose, whose other operand keeps its rows; outside loops, branches and ``jit``s with
+  shardings of their own (the evaluation does not enter those)."""
   state = split_rules.row_dims(program, rows_inputs, leaf_shapes, leaf_paths)
+  sealed = {id(e) for e in _all_eqns(program.closed_jaxpr.jaxpr)
+            if e.primitive.name in CALLS and not inlinable(e)}
   uses: dict[int, dict[int, _RowUse]] = {}
   for node in program.nodes:
-    if any(e not in CALLS for e in node.enclosing):
+    if any(e not in CALLS for e in node.enclosing) or sealed & set(node.enclosing_ids):
       continue
     eqn = node.eqn
     candidates = []
     if node.primitive == "gather":
       rows = state.split_dim(node, 1)
-      out = split_rules.gather_index_dims(eqn).get(rows) if rows is not None else None
+      batching = getattr(eqn.params["dimension_numbers"], "operand_batching_dims", ())
+      out = (split_rules.gather_index_dims(eqn).get(rows)
+             if rows is not None and not batching else None)
       candidates.append((0, rows, out))
     elif node.primitive == "dot_general":
       _, batch, free = D.dot_dims(eqn)
@@ -128,12 +134,36 @@ def row_uses(program: Program, rows_inputs: Sequence[int], replicas: int, leaf_s
         ok = rows is not None and rows in free[1 - pos] and not batch[pos]
         candidates.append((pos, rows, D.dot_out_dim(eqn, 1 - pos, rows) if ok else None))
     for pos, rows, out in candidates:
-      w = state.view(node, pos)
-      if (out is None or w is None or sorted(w.dims) != list(range(len(leaf_shapes[w.leaf])))
-          or D.shape(eqn.invars[1 - pos])[rows] % replicas):
+      found = _parameter_read(program, node, pos, len(leaf_shapes))
+      if out is None or found is None or D.shape(eqn.invars[1 - pos])[rows] % replicas:
         continue
-      uses.setdefault(w.leaf, {})[node.index] = _RowUse(w.leaf, pos, w.dims, rows, out)
+      leaf, perm = found
+      uses.setdefault(leaf, {})[node.index] = _RowUse(leaf, pos, perm, rows, out)
   return {i: u for found in uses.values() if len(found) > 1 for i, u in found.items()}
+
+
+def _parameter_read(program: Program, node, pos: int, num_params: int):
+  """(leaf, permutation) when operand ``pos`` of ``node`` is parameter ``leaf`` itself or one
+  ``transpose`` of it (no cast, slice or reshape on the way), else None."""
+  params = {v: i for i, v in enumerate(program.invars[:num_params])}
+  bases = node.inputs[pos]
+  if len(bases) != 1:
+    return None
+  if bases[0] in params:
+    return params[bases[0]], tuple(range(len(D.shape(bases[0]))))
+  producer = program.producer.get(bases[0])
+  if (producer is not None and producer.primitive == "transpose"
+      and len(producer.inputs[0]) == 1 and producer.inputs[0][0] in params):
+    return params[producer.inputs[0][0]], tuple(producer.eqn.params["permutation"])
+  return None
+
+
+def _all_eqns(jaxpr) -> list:
+  out = []
+  for eqn in jaxpr.eqns:
+    out.append(eqn)
+    out.extend(inner_eqns(eqn))
+  return out
 
 
 def shared_reduction(fn, *, mesh: jax.sharding.Mesh, model: str, data: str,
@@ -147,7 +177,7 @@ def shared_reduction(fn, *, mesh: jax.sharding.Mesh, model: str, data: str,
   def rewritten(params, model_state, batch, fstate):
     leaves, in_tree = jax.tree.flatten((params, (model_state, batch, fstate)))
     n_p = len(jax.tree.leaves(params))
-    n_s, n_b = len(jax.tree.leaves(model_state)), len(jax.tree.leaves(batch))
+    n_s = len(jax.tree.leaves(model_state))
 
     def flat_fn(*flat):
       p, a = jax.tree.unflatten(in_tree, flat)
@@ -156,9 +186,14 @@ def shared_reduction(fn, *, mesh: jax.sharding.Mesh, model: str, data: str,
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves)
     program = Program(closed)
     shapes, paths = leaf_shapes[:n_p], leaf_paths[:n_p]
-    columns = column_matmuls(program, split, shapes, paths, mesh.shape[model])
-    rows = (row_uses(program, range(n_p + n_s, n_p + n_s + n_b), mesh.shape[data], shapes,
-                     paths) if mesh.shape[data] > 1 else {})
+    batch_inputs = [n_p + n_s + i for i, x in enumerate(jax.tree.leaves(batch)) if x.ndim]
+    try:
+      columns = column_matmuls(program, split, shapes, paths, mesh.shape[model])
+      rows = (row_uses(program, batch_inputs, mesh.shape[data], shapes, paths)
+              if mesh.shape[data] > 1 else {})
+    except Exception as e:  # noqa: BLE001 (a speed-up only: the plan line says it failed)
+      stats["failed"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+      return fn(params, model_state, batch, fstate)
     if not columns and not rows:
       return fn(params, model_state, batch, fstate)
     run = _Run(columns, rows, mesh, model, data, leaves[:n_p])
