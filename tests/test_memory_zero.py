@@ -148,3 +148,33 @@ def test_two_workers_of_two_devices_with_zero_and_checkpointing(tmp_path):
   assert_trees_close(trained, expected["params"])
   config = epl.Config(environ={k: v for k, v in env.items() if k.startswith("EPL_")})
   assert (config.zero.level, config.gradient_checkpoint.type) == ("v2", "auto")
+
+
+def test_gpu_and_tpu_refetch_does_not_wait_for_the_cotangent():
+  """The backward pass places a stored parameter again; on CPU only after its cotangent
+  exists (XLA:CPU would merge it with the forward's copy), elsewhere behind a barrier over the
+  stored value alone, so the scheduler may fetch it ahead of its use."""
+  from epljax.memory.recompute import refetch
+  w, ct = np.ones((4, 4), np.float32), np.ones((2, 4), np.float32)
+  for platform, operands in (("cpu", 2), ("gpu", 1), ("tpu", 1)):
+    jaxpr = jax.make_jaxpr(lambda w, ct, p=platform: refetch((w,), ct, platform=p))(w, ct)
+    (barrier,) = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+    assert len(barrier.invars) == operands, (platform, barrier)
+    assert barrier.invars[0] is jaxpr.jaxpr.invars[0]
+
+
+def test_zero3_with_the_gpu_refetch_matches_the_reference(reference, monkeypatch):
+  from epljax.memory import uses
+  real, seen = uses.refetch, []
+
+  def as_on_gpu(stored, cts, *, platform):
+    seen.append(platform)
+    return real(stored, cts, platform="gpu")
+
+  monkeypatch.setattr(uses, "refetch", as_on_gpu)
+  trainer, state, (loss0, grads0), losses = run({"zero.level": "v3"})
+  assert seen
+  history, expected = reference[1]
+  np.testing.assert_allclose(loss0, history[0][0], **TOL)
+  assert_trees_close(grads0, history[0][1])
+  assert_trees_close(trainer.variables(state), expected)

@@ -56,6 +56,23 @@ def after(vals: Sequence[Any], cts: Any, *, platform: str) -> tuple:
   return tuple(_select(live, v) for v in vals)
 
 
+def refetch(stored: Sequence[Any], cts: Any, *, platform: str) -> tuple:
+  """The stored parameters (ZeRO shard, host copy) a backward pass places again, kept apart
+  from the forward pass's placed copies so no compiler merges the two and keeps the placed
+  weight alive in between.
+
+  - CPU: tied to the cotangents (``after``): XLA:CPU expands optimization barriers before its
+    CSE and would otherwise merge them (the measured need of the module docstring).
+  - GPU and TPU: an optimization barrier over the stored values alone. The all-gather or
+    host-to-device copy then depends on nothing the backward pass computes, so the latency
+    hiding scheduler can start it ahead of its use, overlapped with the previous layer's
+    backward (how far ahead is the scheduler's choice, bounded by its memory limit).
+  """
+  if platform == "cpu":
+    return after(stored, cts, platform=platform)
+  return tuple(jax.lax.optimization_barrier(tuple(stored)))
+
+
 def _select(flag, v):
   if not hasattr(v, "dtype") or v.size == 0:
     return v

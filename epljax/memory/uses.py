@@ -5,7 +5,8 @@ forward hook applies them, reading ``ctx.shardings``.
 
 A matmul or convolution reading a parameter becomes one custom-VJP unit keeping only the
 *stored* parameter (host memory, ZeRO shard, float32) as its residual; the backward pass
-places it again once the cotangent exists (``recompute.after``). Its weight gradient is
+places it again (``recompute.refetch``: on CPU once the cotangent exists; on GPU and TPU free of
+the backward's values, so the fetch can be scheduled ahead of its use). Its weight gradient is
 reduce-scattered explicitly (``psum_scatter`` in a ``shard_map`` over ``data``: GSPMD alone
 writes all-reduce + slice on CPU) when ``data`` is the only mesh axis with several devices.
 Bodies of ``scan`` (``nn.scan``) and user ``checkpoint`` are rewritten the same way, so each
@@ -28,7 +29,7 @@ from epljax.features import BuildContext, Feature, ForwardFn
 from epljax.memory import amp as amp_lib
 from epljax.memory import interpret
 from epljax.memory.offload import HOST
-from epljax.memory.recompute import after
+from epljax.memory.recompute import refetch
 from epljax.memory.zero import device_layout, is_sharding
 from epljax.mesh import DATA
 from epljax.sharding.program import REMAT, inner_eqns
@@ -254,7 +255,7 @@ class _Run:
 
   def _matmul(self, step, raw, flags, direct):
     """One custom-VJP unit: the weight is placed (and cast) inside, kept raw as the residual
-    and placed again in the backward pass after the cotangent exists (see ``recompute``)."""
+    and placed again in the backward pass (``recompute.refetch``)."""
     policy, platform = self.policy, self.platform
     low = policy.low if policy is not None else None
     changes = policy.low_params(step) if policy is not None else {}
@@ -282,7 +283,7 @@ class _Run:
       return forward(a, b), res
 
     def bwd(res, ct):
-      res = after(res, ct, platform=platform)
+      res = refetch(res, ct, platform=platform)
       ops = [value(j, r) if flags[j] else r for j, r in enumerate(res)]
       _, pull = jax.vjp(lambda x, y: interpret.bind_here(step, [x, y], **changes)[0], *ops)
       grads = list(pull(ct))
