@@ -168,10 +168,10 @@ def _all_eqns(jaxpr) -> list:
 
 def shared_reduction(fn, *, mesh: jax.sharding.Mesh, model: str, data: str,
                      split: dict[int, int], leaf_shapes: Sequence[tuple[int, ...]],
-                     leaf_paths: Sequence[str]):
+                     leaf_paths: Sequence[str], rows: bool = True):
   """The forward ``fn(params, model_state, batch, fstate)`` with sibling column matmuls and
-  a parameter's row-wise uses fused (module doc). ``split``: parameter leaf -> its dimension
-  split over ``model``."""
+  (with ``rows``) a parameter's row-wise uses fused (module doc). ``split``: parameter leaf ->
+  its dimension split over ``model``."""
   stats = {"siblings": 0, "matmuls": 0, "shared": 0, "uses": 0}
 
   def rewritten(params, model_state, batch, fstate):
@@ -189,14 +189,14 @@ def shared_reduction(fn, *, mesh: jax.sharding.Mesh, model: str, data: str,
     batch_inputs = [n_p + n_s + i for i, x in enumerate(jax.tree.leaves(batch)) if x.ndim]
     try:
       columns = column_matmuls(program, split, shapes, paths, mesh.shape[model])
-      rows = (row_uses(program, batch_inputs, mesh.shape[data], shapes, paths)
-              if mesh.shape[data] > 1 else {})
+      uses = (row_uses(program, batch_inputs, mesh.shape[data], shapes, paths)
+              if rows and mesh.shape[data] > 1 else {})
     except Exception as e:  # noqa: BLE001 (a speed-up only: the plan line says it failed)
       stats["failed"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
       return fn(params, model_state, batch, fstate)
-    if not columns and not rows:
+    if not columns and not uses:
       return fn(params, model_state, batch, fstate)
-    run = _Run(columns, rows, mesh, model, data, leaves[:n_p])
+    run = _Run(columns, uses, mesh, model, data, leaves[:n_p])
     outs = run(closed, leaves, 0)
     stats.update(siblings=run.groups, matmuls=run.fused, shared=len(run.copies),
                  uses=run.row_uses)
@@ -210,14 +210,20 @@ def _spec(ndim: int, dim: int | None, axis: str) -> P:
   return P(*(axis if d == dim else None for d in range(ndim)))
 
 
-def _bind_inside(step: Step, operands: list, **changes) -> Any:
-  """Binds ``step`` inside a map under its own name stack; not its context, which holds the
-  mesh outside the map."""
+def _bind_inside(step: Step, operands: list, outside, **changes) -> Any:
+  """Binds ``step`` inside a map, under its own name stack (``outside``: the name stack where
+  the program runs); not its context, which holds the mesh outside the map."""
   if "out_sharding" in step.eqn.params:
     changes["out_sharding"] = None
-  stack = source_info_util.current_name_stack() + step.name_stack
-  with source_info_util.user_context(step.eqn.source_info.traceback, name_stack=stack):
+  with source_info_util.user_context(step.eqn.source_info.traceback,
+                                     name_stack=outside + step.name_stack):
     return interpret.bind_here(step, operands, **changes)[0]
+
+
+def _mapped(step: Step, fn, *args, **map_args):
+  """``jax.shard_map(fn, **map_args)(*args)`` as part of ``step`` (its name stack and context):
+  gradient checkpointing finds the map in ``step``'s block."""
+  return interpret.in_context(step, lambda: jax.shard_map(fn, **map_args)(*args))
 
 
 class _Run:
@@ -309,16 +315,18 @@ class _Run:
     weights = [interpret.read(env, s.inputs[m.side]) for s, m in zip(steps, members)]
     axis = self.model
 
+    outside = source_info_util.current_name_stack()
+
     def local(x, *ws):
       xv = jax.lax.pcast(x, axis, to="varying")   # one cast: its transpose is the all-reduce
-      return [_bind_inside(s, [w, xv] if m.side == 0 else [xv, w])
+      return [_bind_inside(s, [w, xv] if m.side == 0 else [xv, w], outside)
               for s, m, w in zip(steps, members, ws)]
 
     in_specs = (P(), *(_spec(w.ndim, m.dim, axis) for w, m in zip(weights, members)))
     out_specs = [_spec(len(D.shape(s.eqn.outvars[0])), D.dot_out_dim(s.eqn, m.side, m.dim), axis)
                  for s, m in zip(steps, members)]
-    outs = jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                         axis_names={axis})(x, *weights)
+    outs = _mapped(steps[0], local, x, *weights, mesh=self.mesh, in_specs=in_specs,
+                   out_specs=out_specs, axis_names={axis})
     for (pos, _), out in zip(group[1:], outs[1:]):
       ready[pos] = [out]
     self.groups += 1
@@ -332,18 +340,17 @@ class _Run:
     if use.leaf not in self.copies:
       def copy(w):
         return jax.lax.pcast(w, axis, to="varying")[None]   # the transpose: one all-reduce
-      self.copies[use.leaf] = jax.shard_map(
-          copy, mesh=self.mesh, in_specs=P(), out_specs=P(axis),
-          axis_names={axis})(self.params[use.leaf])
+      self.copies[use.leaf] = _mapped(step, copy, self.params[use.leaf], mesh=self.mesh,
+                                      in_specs=P(), out_specs=P(axis), axis_names={axis})
     other = invals[1 - use.pos]
+    outside = source_info_util.current_name_stack()
 
     def local(w, x):
       w = jnp.transpose(w[0], use.perm)
-      return _bind_inside(step, [w, x] if use.pos == 0 else [x, w])
+      return _bind_inside(step, [w, x] if use.pos == 0 else [x, w], outside)
 
-    out_ndim = len(D.shape(step.eqn.outvars[0]))
     self.row_uses += 1
-    return jax.shard_map(local, mesh=self.mesh,
-                         in_specs=(P(axis), _spec(other.ndim, use.rows, axis)),
-                         out_specs=_spec(out_ndim, use.out, axis),
-                         axis_names={axis})(self.copies[use.leaf], other)
+    return _mapped(step, local, self.copies[use.leaf], other, mesh=self.mesh,
+                   in_specs=(P(axis), _spec(other.ndim, use.rows, axis)),
+                   out_specs=_spec(len(D.shape(step.eqn.outvars[0])), use.out, axis),
+                   axis_names={axis})
