@@ -54,8 +54,8 @@ def make_batch():
   return {"ids": ids, "y": np.roll(ids, 1, axis=1)}
 
 
-def train(use):
-  epl.init()
+def train(use, config=None):
+  epl.init(config or {})
   init_fn, loss_fn = fns(use)
   batch = make_batch()
   trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))
@@ -90,4 +90,15 @@ def test_uses_not_taken_as_traced_are_left_alone(use):
   pieces = {f"f32[{VOCAB},{WIDTH}]", f"f32[{VOCAB // 2},2,{WIDTH // 2}]"}   # table, its slice
   table = [s for c in step if c.kind == "all-reduce" for s in c.shapes
            if s.split("{")[0] in pieces]
+  assert len(table) == 2, step
+
+
+def test_with_gradient_checkpointing_the_tied_table_is_not_fused():
+  """There the per-replica copy kept more memory than the reduction it saves (the measured
+  reason in ``build._shared_reductions``); both gradients are reduced as GSPMD places them."""
+  _, _, metrics, step, sums, _ = train("attend", {"gradient_checkpoint.type": "auto"})
+  assert sums == []
+  assert bool(metrics["finite"])
+  table = [s for c in step if c.kind == "all-reduce" for s in c.shapes
+           if s.split("{")[0] == f"f32[{VOCAB},{WIDTH}]"]
   assert len(table) == 2, step
