@@ -1,5 +1,5 @@
-"""Split rules on real weight layouts (the zoo's Gemma- and GPT-2-style models split with one
-``epl.annotate`` rule): Megatron's specs, equality with the single-device reference, and the
+"""Split rules on real weight layouts (the zoo's Gemma-, GPT-2- and Llama-style models split
+with one ``epl.annotate`` rule): Megatron's specs, equality with the single-device reference, and the
 collectives of the compiled step against Megatron's minimum (``bench/comm.py``)."""
 
 import os
@@ -20,7 +20,7 @@ import comm  # noqa: E402
 STEPS = 2
 
 
-@pytest.fixture(scope="module", params=["gemma", "gpt2"])
+@pytest.fixture(scope="module", params=["gemma", "gpt2", "llama"])
 def split_run(request):
   """A zoo model split over 2 devices (4 replicas) by its one annotate rule, trained two steps
   beside the single-device reference; its forward and step HLO collectives."""
@@ -34,8 +34,9 @@ def split_run(request):
   loss0, grads0 = trainer.loss_and_grads(state, batch)
   np.testing.assert_allclose(loss0, history[0][0], **tol)
   assert_trees_close(grads0, history[0][1], tol)
-  forward = hlo.collectives(trainer.lower_loss(state, batch).compile().as_text())
-  step = hlo.collectives(trainer.lower(state, batch).compile().as_text())
+  # Collectives inside loops (Llama's nn.scan) count once per iteration.
+  forward = hlo.executed_collectives(trainer.lower_loss(state, batch).compile().as_text())
+  step = hlo.executed_collectives(trainer.lower(state, batch).compile().as_text())
   losses = []
   for _ in range(STEPS):
     state, metrics = trainer.train_step(state, batch)
@@ -89,13 +90,16 @@ def test_step_communicates_exactly_megatrons_minimum(split_run):
 
 
 def test_plan_says_which_gradient_sums_are_fused(split_run):
-  """Each layer's attention input feeds q and kv (Gemma) or q, k and v (GPT-2); the tied
-  embedding is read by the lookup and the logits."""
+  """Each layer's attention input feeds q and kv (Gemma) or q, k and v (GPT-2), and Llama's
+  MLP input its gate and up too (inside its scan, counted per layer); the tied embedding of
+  Gemma and GPT-2 is read by the lookup and the logits."""
   import models
   run = split_run
   layers = getattr(models, run["name"]).LAYERS
-  per_layer = {"gemma": 2, "gpt2": 3}[run["name"]]
+  inputs, matmuls = {"gemma": (1, 2), "gpt2": (1, 3), "llama": (2, 5)}[run["name"]]
+  expected = (f"gradient sums: {layers * inputs} activations read by {layers * matmuls} "
+              "column matmuls, one all-reduce over model each")
+  if run["name"] != "llama":
+    expected += "; 1 parameters read by 2 row-wise uses (tied), one reduction over data each"
   (line,) = [f for f in run["trainer"].plan.features if f.startswith("gradient sums")]
-  assert line == (f"gradient sums: {layers} activations read by {layers * per_layer} column "
-                  "matmuls, one all-reduce over model each; 1 parameters read by 2 row-wise "
-                  "uses (tied), one reduction over data each")
+  assert line == expected

@@ -233,7 +233,8 @@ class _Run:
                model: str, data: str, params: Sequence[Any]):
     self.columns, self.rows, self.mesh, self.model, self.data = columns, rows, mesh, model, data
     self.params = params
-    self.groups = self.fused = self.row_uses = 0
+    self.groups = self.fused = self.row_uses = 0   # per run of the program
+    self.trips = 1            # iterations of the scans around the body being evaluated
     self.copies: dict[int, Any] = {}     # parameter leaf -> its (replicas, ...) varying copy
     self._spans: dict[int, int] = {}
 
@@ -266,16 +267,28 @@ class _Run:
       elif use is not None:
         outs = [self._row_use(step, use, invals)]
       elif step.primitive == "scan" and self._inside(step, nodes[pos]):
-        body = step.eqn.params["jaxpr"]
-        run = lambda consts, carry, x, start=nodes[pos], body=body: self(  # noqa: E731
-            body, [*consts, *carry, *x], start)
-        outs = interpret.in_context(step, interpret.run_scan, step, invals, run)
+        outs = interpret.in_context(step, interpret.run_scan, step, invals,
+                                    self._body(step, nodes[pos]))
       else:
         outs = interpret.bind(step, invals)
       for key, val in zip(step.outputs, outs):
         if key is not None:
           env[key] = val
     return [interpret.read(env, a) for a in program.outputs]
+
+  def _body(self, step: Step, first: int):
+    """The scan ``step``'s body, run by this evaluation (its groups count once per
+    iteration)."""
+    body, length = step.eqn.params["jaxpr"], step.eqn.params["length"]
+
+    def run(consts, carry, x):
+      self.trips *= length
+      try:
+        return self(body, [*consts, *carry, *x], first)
+      finally:
+        self.trips //= length
+
+    return run
 
   def _inside(self, step: Step, first: int) -> bool:
     return any(first <= n < first + self.span(step.eqn) for n in self.columns)
@@ -329,8 +342,8 @@ class _Run:
                    out_specs=out_specs, axis_names={axis})
     for (pos, _), out in zip(group[1:], outs[1:]):
       ready[pos] = [out]
-    self.groups += 1
-    self.fused += len(group)
+    self.groups += self.trips
+    self.fused += self.trips * len(group)
     return [outs[0]]
 
   # -- a parameter's row-wise uses, over ``data`` ------------------------------------------
