@@ -1,6 +1,6 @@
 """Split rules on real weight layouts (the zoo's Gemma-, GPT-2- and Llama-style models split
-with one ``epl.annotate`` rule): Megatron's specs, equality with the single-device reference, and the
-collectives of the compiled step against Megatron's minimum (``bench/comm.py``)."""
+with one ``epl.annotate`` rule): Megatron's specs, equality with the single-device reference,
+and the collectives of the compiled step against Megatron's minimum (``bench/comm.py``)."""
 
 import os
 import sys
