@@ -66,13 +66,17 @@ def train(use, config=None):
   return trainer, state, metrics, step, sums, batch
 
 
+def table_reductions(step, shapes=(f"f32[{VOCAB},{WIDTH}]",)) -> list[str]:
+  """The all-reduced arrays of the step with one of ``shapes`` (the table's gradient)."""
+  return [s for c in step if c.kind == "all-reduce" for s in c.shapes
+          if s.split("{")[0] in shapes]
+
+
 def test_tied_embedding_reduced_once_over_replicas_and_exact():
   trainer, state, metrics, step, sums, batch = train("attend")
   assert sums == ["gradient sums: 1 parameters read by 2 row-wise uses (tied), one reduction "
                   "over data each"]
-  table = [s for c in step if c.kind == "all-reduce" for s in c.shapes
-           if s.startswith(f"f32[{VOCAB},{WIDTH}]")]
-  assert len(table) == 1, step      # was 2: the lookup's and the logits' gradient each
+  assert len(table_reductions(step)) == 1, step   # was 2: the lookup's and the logits' each
   init_fn, loss_fn = fns("attend")
   history, expected = reference_run(init_fn, loss_fn, optax.sgd(0.1), jax.random.key(0),
                                     batch, 1)
@@ -87,10 +91,8 @@ def test_uses_not_taken_as_traced_are_left_alone(use):
   trainer, state, metrics, step, sums, _ = train(use)
   assert sums == []
   assert bool(metrics["finite"])
-  pieces = {f"f32[{VOCAB},{WIDTH}]", f"f32[{VOCAB // 2},2,{WIDTH // 2}]"}   # table, its slice
-  table = [s for c in step if c.kind == "all-reduce" for s in c.shapes
-           if s.split("{")[0] in pieces]
-  assert len(table) == 2, step
+  pieces = (f"f32[{VOCAB},{WIDTH}]", f"f32[{VOCAB // 2},2,{WIDTH // 2}]")   # table, its slice
+  assert len(table_reductions(step, pieces)) == 2, step
 
 
 def test_with_gradient_checkpointing_the_tied_table_is_not_fused():
@@ -99,6 +101,4 @@ def test_with_gradient_checkpointing_the_tied_table_is_not_fused():
   _, _, metrics, step, sums, _ = train("attend", {"gradient_checkpoint.type": "auto"})
   assert sums == []
   assert bool(metrics["finite"])
-  table = [s for c in step if c.kind == "all-reduce" for s in c.shapes
-           if s.split("{")[0] == f"f32[{VOCAB},{WIDTH}]"]
-  assert len(table) == 2, step
+  assert len(table_reductions(step)) == 2, step

@@ -193,13 +193,14 @@ def shared_reduction(fn, *, mesh: jax.sharding.Mesh, model: str, data: str,
               if rows and mesh.shape[data] > 1 else {})
     except Exception as e:  # noqa: BLE001 (a speed-up only: the plan line says it failed)
       stats["failed"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
-      return fn(params, model_state, batch, fstate)
-    if not columns and not uses:
-      return fn(params, model_state, batch, fstate)
-    run = _Run(columns, uses, mesh, model, data, leaves[:n_p])
-    outs = run(closed, leaves, 0)
-    stats.update(siblings=run.groups, matmuls=run.fused, shared=len(run.copies),
-                 uses=run.row_uses)
+      columns, uses = {}, {}
+    if columns or uses:
+      run = _Run(columns, uses, mesh, model, data, leaves[:n_p])
+      outs = run(closed, leaves, 0)
+      stats.update(siblings=run.groups, matmuls=run.fused, shared=len(run.copies),
+                   uses=run.row_uses)
+    else:   # the program as traced, without tracing the model again
+      outs = jcore.jaxpr_as_fun(closed)(*leaves)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
   rewritten.stats = stats
