@@ -266,3 +266,21 @@ def test_zoo_contract(name, strategy):
     assert lines, plan.features
   if strategy == "amp_o1":
     assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_zoo_zero_v3_with_the_refetch_of_gpu_and_tpu(name, monkeypatch):
+  """ZeRO v3's backward re-fetch as GPU and TPU run it (``recompute.refetch``: a barrier over
+  the stored shard alone, not tied to the cotangent), forced here on CPU: the ``zero_v3`` cell's
+  contract (exact against the reference, one compile) on every zoo model."""
+  from epljax.memory import uses
+  real, seen = uses.refetch, []
+
+  def as_on_gpu(stored, cts, *, platform):
+    seen.append(platform)
+    return real(stored, cts, platform="gpu")
+
+  monkeypatch.setattr(uses, "refetch", as_on_gpu)
+  _, state = run_cell(ZOO[name], "zero_v3")
+  assert seen
+  check_zero(state, "v3")
