@@ -12,7 +12,8 @@ import pytest
 from jax.experimental import io_callback
 
 import epljax as epl
-from epljax.memory import blocks, interpret
+from epljax.memory import blocks
+from epljax.sharding.program import trace_steps
 from helpers import TOL, assert_trees_close, classification_batch, reference_run
 from helpers import linen_fns as linen_fns_of
 from memory_models import (Deep, TaggedDeep, TwoGraphs, deep_batch, deep_fns, deep_optimizer,
@@ -165,7 +166,7 @@ def test_collectives_stateful_random_and_effects_are_never_recomputed():
     io_callback(lambda v: None, None, y.sum())
     return jnp.sum(y * noise)
 
-  program, _ = interpret.trace(fn, jnp.ones((4, 4)), (jnp.ones((2, 4)),))
+  program, _ = trace_steps(fn, jnp.ones((4, 4)), (jnp.ones((2, 4)),))
   kept = {s.primitive for s in program.steps if blocks.must_run_once(s)}
   assert kept == {"rng_uniform", "io_callback"}
   segments = blocks.plan_segments(program, [(0, len(program.steps))],

@@ -12,8 +12,8 @@ returns those the configuration asks for, in the order they wrap the step.
 - ``grouped.py``: ``optimizer.num_apply_group``;
 - ``uses.py``: the one forward rewrite of parameter uses that offload, ZeRO and mixed
   precision share, also inside ``scan`` bodies (one layer's weights at a time), reading where
-  each parameter lives from ``BuildContext.shardings``; ``interpret.py`` re-runs a traced
-  function step by step (the steps come from the shared walker, ``sharding.program``).
+  each parameter lives from ``BuildContext.shardings``. All of them re-run a traced function
+  step by step with the shared walker's evaluation (``sharding.program.run_steps``).
 """
 
 from __future__ import annotations

@@ -26,8 +26,7 @@ from collections.abc import Sequence
 from jax.extend import core as jcore
 
 from epljax import strategy as strategy_lib
-from epljax.memory.interpret import Program, Step, nbytes
-from epljax.sharding.program import any_eqn
+from epljax.sharding.program import Step, Steps, any_eqn, nbytes
 
 # Never recomputed: a collective communicates again, a stateful generator draws new numbers.
 # Counter-based random numbers (random_bits, threefry) are pure functions of their key, so
@@ -67,13 +66,13 @@ def has_heavy_loop(step: Step) -> bool:
   return step.primitive in LOOPS and any_eqn(step.eqn, lambda e: e.primitive.name in HEAVY)
 
 
-def scan_bodies(program: Program) -> list[int]:
+def scan_bodies(program: Steps) -> list[int]:
   """Indices of the steps that are loops over layers: each body is rematerialized per
   iteration (``jax.checkpoint`` of the body, see ``remat.run_segments``)."""
   return [s.index for s in program.steps if has_heavy_loop(s)]
 
 
-def structural_cuts(program: Program) -> Cuts:
+def structural_cuts(program: Steps) -> Cuts:
   """Ranges that minimize kept bytes + largest segment (see the module docstring)."""
   steps = program.steps
   n = len(steps)
@@ -105,7 +104,7 @@ def structural_cuts(program: Program) -> Cuts:
   return Cuts(ranges, kept, seg, total, _pattern(program, ranges))
 
 
-def _live_bytes(program: Program) -> list[int]:
+def _live_bytes(program: Steps) -> list[int]:
   """live[c]: bytes of values defined before step c and read at or after it (c = 0..n)."""
   steps = program.steps
   n = len(steps)
@@ -167,7 +166,7 @@ def _cheapest_cuts(prefix: list[int], live: list[int], budget: int):
   return cost[n], sorted(cuts)
 
 
-def _pattern(program: Program, ranges: Sequence[tuple[int, int]]) -> str:
+def _pattern(program: Steps, ranges: Sequence[tuple[int, int]]) -> str:
   """The module paths of the segments, digits folded (``Deep/layers_*``), most common first."""
   names = collections.Counter()
   for a, b in ranges:
@@ -186,7 +185,7 @@ def _pattern(program: Program, ranges: Sequence[tuple[int, int]]) -> str:
   return ", ".join(name for name, _ in names.most_common(3)) or "no module names"
 
 
-def tagged_cuts(program: Program, tag: str) -> tuple[list[tuple[int, int]], int]:
+def tagged_cuts(program: Steps, tag: str) -> tuple[list[tuple[int, int]], int]:
   """Ranges that end right after each step producing a tensor tagged with ``tag``, and the
   number of tagged tensors found."""
   tagged: set = set()
@@ -212,7 +211,7 @@ def _real_effects(eqn) -> list:
       "NamedAxisEffect", "InternalMutableArrayEffect")]
 
 
-def step_taskgraphs(program: Program, taskgraphs: Sequence) -> list[int | None]:
+def step_taskgraphs(program: Steps, taskgraphs: Sequence) -> list[int | None]:
   """The task graph of every step, read from the strategy frames of its name stack.
 
   A step inside a scope belongs to that scope's task graph; after a ``set_default_strategy``
@@ -245,7 +244,7 @@ def step_taskgraphs(program: Program, taskgraphs: Sequence) -> list[int | None]:
   return [first if tg is None else tg for tg in found]
 
 
-def plan_segments(program: Program, ranges: Sequence[tuple[int, int]],
+def plan_segments(program: Steps, ranges: Sequence[tuple[int, int]],
                   keep: Sequence[bool]) -> list[Segment]:
   """A cover of all steps: ``ranges`` rematerialized except steps where ``keep`` is False or
   that must run once, everything else plain."""

@@ -18,8 +18,8 @@ from jax.extend import core as jcore
 from epljax import step as step_lib
 from epljax.config import OptimizerConfig
 from epljax.features import BuildContext, Feature, UpdateFn
-from epljax.memory import interpret
 from epljax.memory.recompute import after
+from epljax.sharding.program import Steps, finish, nbytes, run_steps, start_env, trace_steps
 
 COMMON = -1
 
@@ -51,14 +51,14 @@ class GroupedApply(Feature):
 
     def grouped(params, opt_state, grads, fstate):
       leaves, treedef = jax.tree.flatten(params)
-      group = balanced_groups([interpret.nbytes(x) for x in leaves], self.count)
+      group = balanced_groups([nbytes(x) for x in leaves], self.count)
       self._groups = max(group) + 1
       owner = jax.tree.unflatten(treedef, group)
       opt_groups = step_lib.map_optimizer_state(optimizer, lambda _, g: g, opt_state, owner,
                                                 non_params=lambda _: COMMON)
       out_groups = (group + jax.tree.leaves(opt_groups)
                     + [COMMON] * len(jax.tree.leaves(fstate)))
-      program, flat = interpret.trace(
+      program, flat = trace_steps(
           lambda p, o, g, f: fn(p, o, g, f), params, (opt_state, grads, fstate))
       return _run_grouped(program, flat, out_groups, self._groups, platform)
 
@@ -69,7 +69,7 @@ class GroupedApply(Feature):
             "another (optimizer.num_apply_group)")
 
 
-def _step_groups(program: interpret.Program, out_groups: list[int]) -> list[set]:
+def _step_groups(program: Steps, out_groups: list[int]) -> list[set]:
   """For every step, the set of output groups it feeds (COMMON included)."""
   feeds_key: dict = {}
   for key, g in zip(program.outputs, out_groups):
@@ -93,8 +93,8 @@ def _run_grouped(program, flat, out_groups, count, platform):
   common = [s for s in program.steps if len(feeds[s.index]) > 1 or COMMON in feeds[s.index]]
   dead = [s for s in program.steps if not feeds[s.index]]
   by_group = [[s for s in program.steps if feeds[s.index] == {g}] for g in range(count)]
-  env = interpret.start_env(program, flat)
-  interpret.run_steps(common, env)
+  env = start_env(program, flat)
+  run_steps(common, env)
   previous: list = []
   outputs = {k for k in program.outputs if not isinstance(k, jcore.Literal)}
   for steps in by_group:
@@ -109,12 +109,12 @@ def _run_grouped(program, flat, out_groups, count, platform):
       local = {**env, **dict(zip(needed, tied))}
     else:
       local = dict(env)
-    interpret.run_steps(steps, local)
+    run_steps(steps, local)
     outs = [k for k in defined if k in outputs]
     env.update({k: local[k] for k in defined})
     previous = [local[k] for k in outs] or previous
-  interpret.run_steps(dead, env)
-  return interpret.finish(program, env)
+  run_steps(dead, env)
+  return finish(program, env)
 
 
 def features(config: OptimizerConfig) -> list[Feature]:

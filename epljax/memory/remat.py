@@ -28,8 +28,10 @@ from epljax import strategy as strategy_lib
 from epljax.config import GradientCheckpointConfig
 from epljax.errors import EPLError, StateError
 from epljax.features import BuildContext, Feature, ForwardFn, GradientFn, UpdateFn
-from epljax.memory import blocks, interpret
+from epljax.memory import blocks
 from epljax.memory.recompute import rematerialize
+from epljax.sharding.program import (Steps, bind, finish, in_context, live_across, run_scan,
+                                     run_steps, scan_body, start_env, trace_steps)
 
 COLLECTION = "checkpoints"
 TAG = "epl.checkpoints"
@@ -87,13 +89,13 @@ class GradientCheckpoint(Feature):
     def checkpointed(params, *args):
       if self._plain:
         return fn(params, *args)
-      program, flat = interpret.trace(fn, params, args)
+      program, flat = trace_steps(fn, params, args)
       segments, loops = self._segments(program, taskgraphs)
       return run_segments(program, flat, segments, loops, platform=platform, offload=offload)
 
     return checkpointed
 
-  def _segments(self, program: interpret.Program, taskgraphs):
+  def _segments(self, program: Steps, taskgraphs):
     end = self.config.end_taskgraph
     tgs = blocks.step_taskgraphs(program, taskgraphs)
     keep = [end < 0 or tg is None or tg <= end for tg in tgs]
@@ -190,7 +192,7 @@ class GradientCheckpoint(Feature):
     return f"gradient checkpointing ({self._found}; {scope}{check})"
 
 
-def run_segments(program: interpret.Program, flat_args, segments, loops=frozenset(), *,
+def run_segments(program: Steps, flat_args, segments, loops=frozenset(), *,
                  platform: str, offload: bool = False) -> Any:
   """Evaluates ``program``, each rematerialized segment as one recomputed unit and each loop
   in ``loops`` (step indices) with its body rematerialized per iteration.
@@ -211,15 +213,15 @@ def run_segments(program: interpret.Program, flat_args, segments, loops=frozense
   rule = _loop_rule(loops, offload)
 
   def run(flat):
-    env = interpret.start_env(program, flat)
+    env = start_env(program, flat)
     for seg in segments:
       steps = program.steps[seg.start:seg.stop]
       if not seg.remat:
-        interpret.run_steps(steps, env, rule)
+        run_steps(steps, env, rule)
         continue
-      inputs, outputs = interpret.live_across(program, seg.start, seg.stop)
+      inputs, outputs = live_across(program, seg.start, seg.stop)
       if offload:     # what a later segment reads is copied to the host, the rest recomputed
-        interpret.run_steps(steps, env, rule)
+        run_steps(steps, env, rule)
         env.update({k: _name(env[k]) for k in outputs})
         continue
       if not outputs:
@@ -227,12 +229,12 @@ def run_segments(program: interpret.Program, flat_args, segments, loops=frozense
 
       def segment(*vals, steps=steps, inputs=inputs, outputs=outputs):
         local = dict(zip(inputs, vals))
-        interpret.run_steps(steps, local)
+        run_steps(steps, local)
         return [local[k] for k in outputs]
 
       values = rematerialize(segment, platform=platform)(*[env[k] for k in inputs])
       env.update(zip(outputs, values))
-    return interpret.finish(program, env)
+    return finish(program, env)
 
   return jax.checkpoint(run, policy=OFFLOAD)(list(flat_args)) if offload else run(flat_args)
 
@@ -248,14 +250,14 @@ def _loop_rule(loops, offload: bool):
   carries named for offloading with ``offload``)."""
   def rule(step, invals):
     if step.index not in loops:
-      return interpret.bind(step, invals)
-    body = interpret.scan_body(step)
+      return bind(step, invals)
+    body = scan_body(step)
     if offload:
       body = lambda consts, carry, x, body=body: body(  # noqa: E731
           consts, [_name(c) for c in carry], x)
     body = jax.checkpoint(body, prevent_cse=False, policy=OFFLOAD if offload else
                           jax.checkpoint_policies.nothing_saveable)
-    return interpret.in_context(step, interpret.run_scan, step, invals, body)
+    return in_context(step, run_scan, step, invals, body)
   return rule
 
 

@@ -27,12 +27,12 @@ from jax.sharding import PartitionSpec as P
 
 from epljax.features import BuildContext, Feature, ForwardFn
 from epljax.memory import amp as amp_lib
-from epljax.memory import interpret
 from epljax.memory.offload import HOST
 from epljax.memory.recompute import refetch
 from epljax.memory.zero import device_layout, is_sharding
 from epljax.mesh import DATA
-from epljax.sharding.program import REMAT, inner_eqns
+from epljax.sharding.program import (REMAT, bind_here, finish, in_context, inner_eqns, read,
+                                     run_scan, scan_counts, start_env, steps_of, trace_steps)
 
 
 class ParamUses(Feature):
@@ -65,12 +65,10 @@ class ParamUses(Feature):
       whole = zero is not None and not per_replica and jax.tree.structure(params) == treedef
       if zero is not None and not per_replica and not whole:
         self._warn_once()
-      program, flat = interpret.trace(fn, params, args, in_device_memory=stream)
+      program, flat = trace_steps(fn, params, args, in_device_memory=stream)
       refs = {k: _Param(i) for i, k in enumerate(program.param_keys)}
-      run = _Run(program, flat, refs, _Options(self.policy, platform, ctx.mesh,
-                                               zero if whole else None, explicit and whole,
-                                               stream))
-      return run()
+      return _Run(program, flat, refs, self.policy, platform, ctx.mesh,
+                  zero if whole else None, explicit and whole, stream)()
 
     return rewritten
 
@@ -148,44 +146,37 @@ class _Param:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Options:
-  policy: Any
-  platform: str
-  mesh: Any
-  zero: Any
-  explicit: bool
-  stream: bool
-
-
 class _Run:
   """One evaluation of a traced program with the rewrites of ``ParamUses``; loops over
   layers (``scan``) and user rematerialization (``checkpoint``) are re-run with their bodies
   rewritten the same way, so every matmul is cast and every layer's weight gathered inside
   the loop, one layer at a time."""
-
-  def __init__(self, program, flat, refs: dict, options: _Options):
-    self.program, self.flat, self.refs, self.options = program, flat, refs, options
-    o = options
-    self.policy, self.platform, self.mesh, self.zero, self.explicit, self.stream = (
-        o.policy, o.platform, o.mesh, o.zero, o.explicit, o.stream)
+  program: Any
+  flat: Any
+  refs: dict          # program input key -> the parameter it is
+  policy: Any         # amp_lib.Policy or None
+  platform: str
+  mesh: Any
+  zero: _Zero | None
+  explicit: bool      # weight gradients reduce-scattered by an explicit psum_scatter
+  stream: bool        # parameters in host memory, copied in at each use
 
   def __call__(self):
     program = self.program
-    env = interpret.start_env(program, self.flat)
+    env = start_env(program, self.flat)
     param_like = set(self.refs)       # parameters, and reshapes/casts of them
     for step in program.steps:
-      direct = [not _lit(a) and a in self.refs for a in step.inputs]
-      flags = [not _lit(a) and a in param_like for a in step.inputs]
-      raw = [interpret.read(env, a) for a in step.inputs]
+      keys = [None if isinstance(a, jcore.Literal) else a for a in step.inputs]
+      direct = [k in self.refs for k in keys]
+      flags = [k in param_like for k in keys]
+      raw = [read(env, a) for a in step.inputs]
       bind = self._nested if _rewrites_inside(step, direct) else self._bind
-      outs = interpret.in_context(step, bind, step, raw, flags, direct)
-      for key, val in zip(step.outputs, outs):
-        if key is not None:
-          env[key] = val
+      outs = in_context(step, bind, step, raw, flags, direct)
+      env.update((k, v) for k, v in zip(step.outputs, outs) if k is not None)
       if step.primitive in amp_lib.SHAPE_ONLY and any(flags) and all(
-          f or _lit(a) for f, a in zip(flags, step.inputs)):
+          f or k is None for f, k in zip(flags, keys)):
         param_like.update(k for k in step.outputs if k is not None)
-    return interpret.finish(program, env, cast_back=self.policy is not None)
+    return finish(program, env, cast_back=self.policy is not None)
 
   def _nested(self, step, raw, flags, direct):
     """A ``scan`` or ``checkpoint`` step, its body run by a nested ``_Run``."""
@@ -194,15 +185,16 @@ class _Run:
     raw = [amp_lib.cast(v, step.in_aval(j).dtype) if hasattr(step.in_aval(j), "dtype") else v
            for j, v in enumerate(raw)]
     if step.primitive == "scan":
-      body = interpret.program_of(params["jaxpr"])
-      nc, nk = interpret.scan_counts(step.eqn)
+      body = steps_of(params["jaxpr"])
+      nc, nk = scan_counts(step.eqn)
       refs = self._inner_refs(body, step, direct, sliced_from=nc + nk, skip=range(nc, nc + nk))
-      run = lambda consts, carry, x: _Run(body, [*consts, *carry, *x], refs,  # noqa: E731
-                                          self.options)()
-      return interpret.run_scan(step, raw, run)
-    body = interpret.program_of(params["jaxpr"])
+      run = lambda consts, carry, x: dataclasses.replace(  # noqa: E731
+          self, program=body, flat=[*consts, *carry, *x], refs=refs)()
+      return run_scan(step, raw, run)
+    body = steps_of(params["jaxpr"])
     refs = self._inner_refs(body, step, direct)
-    fn = jax.checkpoint(lambda *vals: _Run(body, vals, refs, self.options)(),
+    fn = jax.checkpoint(lambda *vals: dataclasses.replace(self, program=body, flat=vals,
+                                                          refs=refs)(),
                         prevent_cse=params["prevent_cse"], policy=params["policy"])
     return fn(*raw)
 
@@ -250,8 +242,8 @@ class _Run:
               for j, v in enumerate(raw)]
     if self.policy is not None:
       changes = self.policy.low_params(step) if step.primitive in amp_lib.LOW else {}
-      return interpret.bind_here(step, self.policy.operands(step, invals, flags), **changes)
-    return interpret.bind_here(step, invals)
+      return bind_here(step.eqn, self.policy.operands(step, invals, flags), **changes)
+    return bind_here(step.eqn, invals)
 
   def _matmul(self, step, raw, flags, direct):
     """One custom-VJP unit: the weight is placed (and cast) inside, kept raw as the residual
@@ -263,7 +255,7 @@ class _Run:
     spaces = [_memory_space(v) for v in raw]
     scatter = [self._scatter_plan(step, raw, j) if direct[j] else None for j in range(2)]
     if low is None and (not any(direct) or (not self.stream and self.zero is None)):
-      return interpret.bind_here(step, raw)
+      return bind_here(step.eqn, raw)
 
     def cast(x):
       return amp_lib.cast(x, low) if low is not None else x
@@ -272,7 +264,7 @@ class _Run:
       return cast(self._place(index[j], v) if direct[j] else v)
 
     def forward(a, b):
-      return interpret.bind_here(step, [value(0, a), value(1, b)], **changes)[0]
+      return bind_here(step.eqn, [value(0, a), value(1, b)], **changes)[0]
 
     @jax.custom_vjp
     def unit(a, b):
@@ -285,7 +277,7 @@ class _Run:
     def bwd(res, ct):
       res = refetch(res, ct, platform=platform)
       ops = [value(j, r) if flags[j] else r for j, r in enumerate(res)]
-      _, pull = jax.vjp(lambda x, y: interpret.bind_here(step, [x, y], **changes)[0], *ops)
+      _, pull = jax.vjp(lambda x, y: bind_here(step.eqn, [x, y], **changes)[0], *ops)
       grads = list(pull(ct))
       for j in range(2):
         if scatter[j] is not None:
@@ -331,7 +323,7 @@ class _Run:
 
     def local(other_l, ct_l, w):
       ops = (other_l, w) if j == 1 else (w, other_l)
-      _, pull = jax.vjp(lambda x, y: interpret.bind_here(step, [x, y], **changes)[0], *ops)
+      _, pull = jax.vjp(lambda x, y: bind_here(step.eqn, [x, y], **changes)[0], *ops)
       g = pull(ct_l)[j]
       return jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)
 
@@ -365,6 +357,3 @@ def _rewrites_inside(step, direct) -> bool:
 def _memory_space(x):
   return getattr(jax.typeof(x), "memory_space", jax.memory.Space.Device)
 
-
-def _lit(a) -> bool:
-  return isinstance(a, jcore.Literal)

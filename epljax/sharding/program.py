@@ -7,8 +7,9 @@ only which nested bodies to enter:
 - the capture (``Program``: strategy tagging, split rules, stage cutting) enters every body,
   so each innermost equation (a ``Node``) gets its full name stack and its inputs resolved to
   *base values*: program inputs, constants and the outputs of other nodes;
-- the memory features enter plain calls only (``CALLS``, ``steps_of``) and re-run every
-  other equation as one ``Step`` (``memory.interpret``);
+- the memory features and the gradient-sum rewrite (``sharding.reductions``) enter plain
+  calls only (``CALLS``, ``steps_of``) and re-run every other equation as one ``Step``
+  (``trace_steps``, ``run_steps``: the evaluation section at the end of this file);
 - the pipeline (``pipeline.partition``, ``pipeline.auto``) inlines ``CALLS`` and
   ``DERIVATIVE_CALLS`` and never cuts inside ``LOOPS`` or branches.
 
@@ -18,12 +19,14 @@ bodies; ``inner_eqns`` and ``any_eqn`` look inside nested bodies without flatten
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import jax
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 from jax.tree_util import tree_structure
@@ -107,12 +110,26 @@ def walk(closed: Any, enter: Callable[[jcore.JaxprEqn], bool] = lambda eqn: True
 
 def bind_eqn(eqn: jcore.JaxprEqn, values: Any, **params: Any) -> list[Any]:
   """Replays ``eqn`` on ``values`` in the current trace, under its own name stack (the capture
-  reads scopes from it); ``params`` override the equation's."""
-  name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-  with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), \
-      eqn.ctx.manager:
-    out = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params({**eqn.params, **params}))
+  reads scopes from it) and context; ``params`` override the equation's."""
+  with _context(eqn, eqn.source_info.name_stack):
+    return bind_here(eqn, values, **params)
+
+
+def bind_here(eqn: jcore.JaxprEqn, values: Any, **params: Any) -> list[Any]:
+  """Binds ``eqn``'s primitive on ``values`` in the current name stack and context."""
+  params = {**eqn.params, **params} if params else eqn.params
+  out = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(params))
   return list(out) if eqn.primitive.multiple_results else [out]
+
+
+@contextlib.contextmanager
+def _context(eqn: jcore.JaxprEqn, name_stack):
+  """The context ``eqn`` was traced in (compute_on, mesh), its traceback and ``name_stack``
+  below the current one."""
+  stack = source_info_util.current_name_stack() + name_stack
+  with source_info_util.user_context(eqn.source_info.traceback, name_stack=stack), \
+      eqn.ctx.manager:
+    yield
 
 
 def sub_calls(eqn: jcore.JaxprEqn) -> list[Call] | None:
@@ -359,3 +376,104 @@ def nbytes(aval) -> int:
     n *= int(d)
   return n * dtype.itemsize
 
+
+
+# -- evaluation: re-running a traced function step by step ------------------------------------
+# A feature that changes *how* ``fn(params, *args)`` runs, never *what* it computes (the memory
+# features, the gradient-sum rewrite), traces it (``trace_steps``) and evaluates the steps
+# itself; a re-bound equation keeps its name stack and context, so strategy frames stay
+# visible and the HLO reads as before.
+
+def trace_steps(fn: Callable, params: Any, args: Sequence[Any], *,
+                in_device_memory: bool = False) -> tuple[Steps, list[Any]]:
+  """Traces ``fn(params, *args)`` on the avals of its arguments; returns the program and the
+  flat argument values to run it on.
+
+  With ``in_device_memory`` the parameters are traced as device values whatever memory they
+  are in (the caller moves them before their use): model code cannot mix memories in one op.
+  """
+  leaves, in_tree = jax.tree.flatten((params, tuple(args)))
+  num_params = len(jax.tree.leaves(params))
+  traced = list(leaves)
+  if in_device_memory:
+    traced[:num_params] = [_in_device_memory(x) for x in leaves[:num_params]]
+
+  def flat_fn(*flat):
+    p, a = jax.tree.unflatten(in_tree, flat)
+    return fn(p, *a)
+
+  closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*traced)
+  return steps_of(closed, num_params, in_tree, jax.tree.structure(out_shape)), leaves
+
+
+def _in_device_memory(x) -> jax.ShapeDtypeStruct:
+  """``x``'s abstract value in device memory (keeping what a shard_map knows of it)."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)
+  if manual is None or manual.empty:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=aval.sharding, manual_axis_type=manual)
+
+
+def in_context(step: Step, fn: Callable, *args, **kwargs):
+  """Calls ``fn(*args)`` as if it were part of ``step``: same name stack and context, so what
+  a feature inserts around an equation (a cast, a transfer) belongs to the same block."""
+  with _context(step.eqn, step.name_stack):
+    return fn(*args, **kwargs)
+
+
+def bind(step: Step, invals: Sequence[Any], **params) -> list[Any]:
+  """Binds ``step``'s primitive on ``invals`` under its own name stack and context."""
+  return in_context(step, bind_here, step.eqn, invals, **params)
+
+
+def read(env: dict, a: Any) -> Any:
+  return a.val if isinstance(a, jcore.Literal) else env[a]
+
+
+def run_steps(steps: Sequence[Step], env: dict,
+              rule: Callable[[Step, list], list] = bind) -> None:
+  """Evaluates ``steps`` in order with ``rule(step, invals) -> outvals``, reading and writing
+  ``env`` (key -> value)."""
+  for step in steps:
+    outs = rule(step, [read(env, a) for a in step.inputs])
+    env.update((k, v) for k, v in zip(step.outputs, outs) if k is not None)
+
+
+def start_env(program: Steps, flat_args: Sequence[Any]) -> dict:
+  return {**dict(program.consts), **dict(zip(program.inputs, flat_args))}
+
+
+def finish(program: Steps, env: dict, cast_back: bool = False) -> Any:
+  """The outputs of ``fn`` from ``env``, unflattened (cast to the traced dtypes if asked)."""
+  outs = [read(env, a) for a in program.outputs]
+  if cast_back:
+    outs = [jax.lax.convert_element_type(o, aval.dtype)
+            if hasattr(o, "dtype") and o.dtype != getattr(aval, "dtype", o.dtype) else o
+            for o, aval in zip(outs, program.out_avals)]
+  return jax.tree.unflatten(program.out_tree, outs)
+
+
+def run_scan(step: Step, invals: Sequence[Any], body: Callable | None = None) -> list[Any]:
+  """Re-binds a ``scan`` step through ``jax.lax.scan`` with ``body(consts, carry, x) ->
+  carry + ys`` (lists; default: the traced body), so a feature can change how each iteration
+  runs (rematerialize it, cast or gather its weights). Call inside ``in_context(step, ...)``."""
+  p = step.eqn.params
+  nc, nk = scan_counts(step.eqn)
+  consts, carry, xs = list(invals[:nc]), list(invals[nc:nc + nk]), list(invals[nc + nk:])
+  body = body or scan_body(step)
+
+  def one(c, x):
+    outs = list(body(consts, list(c), list(x)))
+    return outs[:nk], outs[nk:]
+
+  extra = {"_split_transpose": p["_split_transpose"]} if "_split_transpose" in p else {}
+  carry, ys = jax.lax.scan(one, carry, xs, length=p["length"], reverse=p["reverse"],
+                           unroll=p["unroll"], **extra)
+  return list(carry) + list(ys)
+
+
+def scan_body(step: Step) -> Callable:
+  """The body of a ``scan`` step as ``body(consts, carry, x) -> carry + ys``."""
+  fun = jcore.jaxpr_as_fun(step.eqn.params["jaxpr"])
+  return lambda consts, carry, x: list(fun(*consts, *carry, *x))

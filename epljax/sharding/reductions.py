@@ -42,11 +42,11 @@ from jax.extend import source_info_util
 from jax.sharding import PartitionSpec as P
 
 from epljax.errors import PlanError
-from epljax.memory import interpret
 from epljax.sharding import dims as D
 from epljax.sharding import split_rules
-from epljax.sharding.program import (CALLS, Program, Step, inlinable, inner_eqns, steps_of,
-                                     sub_calls, walk)
+from epljax.sharding.program import (CALLS, Program, Step, bind, bind_here, in_context, inlinable,
+                                     inner_eqns, read, run_scan, start_env, steps_of, sub_calls,
+                                     walk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,13 +218,13 @@ def _bind_inside(step: Step, operands: list, outside, **changes) -> Any:
     changes["out_sharding"] = None
   with source_info_util.user_context(step.eqn.source_info.traceback,
                                      name_stack=outside + step.name_stack):
-    return interpret.bind_here(step, operands, **changes)[0]
+    return bind_here(step.eqn, operands, **changes)[0]
 
 
 def _mapped(step: Step, fn, *args, **map_args):
   """``jax.shard_map(fn, **map_args)(*args)`` as part of ``step`` (its name stack and context):
   gradient checkpointing finds the map in ``step``'s block."""
-  return interpret.in_context(step, lambda: jax.shard_map(fn, **map_args)(*args))
+  return in_context(step, lambda: jax.shard_map(fn, **map_args)(*args))
 
 
 class _Run:
@@ -256,10 +256,10 @@ class _Run:
       nodes.append(cursor)
       cursor += self.span(step.eqn)
     siblings = self._siblings(program, nodes)
-    env = interpret.start_env(program, flat_args)
+    env = start_env(program, flat_args)
     ready: dict[int, list] = {}
     for pos, step in enumerate(program.steps):
-      invals = [interpret.read(env, a) for a in step.inputs]
+      invals = [read(env, a) for a in step.inputs]
       use = self.rows.get(nodes[pos]) if self.span(step.eqn) == 1 else None
       if pos in ready:
         outs = ready.pop(pos)
@@ -268,14 +268,14 @@ class _Run:
       elif use is not None:
         outs = [self._row_use(step, use, invals)]
       elif step.primitive == "scan" and self._inside(step, nodes[pos]):
-        outs = interpret.in_context(step, interpret.run_scan, step, invals,
+        outs = in_context(step, run_scan, step, invals,
                                     self._body(step, nodes[pos]))
       else:
-        outs = interpret.bind(step, invals)
+        outs = bind(step, invals)
       for key, val in zip(step.outputs, outs):
         if key is not None:
           env[key] = val
-    return [interpret.read(env, a) for a in program.outputs]
+    return [read(env, a) for a in program.outputs]
 
   def _body(self, step: Step, first: int):
     """The scan ``step``'s body, run by this evaluation (its groups count once per
@@ -325,8 +325,8 @@ class _Run:
     leaves the others' in ``ready``."""
     steps = [program.steps[pos] for pos, _ in group]
     members = [m for _, m in group]
-    x = interpret.read(env, steps[0].inputs[1 - members[0].side])
-    weights = [interpret.read(env, s.inputs[m.side]) for s, m in zip(steps, members)]
+    x = read(env, steps[0].inputs[1 - members[0].side])
+    weights = [read(env, s.inputs[m.side]) for s, m in zip(steps, members)]
     axis = self.model
 
     outside = source_info_util.current_name_stack()
