@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import re
 from collections.abc import Sequence
 
@@ -249,24 +250,14 @@ def plan_segments(program: Steps, ranges: Sequence[tuple[int, int]],
   """A cover of all steps: ``ranges`` rematerialized except steps where ``keep`` is False or
   that must run once, everything else plain."""
   steps = program.steps
-  remat = [False] * len(steps)
-  for a, b in ranges:
+  remat, block_of = [False] * len(steps), [None] * len(steps)
+  for block, (a, b) in enumerate(ranges):
     for i in range(a, b):
       remat[i] = keep[i] and not must_run_once(steps[i]) and not has_heavy_loop(steps[i])
-  block_of = [None] * len(steps)
-  for n, (a, b) in enumerate(ranges):
-    for i in range(a, b):
-      block_of[i] = n
-  segments: list[Segment] = []
-  for i in range(len(steps)):
-    key = (remat[i], block_of[i] if remat[i] else None)
-    if segments and segments[-1].stop == i and (segments[-1].remat, _block(
-        segments[-1], block_of)) == key:
-      segments[-1] = Segment(segments[-1].start, i + 1, remat[i])
-    else:
-      segments.append(Segment(i, i + 1, remat[i]))
+      block_of[i] = block
+  segments = []
+  for (flag, _), run in itertools.groupby(range(len(steps)),
+                                          key=lambda i: (remat[i], remat[i] and block_of[i])):
+    run = list(run)
+    segments.append(Segment(run[0], run[-1] + 1, flag))
   return segments
-
-
-def _block(segment: Segment, block_of) -> int | None:
-  return block_of[segment.start] if segment.remat else None

@@ -24,7 +24,6 @@ update; the per-use part of the forward pass is ``uses.ParamUses``, reading thos
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
@@ -56,10 +55,6 @@ def shard_over_data(sharding: NamedSharding, shape, size: int) -> NamedSharding:
   if spec is None:
     return sharding
   return NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
-
-
-def constrain(tree: Any, shardings: Any) -> Any:
-  return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
 
 
 def is_sharding(x) -> bool:
@@ -108,15 +103,16 @@ class Zero(Feature):
   def gradients(self, fn: GradientFn, ctx: BuildContext) -> GradientFn:
     def reduce_scattered(params, model_state, micro, fstate):
       loss, aux, grads, new_state = fn(params, model_state, micro, fstate)
-      return loss, aux, constrain(grads, self._layout()), new_state
+      return loss, aux, jax.lax.with_sharding_constraint(grads, self._layout()), new_state
 
     return reduce_scattered
 
   def update(self, fn: UpdateFn, ctx: BuildContext) -> UpdateFn:
     def sharded_update(params, opt_state, grads, fstate):
       layout = self._layout()
-      grads = constrain(grads, layout)
-      new_params, opt_state, fstate = fn(constrain(params, layout), opt_state, grads, fstate)
+      constrain = jax.lax.with_sharding_constraint
+      new_params, opt_state, fstate = fn(constrain(params, layout), opt_state,
+                                         constrain(grads, layout), fstate)
       return constrain(new_params, layout), opt_state, fstate
 
     return sharded_update
