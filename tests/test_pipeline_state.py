@@ -1,6 +1,7 @@
 """Model state inside pipeline stages: BatchNorm statistics and NNX RNG streams per micro
-batch, exactly as single-device gradient accumulation over the same micro batches; several
-replicas refused (batch statistics would be per replica)."""
+batch, exactly as single-device gradient accumulation over the same micro batches, with one replica
+or several (batch means averaged over the replicas); state that is not a batch mean refused
+with several replicas."""
 
 import flax.linen as nn
 import jax
@@ -110,50 +111,93 @@ def test_batch_norm_stages_match_single_device_micro_batches(config):
 
 
 class SplitBatchNormStages(nn.Module):
-  """BatchNorm inside two split(4) stages (Megatron MLP after it): one replica."""
+  """BatchNorm inside two split(k) stages (Megatron MLP after it): 8 / (2k) replicas."""
+  k: int = 4
 
   @nn.compact
   def __call__(self, x):
     h = nn.Dense(16)(x)
     for i in range(2):
-      with epl.split(4, name=f"stage_{i}"):
+      with epl.split(self.k, name=f"stage_{i}"):
         y = nn.gelu(nn.Dense(64)(nn.BatchNorm(use_running_average=False)(h)))
         h = h + nn.Dense(16)(y)
     return nn.Dense(8)(h)
 
 
-def test_batch_norm_in_split_stages_matches_single_device_micro_batches():
+@pytest.mark.parametrize("k", [4, 2])
+def test_batch_norm_in_split_stages_matches_single_device_micro_batches(k):
   epl.init({**BACKWARD, "pipeline.num_micro_batch": MICRO})
-  init_fn, loss_fn = _fns(SplitBatchNormStages())
+  init_fn, loss_fn = _fns(SplitBatchNormStages(k))
   optimizer = optax.sgd(0.1)
   batch = classification_batch(32, classes=8)
   trainer = epl.Trainer(init_fn, loss_fn, optimizer, mutable=["batch_stats"])
   state = trainer.init(jax.random.key(0), batch)
-  assert dict(trainer.plan.mesh.shape) == {"data": 1, "stage": 2, "model": 4}
-  history, expected = _reference(init_fn, loss_fn, optimizer, batch, 1, steps=2)
+  replicas = 4 // k
+  assert dict(trainer.plan.mesh.shape) == {"data": replicas, "stage": 2, "model": k}
+  history, expected = _reference(init_fn, loss_fn, optimizer, batch, replicas, steps=2)
   for step in range(2):
     state, metrics = trainer.train_step(state, batch)
     np.testing.assert_allclose(metrics["loss"], history[step][0], **TOL)
   assert_trees_close(trainer.variables(state), expected, TOL)
 
 
-class OneDevicePerStage(nn.Module):
+class ReplicatedBatchNormStages(nn.Module):
+  """BatchNorm in both stages, each stage on one device: 4 replicas on 8 devices, each seeing
+  its own rows of a micro batch (the second stage's statistics are over incoming rows)."""
+
   @nn.compact
   def __call__(self, x):
     with epl.replicate(1, name="stage_0"):
-      h = nn.BatchNorm(use_running_average=False)(nn.Dense(8)(x))
+      h = nn.relu(nn.BatchNorm(use_running_average=False, momentum=0.8)(nn.Dense(16)(x)))
+    with epl.replicate(1, name="stage_1"):
+      h = nn.BatchNorm(use_running_average=False, momentum=0.8)(nn.Dense(16)(h))
+      return nn.Dense(10)(nn.relu(h))
+
+
+@pytest.mark.parametrize("config", [BACKWARD, FORWARD, {
+    **BACKWARD, "gradient_checkpoint.type": "auto"}], ids=["1f1b", "gpipe", "1f1b_gc_auto"])
+def test_batch_norm_stages_with_several_replicas_match_single_device_micro_batches(config):
+  epl.init({**config, "pipeline.num_micro_batch": MICRO})
+  init_fn, loss_fn = _fns(ReplicatedBatchNormStages())
+  optimizer = optax.sgd(0.1, momentum=0.9)
+  batch = classification_batch(32)
+  trainer = epl.Trainer(init_fn, loss_fn, optimizer, mutable=["batch_stats"])
+  state = trainer.init(jax.random.key(0), batch)
+  assert (trainer.plan.num_stages, trainer.plan.num_replicas) == (2, 4)
+  history, expected = _reference(init_fn, loss_fn, optimizer, batch, 4, steps=2)
+  loss0, grads0 = trainer.loss_and_grads(state, batch)
+  np.testing.assert_allclose(loss0, history[0][0], **TOL)
+  assert_trees_close(grads0, history[0][1], TOL)
+  for step in range(2):
+    state, metrics = trainer.train_step(state, batch)
+    np.testing.assert_allclose(metrics["loss"], history[step][0], **TOL)
+  assert_trees_close(trainer.variables(state), expected, TOL)
+  assert ("state     stage 1 'stage_1' keeps 2 model state leaves (128 B), updated by each "
+          "micro batch's forward in order; its 2 batch means averaged over the replicas "
+          "(data)") in str(trainer.plan)
+
+
+class RowSums(nn.Module):
+  """Model state that sums the rows (not a mean): not the same per replica and on one
+  device."""
+
+  @nn.compact
+  def __call__(self, x):
+    with epl.replicate(1, name="stage_0"):
+      h = nn.Dense(8)(x)
+      total = self.variable("batch_stats", "total", jnp.zeros, (8,))
+      total.value = total.value + jnp.sum(h, axis=0)
     with epl.replicate(1, name="stage_1"):
       return nn.Dense(10)(h)
 
 
-def test_batch_norm_stages_with_several_replicas_are_refused():
+def test_model_state_that_is_not_a_batch_mean_is_refused_with_several_replicas():
   epl.init({"pipeline.num_micro_batch": 2})
-  init_fn, loss_fn = _fns(OneDevicePerStage())
+  init_fn, loss_fn = _fns(RowSums())
   trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1), mutable=["batch_stats"])
-  with pytest.raises(epl.PlanError, match=r"(?s)The pipelined model has model state \("
-                     r"'batch_stats/BatchNorm_0/mean', 'batch_stats/BatchNorm_0/var'\), and its 2 "
-                     r"stages on 8 devices\s+make 4 pipeline replicas.*"
-                     r"epl.replicate\(4, name=...\)"):
+  with pytest.raises(epl.PlanError, match=r"(?s)Model state 'batch_stats/total' of pipeline "
+                     r"stage 'stage_0', with 4 replicas .* reduction over the rows "
+                     r"\(reduce_sum in .*\) that is not a mean.*epl.replicate\(k, name=...\)"):
     trainer.init(jax.random.key(0), classification_batch(16))
 
 
@@ -161,15 +205,16 @@ class NNXDropoutStages(nnx.Module):
   """Dropout with the module's own RNG stream (NNX ``Rngs``: a key and a counter as model
   state) in the first stage; each stage on 4 devices (one replica)."""
 
-  def __init__(self, rngs: nnx.Rngs):
+  def __init__(self, rngs: nnx.Rngs, devices: int = 4):
+    self.devices = devices
     self.body = nnx.Linear(20, 16, rngs=rngs)
     self.drop = nnx.Dropout(0.5, rngs=rngs)
     self.head = nnx.Linear(16, 10, rngs=rngs)
 
   def __call__(self, x):
-    with epl.replicate(4, name="stage_0"):
+    with epl.replicate(self.devices, name="stage_0"):
       h = self.drop(nnx.relu(self.body(x)))
-    with epl.replicate(4, name="stage_1"):
+    with epl.replicate(self.devices, name="stage_1"):
       return self.head(h)
 
 
@@ -208,3 +253,13 @@ def test_nnx_rng_state_in_stages_matches_single_device_micro_batches():
   assert_trees_close(nnx.state(trained, nnx.Param), nnx.state(model, nnx.Param))
   counts = lambda m: [int(c) for c in jax.tree.leaves(nnx.state(m, nnx.RngCount))]  # noqa: E731
   assert counts(trained) == counts(model) and 2 * MICRO in counts(trained)
+
+
+def test_nnx_rng_state_with_several_replicas_is_refused():
+  epl.init({**BACKWARD, "pipeline.num_micro_batch": MICRO})
+  make = lambda rng: NNXDropoutStages(nnx.Rngs(rng, dropout=1), devices=2)  # noqa: E731
+  trainer = epl.Trainer(lambda rng, b: make(rng), _nnx_loss, optax.sgd(0.1))
+  with pytest.raises(epl.PlanError, match=r"(?s)Model state '.*drop.*' of pipeline stage "
+                     r"'stage_0', with 2 replicas.*is not computed from the batch rows \(an RNG "
+                     r"stream"):
+    trainer.init(jax.random.key(0), classification_batch(32))

@@ -2,8 +2,8 @@
 
 ``plan_pipeline`` is called by ``Trainer._build`` when the mesh has more than one stage. It
 traces the loss once more at the shapes one replica sees per micro batch, cuts the stages
-(``partition.py``), picks the schedule (``schedules.py``), checks what pipelines cannot do
-(model state with several replicas) and returns a ``Pipeline``:
+(``partition.py``), averages batch statistics over the replicas (``stats.py``), picks the
+schedule (``schedules.py``) and returns a ``Pipeline``:
 
 - ``param_shardings``: ``TrainState.params`` is the user's parameter tree, each leaf sharded
   over ``stage`` too, so the optimizer (any optax one) and checkpoints see the user's leaves;
@@ -34,7 +34,7 @@ from epljax import hlo
 from epljax.errors import PlanError
 from epljax.features import BuildContext, Feature, GradientFn, loss_scale
 from epljax.mesh import DATA, MODEL, STAGE, Layout
-from epljax.pipeline import packing, runtime, slots, storage
+from epljax.pipeline import packing, runtime, slots, stats, storage
 from epljax.pipeline.auto import check_balance
 from epljax.pipeline.partition import Stage, cut_stages, shared_params
 from epljax.pipeline.schedules import Schedule, make_schedule
@@ -307,15 +307,15 @@ class Pipeline:
       for f in features:
         fn = f.forward(fn, ctx)
       fns.append(fn)
+    # Tensor-parallel stages: the loop is written for (data, stage); GSPMD splits ``model``.
+    data_axes, manual = ((DATA,), frozenset({DATA, STAGE})) if self.slotted else (
+        (DATA, MODEL), frozenset(self.mesh.axis_names))
     self.branches, self.branch_of = runtime.distinct_branches(
         self.stages, fns, self.all_avals, self.batch_avals, self.stash,
         param_layouts=self.slot_layouts if self.slotted else self.layouts,
         state_avals=self.state_avals,
-        state_layouts=self.state_layouts)
+        state_layouts=self.state_layouts, loop=(self.mesh, manual))
     self.buffers = runtime.buffer_sizes(self.branches)
-    # Tensor-parallel stages: the loop is written for (data, stage); GSPMD splits ``model``.
-    data_axes, manual = ((DATA,), frozenset({DATA, STAGE})) if self.slotted else (
-        (DATA, MODEL), None)
     run = runtime.pipelined_gradients(
         self.branches, self.branch_of, self.aux_avals, self.schedule, self.mesh,
         data_axes, P(None, self.batch_axes), manual=manual)
@@ -408,8 +408,11 @@ class Pipeline:
         size = sum(math.prod(slots.data_aval(self.state_avals[j]).shape)
                    * slots.data_aval(self.state_avals[j]).dtype.itemsize
                    for j in stage.state)
+        means = (f"; its {len(stage.averaged)} batch means averaged over the replicas "
+                 f"({', '.join(stage.row_axes)})" if stage.averaged else "")
         lines.append(f"state     stage {stage.index} '{stage.name}' keeps {len(stage.state)} model "
-                     f"state leaves ({_kib(size)}), updated by each micro batch's forward in order")
+                     f"state leaves ({_kib(size)}), updated by each micro batch's forward in "
+                     f"order{means}")
     lines += [f"balance   {row}" for row in self.balance]
     for i, holders in self.shared.items():
       names = ", ".join(f"'{self.stages[h].name}'" for h in holders)
@@ -437,11 +440,6 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
     what = (f"model state ({_listing(state_paths)})" if s_leaves else
             "tensor-parallel (epl.split) stages")
     raise PlanError(_VIRTUAL_WITH.format(v=layout.num_virtual_stages, what=what))
-  if s_leaves and layout.num_replicas > 1:
-    raise PlanError(_STATE_REPLICAS.format(
-        paths=_listing(state_paths), replicas=layout.num_replicas, stages=layout.num_stages,
-        devices=layout.mesh.size, per=layout.devices_per_stage,
-        whole=layout.mesh.size // layout.num_stages))
   shards = layout.num_replicas * (layout.devices_per_stage if MODEL in batch_axes else 1)
   local = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // shards, *x.shape[1:]),
                                                       x.dtype), micro_shapes)
@@ -471,6 +469,10 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
   aux_avals = [v.aval for v in outvars[1:len(outvars) - n_s]]
   stages = cut_stages(cap, layout.stage_of, n_p, n_s, roll=config.roll_layers,
                       parts=layout.num_virtual_stages == 1 and not any(k > 1 for k in split))
+  if s_leaves and shards > 1:    # batch statistics over several replicas' rows
+    means = stats.batch_means(stages, state_paths, shards)
+    stages = tuple(dataclasses.replace(s, averaged=m, row_axes=batch_axes)
+                   for s, m in zip(stages, means))
   schedule = make_schedule(config.strategy, layout.num_stages, config.num_micro_batch,
                            config.num_virtual_stages)
   if config.num_micro_batch < layout.num_stages:
@@ -502,14 +504,6 @@ def _kib(n: int) -> str:
     return f"{n} B"
   return f"{n / 1024:.1f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
 
-
-_STATE_REPLICAS = """\
-The pipelined model has model state ({paths}), and its {stages} stages on {devices} devices
-make {replicas} pipeline replicas of {per} device(s) per stage. Batch statistics must be those
-of the whole micro batch, as on one device, but each replica's stages see only its own rows
-(a stage's batch statistics are not reduced across replicas). Give each stage all of a
-replica's devices, epl.replicate({whole}, name=...) (or epl.split({whole}, ...)), so that one
-replica sees whole micro batches; or use normalization without batch statistics (LayerNorm)."""
 
 _ROWS_TAKEN = """\
 Parameter '{path}' (shape {shape}) is a stack of layers each pipeline stage reads its own rows

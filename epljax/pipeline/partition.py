@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from jax import lax
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
@@ -37,7 +38,7 @@ from epljax.errors import PlanError
 from epljax.pipeline import chunks
 from epljax.pipeline.roll import Run, roll_repeats
 from epljax.sharding.capture import Capture
-from epljax.sharding.program import CALLS, DERIVATIVE_CALLS, _sub_calls
+from epljax.sharding.program import CALLS, DERIVATIVE_CALLS, _sub_calls, bind_eqn
 
 # Call-like primitives whose body may be cut between stages (inlined). Inlining a custom
 # derivative rule or a checkpoint that straddles two stages falls back to differentiating its
@@ -80,16 +81,37 @@ class Stage:
   # Its chunks of stacked parameters: (index in ``params``, the user's leaf). A part's index is
   # ``num_params + j`` (the ``j``-th chunked leaf); its value is the stage's chunk of the leaf.
   parts: tuple[tuple[int, int], ...] = ()
+  # Batch statistics with several replicas (``stats.py``): its top-level equations whose result
+  # is averaged over ``row_axes``, the mesh axes a micro batch's rows are split over.
+  averaged: tuple[int, ...] = ()
+  row_axes: tuple[str, ...] = ()
 
   def __call__(self, params: Sequence[Any], incoming: Sequence[Any], batch: Sequence[Any],
                state: Sequence[Any] = ()):
-    outs = jcore.jaxpr_as_fun(self.jaxpr)(*params, *state, *incoming, *batch)
+    args = (*params, *state, *incoming, *batch)
+    outs = (_averaging(self.jaxpr, self.averaged, self.row_axes, args) if self.averaged else
+            jcore.jaxpr_as_fun(self.jaxpr)(*args))
     new_state = tuple(outs[len(outs) - len(self.state):])
     outs = outs[:len(outs) - len(self.state)]
     n = len(self.outgoing)
     if not self.last:
       return tuple(outs[:n]), None, (), new_state
     return (), outs[n], tuple(outs[n + 1:]), new_state
+
+
+def _averaging(closed: jcore.ClosedJaxpr, averaged: Sequence[int], axes: Sequence[str],
+               args: Sequence[Any]) -> list[Any]:
+  """``closed`` evaluated on ``args``, the results of its equations ``averaged`` replaced by
+  their mean over the mesh ``axes`` (inside the pipeline's ``shard_map``)."""
+  env = dict(zip(closed.jaxpr.constvars, closed.consts))
+  env.update(zip(closed.jaxpr.invars, args))
+  read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
+  for i, eqn in enumerate(closed.jaxpr.eqns):
+    outs = bind_eqn(eqn, [read(v) for v in eqn.invars])
+    if i in averaged:
+      outs = [lax.pmean(o, tuple(axes)) for o in outs]
+    env.update(zip(eqn.outvars, outs))
+  return [read(v) for v in closed.jaxpr.outvars]
 
 
 def cut_stages(cap: Capture, stage_of: Sequence[int], num_params: int,

@@ -60,8 +60,10 @@ class Branch:
 
   def __init__(self, stage: Stage, fn: StageFn, param_avals: Sequence[Any], stash: str,
                param_space: Any = None, param_layout: Any = None,
-               state_avals: Sequence[Any] = (), state_layout: Any = None):
+               state_avals: Sequence[Any] = (), state_layout: Any = None,
+               loop: tuple[Mesh, frozenset[str]] | None = None):
     self.stage = stage
+    self.loop = loop     # the loop's mesh and manual axes, for trial traces of collectives
     self.param_space = param_space   # a jax.memory.Space other than device memory, or None
     self.fn = jax.checkpoint(fn) if stash == "inputs" else fn
     # Packed buffers, or whole arrays in slots (tensor-parallel stages: ``slots.py``).
@@ -113,7 +115,8 @@ class Branch:
       found["treedef"], found["kinds"], stash = self.split(pull, params, acts, batch)
       return loss, stash
 
-    loss, stash = jax.eval_shape(trial, *self._abstract_args(param_avals, batch_avals))
+    loss, stash = jax.eval_shape(self._bound(trial),
+                                 *self._abstract_args(param_avals, batch_avals))
     for leaf in stash:
       if not jnp.issubdtype(leaf.dtype, np.number) and leaf.dtype != np.bool_:
         raise PlanError(f"Stage '{self.stage.name}' keeps a value of dtype {leaf.dtype} for its "
@@ -135,14 +138,25 @@ class Branch:
             [sds(a) for a in self.stage.incoming], [sds(a) for a in batch_avals],
             [sds(a) for a in self.state_avals])
 
+  def _bound(self, fn):
+    """``fn`` for a trial trace outside the loop. A stage averaging its batch statistics
+    (``stats.py``) is traced in a ``shard_map`` manual over the loop's axes, as in the loop:
+    that binds the axis names, and the pullback's static parts are those the loop reuses."""
+    if not self.stage.averaged:
+      return fn
+    mesh, manual = self.loop
+    return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False,
+                         axis_names=manual)
+
   @property
   def needs_inputs(self) -> bool:
     return any(kind == "act" for kind, _ in self.residuals.kinds)
 
   def signature(self, param_avals, batch_avals) -> tuple:
     """Equal for stages that compute the same thing on buffers laid out the same way."""
-    closed = jax.make_jaxpr(lambda p, a, b, st: self.fn(self._in_memory(p), a, b, tuple(st)))(
-        *self._abstract_args(param_avals, batch_avals))
+    closed = jax.make_jaxpr(self._bound(
+        lambda p, a, b, st: self.fn(self._in_memory(p), a, b, tuple(st))))(
+            *self._abstract_args(param_avals, batch_avals))
     return (str(closed), self.params, self.incoming, self.outgoing, self.stage.last,
             self.state), closed.consts
 
@@ -161,12 +175,15 @@ class Buffers:
 def distinct_branches(stages: Sequence[Stage], fns: Sequence[StageFn], param_avals,
                       batch_avals, stash: str, param_space: Any = None,
                       param_layouts: Sequence[Any] | None = None, state_avals: Sequence[Any] = (),
-                      state_layouts: Sequence[Any] | None = None
+                      state_layouts: Sequence[Any] | None = None,
+                      loop: tuple[Mesh, frozenset[str]] | None = None
                       ) -> tuple[list[Branch], list[int]]:
   """One ``Branch`` per distinct stage function, and the branch of every stage.
   ``param_space``: the parameters' ``jax.memory.Space`` when it is not device memory;
   ``param_layouts``: per stage, a ``slots.SlotLayout`` instead of packed buffers;
-  ``state_avals`` / ``state_layouts``: the model state leaves, and per stage its state slots."""
+  ``state_avals`` / ``state_layouts``: the model state leaves, and per stage its state slots;
+  ``loop``: the mesh and manual axes of ``pipelined_gradients``' loop, for stages with
+  collectives of their own (batch statistics)."""
   if stash not in STASH_MODES:
     raise ValueError(f"stash must be one of {STASH_MODES}, got {stash!r}")
   branches: list[Branch] = []
@@ -175,7 +192,7 @@ def distinct_branches(stages: Sequence[Stage], fns: Sequence[StageFn], param_ava
   for i, (stage, fn) in enumerate(zip(stages, fns)):
     branch = Branch(stage, fn, param_avals, stash, param_space,
                     None if param_layouts is None else param_layouts[i], state_avals,
-                    None if state_layouts is None else state_layouts[i])
+                    None if state_layouts is None else state_layouts[i], loop)
     sig, consts = branch.signature(param_avals, batch_avals)
     match = [i for i, (s, c) in enumerate(seen) if s == sig and same_consts(c, consts)]
     if match:
@@ -323,7 +340,7 @@ def pipelined_gradients(branches: Sequence[Branch], branch_of: Sequence[int], au
 
   ``manual``: the mesh axes the loop is written for (default: all). Tensor-parallel stages
   leave ``model`` to GSPMD: their parameters come in whole (slots, ``v = 1``), with a
-  ``model`` split. ``state``: model state per stage (one replica, ``v = 1``), updated by each
+  ``model`` split. ``state``: model state per stage (``v = 1``), updated by each
   forward in micro batch order."""
   sizes = buffer_sizes(branches)
   fwd = [_forward_branch(b, sizes, aux_avals) for b in branches] + [

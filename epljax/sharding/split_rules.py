@@ -101,15 +101,16 @@ def operand_splits(program: Program, split: Mapping[int, int], leaf_shapes: Sequ
   return state
 
 
-def row_dims(program: Program, rows_inputs: Iterable[int], leaf_shapes: Sequence[tuple],
-             leaf_paths: Sequence[str]) -> _State:
-  """Where each value's *rows* are: the batch inputs ``rows_inputs`` hold them on dim 0, and
-  they are followed through the program like a split dimension (``split_dim(node, pos)``),
-  also from a gather's indices to its output (``columns.py``)."""
+def row_dims(program: Program, rows_inputs: Iterable[int] | Mapping[int, int],
+             leaf_shapes: Sequence[tuple], leaf_paths: Sequence[str]) -> _State:
+  """Where each value's *rows* are: the inputs ``rows_inputs`` hold them on dim 0 (or on the
+  dim a mapping gives), and they are followed through the program like a split dimension
+  (``split_dim(node, pos)``), also from a gather's indices to its output (``columns.py``)."""
   state = _State(program, set(), set(), leaf_shapes, leaf_paths, 1)
   state.follow_indices = True
-  for i in rows_inputs:
-    state.split[program.invars[i]] = 0
+  rows = rows_inputs if isinstance(rows_inputs, Mapping) else dict.fromkeys(rows_inputs, 0)
+  for i, dim in rows.items():
+    state.split[program.invars[i]] = dim
   for node in program.nodes:
     state.visit(node)
   return state
