@@ -83,17 +83,35 @@ def _reference(init_fn, loss_fn, optimizer, batch, replicas, steps):
   return history, {"params": params, "batch_stats": stats}
 
 
-@pytest.mark.parametrize("config", [BACKWARD, FORWARD], ids=["1f1b", "gpipe"])
-def test_batch_norm_stages_match_single_device_micro_batches(config):
+class ReplicatedBatchNormStages(nn.Module):
+  """BatchNorm in both stages, each stage on one device: 4 replicas on 8 devices, each seeing
+  its own rows of a micro batch (the second stage's statistics are over incoming rows)."""
+
+  @nn.compact
+  def __call__(self, x):
+    with epl.replicate(1, name="stage_0"):
+      h = nn.relu(nn.BatchNorm(use_running_average=False, momentum=0.8)(nn.Dense(16)(x)))
+    with epl.replicate(1, name="stage_1"):
+      h = nn.BatchNorm(use_running_average=False, momentum=0.8)(nn.Dense(16)(h))
+      return nn.Dense(10)(nn.relu(h))
+
+
+@pytest.mark.parametrize("replicas,config", [
+    (1, BACKWARD), (1, FORWARD), (4, BACKWARD), (4, FORWARD),
+    (4, {**BACKWARD, "gradient_checkpoint.type": "auto"})],
+    ids=["1f1b", "gpipe", "4_replicas_1f1b", "4_replicas_gpipe", "4_replicas_1f1b_gc_auto"])
+def test_batch_norm_stages_match_single_device_micro_batches(replicas, config):
+  """One replica sees whole micro batches; with 4, each stage's batch means are averaged over
+  the replicas (``pipeline/stats.py``)."""
   epl.init({**config, "pipeline.num_micro_batch": MICRO})
-  init_fn, loss_fn = _fns(BatchNormStages())
+  init_fn, loss_fn = _fns(BatchNormStages() if replicas == 1 else ReplicatedBatchNormStages())
   optimizer = optax.sgd(0.1, momentum=0.9)
   batch = classification_batch(32)
   trainer = epl.Trainer(init_fn, loss_fn, optimizer, mutable=["batch_stats"])
   state = trainer.init(jax.random.key(0), batch)
-  assert (trainer.plan.num_stages, trainer.plan.num_replicas) == (2, 1)
+  assert (trainer.plan.num_stages, trainer.plan.num_replicas) == (2, replicas)
   shardings = jax.tree.map(lambda x: x.sharding, state)
-  history, expected = _reference(init_fn, loss_fn, optimizer, batch, 1, steps=2)
+  history, expected = _reference(init_fn, loss_fn, optimizer, batch, replicas, steps=2)
   loss0, grads0 = trainer.loss_and_grads(state, batch)
   np.testing.assert_allclose(loss0, history[0][0], **TOL)
   assert_trees_close(grads0, history[0][1], TOL)
@@ -106,8 +124,9 @@ def test_batch_norm_stages_match_single_device_micro_batches(config):
   # the statistics moved (4 micro batches per step, each an update of the running averages)
   assert not np.allclose(expected["batch_stats"]["BatchNorm_0"]["mean"], 0)
   assert jax.tree.map(lambda x: x.sharding, state) == shardings
+  means = "; its 2 batch means averaged over the replicas (data)" if replicas > 1 else ""
   assert ("state     stage 1 'stage_1' keeps 2 model state leaves (128 B), updated by each "
-          "micro batch's forward in order") in str(trainer.plan)
+          f"micro batch's forward in order{means}\n") in str(trainer.plan) + "\n"
 
 
 class SplitBatchNormStages(nn.Module):
@@ -139,42 +158,6 @@ def test_batch_norm_in_split_stages_matches_single_device_micro_batches(k):
     state, metrics = trainer.train_step(state, batch)
     np.testing.assert_allclose(metrics["loss"], history[step][0], **TOL)
   assert_trees_close(trainer.variables(state), expected, TOL)
-
-
-class ReplicatedBatchNormStages(nn.Module):
-  """BatchNorm in both stages, each stage on one device: 4 replicas on 8 devices, each seeing
-  its own rows of a micro batch (the second stage's statistics are over incoming rows)."""
-
-  @nn.compact
-  def __call__(self, x):
-    with epl.replicate(1, name="stage_0"):
-      h = nn.relu(nn.BatchNorm(use_running_average=False, momentum=0.8)(nn.Dense(16)(x)))
-    with epl.replicate(1, name="stage_1"):
-      h = nn.BatchNorm(use_running_average=False, momentum=0.8)(nn.Dense(16)(h))
-      return nn.Dense(10)(nn.relu(h))
-
-
-@pytest.mark.parametrize("config", [BACKWARD, FORWARD, {
-    **BACKWARD, "gradient_checkpoint.type": "auto"}], ids=["1f1b", "gpipe", "1f1b_gc_auto"])
-def test_batch_norm_stages_with_several_replicas_match_single_device_micro_batches(config):
-  epl.init({**config, "pipeline.num_micro_batch": MICRO})
-  init_fn, loss_fn = _fns(ReplicatedBatchNormStages())
-  optimizer = optax.sgd(0.1, momentum=0.9)
-  batch = classification_batch(32)
-  trainer = epl.Trainer(init_fn, loss_fn, optimizer, mutable=["batch_stats"])
-  state = trainer.init(jax.random.key(0), batch)
-  assert (trainer.plan.num_stages, trainer.plan.num_replicas) == (2, 4)
-  history, expected = _reference(init_fn, loss_fn, optimizer, batch, 4, steps=2)
-  loss0, grads0 = trainer.loss_and_grads(state, batch)
-  np.testing.assert_allclose(loss0, history[0][0], **TOL)
-  assert_trees_close(grads0, history[0][1], TOL)
-  for step in range(2):
-    state, metrics = trainer.train_step(state, batch)
-    np.testing.assert_allclose(metrics["loss"], history[step][0], **TOL)
-  assert_trees_close(trainer.variables(state), expected, TOL)
-  assert ("state     stage 1 'stage_1' keeps 2 model state leaves (128 B), updated by each "
-          "micro batch's forward in order; its 2 batch means averaged over the replicas "
-          "(data)") in str(trainer.plan)
 
 
 class RowSums(nn.Module):
