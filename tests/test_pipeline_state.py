@@ -20,13 +20,16 @@ MICRO = 4
 
 class BatchNormStages(nn.Module):
   """Two stages, each with its own BatchNorm (statistics of the micro batch while training),
-  each stage on 4 devices: one replica, which sees whole micro batches."""
+  each stage on ``devices`` devices: with 4, one replica, which sees whole micro batches; with
+  1, four replicas, each seeing its own rows (the second stage's statistics are over incoming
+  rows)."""
+  devices: int = 4
 
   @nn.compact
   def __call__(self, x):
-    with epl.replicate(4, name="stage_0"):
+    with epl.replicate(self.devices, name="stage_0"):
       h = nn.relu(nn.BatchNorm(use_running_average=False, momentum=0.8)(nn.Dense(16)(x)))
-    with epl.replicate(4, name="stage_1"):
+    with epl.replicate(self.devices, name="stage_1"):
       h = nn.BatchNorm(use_running_average=False, momentum=0.8)(nn.Dense(16)(h))
       return nn.Dense(10)(nn.relu(h))
 
@@ -83,19 +86,6 @@ def _reference(init_fn, loss_fn, optimizer, batch, replicas, steps):
   return history, {"params": params, "batch_stats": stats}
 
 
-class ReplicatedBatchNormStages(nn.Module):
-  """BatchNorm in both stages, each stage on one device: 4 replicas on 8 devices, each seeing
-  its own rows of a micro batch (the second stage's statistics are over incoming rows)."""
-
-  @nn.compact
-  def __call__(self, x):
-    with epl.replicate(1, name="stage_0"):
-      h = nn.relu(nn.BatchNorm(use_running_average=False, momentum=0.8)(nn.Dense(16)(x)))
-    with epl.replicate(1, name="stage_1"):
-      h = nn.BatchNorm(use_running_average=False, momentum=0.8)(nn.Dense(16)(h))
-      return nn.Dense(10)(nn.relu(h))
-
-
 @pytest.mark.parametrize("replicas,config", [
     (1, BACKWARD), (1, FORWARD), (4, BACKWARD), (4, FORWARD),
     (4, {**BACKWARD, "gradient_checkpoint.type": "auto"})],
@@ -104,7 +94,7 @@ def test_batch_norm_stages_match_single_device_micro_batches(replicas, config):
   """One replica sees whole micro batches; with 4, each stage's batch means are averaged over
   the replicas (``pipeline/stats.py``)."""
   epl.init({**config, "pipeline.num_micro_batch": MICRO})
-  init_fn, loss_fn = _fns(BatchNormStages() if replicas == 1 else ReplicatedBatchNormStages())
+  init_fn, loss_fn = _fns(BatchNormStages(devices=4 // replicas))
   optimizer = optax.sgd(0.1, momentum=0.9)
   batch = classification_batch(32)
   trainer = epl.Trainer(init_fn, loss_fn, optimizer, mutable=["batch_stats"])
