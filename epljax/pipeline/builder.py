@@ -105,9 +105,9 @@ class Pipeline:
     # Tensor-parallel stages (``split[s]`` > 1: epl.split(k)) keep their parameters whole, in
     # slots (``slots.py``), and leave the ``model`` axis to GSPMD inside the loop.
     self.split = tuple(split) or (1,) * len(self.stages)
-    # Residuals of a tensor-parallel stage are split over ``model`` by GSPMD, which a flat
-    # stash buffer cannot hold without gathering them: those stages stash their inputs.
-    self.stash = stash or ("inputs" if self.slotted else STASH)
+    # Residuals of tensor-parallel stages are stashed in slots (``runtime.distinct_branches``),
+    # which keep GSPMD's ``model`` split.
+    self.stash = stash or STASH
     self.slot_layouts: list[slots.SlotLayout] | None = None
     self.param_specs: list[P] = [P()] * len(self.param_avals)
     # Model state (BatchNorm statistics): each leaf kept by the stage that updates it, in slots,
@@ -385,12 +385,13 @@ class Pipeline:
           f"stage {s}: " + ", ".join(f"'{self.stages[c].name}'" for c in self.rows[
               s * virtual:(s + 1) * virtual]) for s in range(n_stages)))
     if self.buffers is not None:
-      per_slot = packing.nbytes(self.buffers.residuals) + (
+      per_slot = runtime.buffer_nbytes(self.buffers.residuals) + (
           packing.nbytes(self.buffers.payload) if self.buffers.keep_inputs else 0)
       kept = "micro batches" if virtual == 1 else "micro batch chunks"
       lines.append(
           f"stash     {self.stash}: {self.schedule.num_slots} {kept} (+1 scratch slot) x "
-          f"{_kib(per_slot)} per device; {len(self.branches)} distinct stage functions")
+          f"{_kib(per_slot)} per device{' before the model split' if self.slotted else ''}; "
+          f"{len(self.branches)} distinct stage functions")
     inside = ("in slots (whole arrays, split over model) inside the step" if self.slotted else
               "packed for the largest stage inside the step")
     lines.append(f"params    {_kib(self.param_bytes_per_device)} per device as stored (the "

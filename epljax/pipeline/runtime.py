@@ -52,7 +52,7 @@ class _Residuals:
   """How to rebuild a stage's ``jax.vjp`` pullback from the stash (found by a trial trace)."""
   treedef: Any
   kinds: tuple[tuple[str, Any], ...]   # per pullback leaf: (param|act|batch|res, index) or static
-  layout: packing.Layout               # the stashed leaves
+  layout: Any                          # the stashed leaves: packing.Layout or slots.SlotLayout
 
 
 class Branch:
@@ -167,7 +167,7 @@ class Buffers:
   params: dict[str, Any]    # {dtype: size} packed (and {part: slots.SlotType}), or slots
   payload: dict[str, int]
   grad_payload: dict[str, int]
-  residuals: dict[str, int]
+  residuals: dict[str, Any]  # {dtype: size} packed, or {slot: slots.SlotType} (split stages)
   keep_inputs: bool
   state: dict[str, Any] = dataclasses.field(default_factory=dict)   # {slot: slots.SlotType}
 
@@ -202,6 +202,13 @@ def distinct_branches(stages: Sequence[Stage], fns: Sequence[StageFn], param_ava
     branches.append(branch)
     seen.append((sig, consts))
     branch_of.append(len(branches) - 1)
+  if param_layouts is not None and isinstance(param_layouts[0], slots.SlotLayout):
+    # Tensor-parallel stages stash whole residuals in slots, which keep GSPMD's ``model``
+    # split (a packed buffer would gather them), shared by the branches like their parameters.
+    layouts = slots.assign([[slots.SlotType(e.shape, e.dtype, (None,) * len(e.shape))
+                             for e in b.residuals.layout.entries] for b in branches])
+    for b, layout in zip(branches, layouts):
+      b.residuals = dataclasses.replace(b.residuals, layout=layout)
   return branches, branch_of
 
 
@@ -214,7 +221,8 @@ def buffer_sizes(branches: Sequence[Branch]) -> Buffers:
                **dict(getattr(branches[0].params, "part_types", ()))}),
       payload=packing.padded_sizes(edges),
       grad_payload=packing.padded_sizes(edges, inexact_only=True),
-      residuals=packing.padded_sizes([b.residuals.layout for b in branches]),
+      residuals=(dict(branches[0].residuals.layout.types) if slotted else
+                 packing.padded_sizes([b.residuals.layout for b in branches])),
       keep_inputs=any(b.needs_inputs for b in branches), state=dict(branches[0].state.types))
 
 
@@ -263,21 +271,28 @@ def _backward_branch(branch: Branch, sizes: Buffers):
 def _idle_forward(sizes: Buffers, aux_avals):
   def run(params, incoming, batch, state):
     return (packing.zeros(sizes.payload), jnp.zeros((), jnp.float32),
-            [jnp.zeros(a.shape, a.dtype) for a in aux_avals], packing.zeros(sizes.residuals),
+            [jnp.zeros(a.shape, a.dtype) for a in aux_avals], _zeros(sizes.residuals),
             state)
   return run
 
 
 def _idle_backward(sizes: Buffers):
   def run(params, stash_x, stash_r, slot, batch, grad_out, seed):
-    return _param_zeros(sizes.params), packing.zeros(sizes.grad_payload)
+    return _zeros(sizes.params), packing.zeros(sizes.grad_payload)
   return run
 
 
-def _param_zeros(sizes: dict[str, Any], *lead: int) -> dict[str, jax.Array]:
-  """Zero gradients of a stage's parameters (packed sizes or slot types), ``lead`` in front."""
+def _zeros(sizes: dict[str, Any], *lead: int) -> dict[str, jax.Array]:
+  """Zero buffers (packed sizes or slot types: parameter gradients, residuals), ``lead`` in
+  front."""
   return {k: t.zeros(lead) if isinstance(t, slots.SlotType) else jnp.zeros((*lead, t), k)
           for k, t in sizes.items()}
+
+
+def buffer_nbytes(sizes: dict[str, Any]) -> int:
+  """Bytes of buffers given as packed sizes or slot types."""
+  return sum(t.nbytes if isinstance(t, slots.SlotType) else t * jnp.dtype(k).itemsize
+             for k, t in sizes.items())
 
 
 def _take(buffers: dict, index) -> dict:
@@ -362,8 +377,8 @@ def pipelined_gradients(branches: Sequence[Branch], branch_of: Sequence[int], au
         # One slot more than the schedule keeps: idle forwards write there, so a write needs
         # no read of the old slot and updates the loop's buffer in place.
         stash_x=packing.zeros(sizes.payload if sizes.keep_inputs else {}, (slots + 1,)),
-        stash_r=packing.zeros(sizes.residuals, (slots + 1,)),
-        grads=_param_zeros(sizes.params, n_virtual), losses=jnp.zeros((n_micro,), jnp.float32),
+        stash_r=_zeros(sizes.residuals, slots + 1),
+        grads=_zeros(sizes.params, n_virtual), losses=jnp.zeros((n_micro,), jnp.float32),
         aux=[jnp.zeros((n_micro, *a.shape), a.dtype) for a in aux_avals],
         state={k: v[0] for k, v in state.items()})
 

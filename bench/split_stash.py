@@ -1,0 +1,109 @@
+"""Tensor-parallel pipeline stages: residuals stashed in slots vs inputs kept and recomputed.
+
+    python bench/split_stash.py [--record]
+
+A residual MLP (width 256, hidden 1024, 2 blocks per stage) in two ``epl.split(2)`` stages on
+8 devices (data 2 x stage 2 x model 2), 4 micro batches, 1F1B, SGD. Split stages stash the
+residuals of each stage's ``jax.vjp`` in slots (whole arrays, one ``(slots + 1, *shape)``
+buffer per shape, which GSPMD keeps split over ``model``); before they kept their inputs and
+ran their forward again in the backward (``builder.STASH = "inputs"``, still the mode for
+comparison). Compiled train step: FLOPs from ``cost_analysis()``, temporaries from
+``memory_analysis()``, bytes of the collectives executed per step from the HLO (loops counted
+per iteration), the shape of the largest stash buffer, and the step time as a ratio measured
+side by side (alternating, median of pairs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+import flax.linen as nn
+import jax
+import optax
+
+import epljax as epl
+from epljax import hlo
+from epljax.pipeline import builder
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import machine, paired_ratio, record, table  # noqa: E402
+
+WIDTH, HIDDEN, ROWS, MICRO = 256, 1024, 256, 4
+
+
+class SplitStages(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(WIDTH)(x)
+    for i in range(2):
+      with epl.split(2, name=f"stage_{i}"):
+        for _ in range(2):
+          h = h + nn.Dense(WIDTH)(nn.gelu(nn.Dense(HIDDEN)(nn.LayerNorm()(h))))
+    return nn.Dense(10)(h)
+
+
+def trainer_for(stash: str, batch: dict):
+  epl.init({"pipeline.num_micro_batch": MICRO})
+  model = SplitStages()
+
+  def loss_fn(variables, b):
+    logits = model.apply(variables, b["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  builder.STASH = stash
+  try:
+    trainer = epl.Trainer(lambda key, b: model.init(key, b["x"]), loss_fn, optax.sgd(0.1))
+    state = trainer.init(jax.random.key(0), batch)
+  finally:
+    builder.STASH = "residuals"
+  return trainer, state
+
+
+def measure(pairs: int) -> str:
+  rng = jax.random.key(1)
+  batch = {"x": jax.random.normal(rng, (ROWS, 32)),
+           "y": jax.random.randint(rng, (ROWS,), 0, 10)}
+  rows, runs = [], {}
+  for stash in ("residuals", "inputs"):
+    trainer, state = trainer_for(stash, batch)
+    compiled = trainer.lower(state, batch).compile()
+    text = compiled.as_text()
+    found = hlo.summarize(hlo.executed_collectives(text))
+    # The stash buffers: (2 slots + 1 scratch, rows, features) per device.
+    stash_shapes = sorted(set(re.findall(r"f32\[3,(\d+),(\d+)\]", text)),
+                          key=lambda d: -int(d[0]) * int(d[1]))
+    rows.append([stash, f"{compiled.cost_analysis()['flops'] / 1e6:.1f}",
+                 f"{compiled.memory_analysis().temp_size_in_bytes / 2**20:.2f}",
+                 ", ".join(f"{k} {n} x / {b / 2**20:.2f} MiB" for k, (n, b) in
+                           sorted(found.items())),
+                 f"f32[3,{','.join(stash_shapes[0])}]" if stash_shapes else "-"])
+    box = {"state": state, "batch": trainer.shard_batch(batch)}
+
+    def step(trainer=trainer, box=box):
+      box["state"], metrics = trainer.train_step(box["state"], box["batch"])
+      return metrics["loss"]
+
+    runs[stash] = step
+  timing = paired_ratio(runs["residuals"], runs["inputs"], pairs=pairs)
+  rows[0].append(f"**{timing['ratio']:.2f}** ({timing['ratio_q1']:.2f}-{timing['ratio_q3']:.2f})")
+  rows[1].append("1.00")
+  return table(["stash", "MFLOPs", "temp MiB", "collectives per step", "largest stash buffer",
+                "step time vs inputs"], rows)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--pairs", type=int, default=20)
+  parser.add_argument("--record", action="store_true")
+  args = parser.parse_args(argv)
+  body = measure(args.pairs)
+  print(f"{machine()}\n\n{body}")
+  if args.record:
+    record("Split pipeline stages: residuals in slots vs inputs (bench/split_stash.py)",
+           __doc__.split("\n\n", 2)[2].strip() + "\n\n" + body, argv)
+
+
+if __name__ == "__main__":
+  main()
