@@ -217,8 +217,10 @@ def test_a_scan_that_updates_model_state_is_not_split_and_says_why():
 
   trainer = epl.Trainer(lambda k, b: model.init(k, b["x"]), loss_fn, optax.sgd(0.1),
                         mutable=["batch_stats"])
-  # The stage holding the scan keeps its statistics whole; with 4 replicas of 2 stages the
-  # statistics would be per replica, which pipelines refuse (test_pipeline_state.py).
+  # The stage holding the scan keeps its statistics whole; with 4 replicas of 2 stages its
+  # batch means would have to be averaged over the replicas inside the scan, which
+  # pipeline/stats.py refuses (test_pipeline_state.py).
   with pytest.warns(StageBalanceWarning, match="reads model state"), \
-      pytest.raises(PlanError, match="model state"):
+      pytest.raises(PlanError, match=r"Model state .* of pipeline stage 'stage_1', with 4 "
+                    r"replicas .*\(reduce_sum in .*BatchNorm_0\) that is inside a scan"):
     trainer.init(jax.random.key(0), classification_batch(8))
