@@ -3,11 +3,14 @@
     python bench/split_stash.py [--record]
 
 A residual MLP (width 256, hidden 1024, 2 blocks per stage) in two ``epl.split(2)`` stages on
-8 devices (data 2 x stage 2 x model 2), 4 micro batches, 1F1B, SGD. Split stages stash the
-residuals of each stage's ``jax.vjp`` in slots (whole arrays, one ``(slots + 1, *shape)``
-buffer per shape, which GSPMD keeps split over ``model``); before they kept their inputs and
-ran their forward again in the backward (``builder.STASH = "inputs"``, still the mode for
-comparison). Compiled train step: FLOPs from ``cost_analysis()``, temporaries from
+8 devices (data 2 x stage 2 x model 2), 4 micro batches, 1F1B, SGD (1e-3: the timing runs about 50 steps), three ways:
+- ``residuals`` (the default): the residuals of each stage's ``jax.vjp`` stashed in slots
+  (whole arrays, one ``(slots + 1, *shape)`` buffer per shape, which GSPMD keeps split over
+  ``model``);
+- the same with ``gradient_checkpoint.type="auto"`` inside the stages;
+- ``inputs``: the stage inputs kept and the forward run again in the backward (what split
+  stages did before; ``builder.STASH = "inputs"``).
+Compiled train step: FLOPs from ``cost_analysis()``, temporaries from
 ``memory_analysis()``, bytes of the collectives executed per step from the HLO (loops counted
 per iteration), the shape of the largest stash buffer, and the step time as a ratio measured
 side by side (alternating, median of pairs).
@@ -31,6 +34,9 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import machine, paired_ratio, record, table  # noqa: E402
 
 WIDTH, HIDDEN, ROWS, MICRO = 256, 1024, 256, 4
+CASES = [("residuals", "residuals", {}),
+         ("residuals, GC auto", "residuals", {"gradient_checkpoint.type": "auto"}),
+         ("inputs", "inputs", {})]
 
 
 class SplitStages(nn.Module):
@@ -44,8 +50,8 @@ class SplitStages(nn.Module):
     return nn.Dense(10)(h)
 
 
-def trainer_for(stash: str, batch: dict):
-  epl.init({"pipeline.num_micro_batch": MICRO})
+def trainer_for(stash: str, batch: dict, config: dict):
+  epl.init({"pipeline.num_micro_batch": MICRO, **config})
   model = SplitStages()
 
   def loss_fn(variables, b):
@@ -54,7 +60,7 @@ def trainer_for(stash: str, batch: dict):
 
   builder.STASH = stash
   try:
-    trainer = epl.Trainer(lambda key, b: model.init(key, b["x"]), loss_fn, optax.sgd(0.1))
+    trainer = epl.Trainer(lambda key, b: model.init(key, b["x"]), loss_fn, optax.sgd(1e-3))
     state = trainer.init(jax.random.key(0), batch)
   finally:
     builder.STASH = "residuals"
@@ -66,15 +72,15 @@ def measure(pairs: int) -> str:
   batch = {"x": jax.random.normal(rng, (ROWS, 32)),
            "y": jax.random.randint(rng, (ROWS,), 0, 10)}
   rows, runs = [], {}
-  for stash in ("residuals", "inputs"):
-    trainer, state = trainer_for(stash, batch)
+  for name, stash, config in CASES:
+    trainer, state = trainer_for(stash, batch, config)
     compiled = trainer.lower(state, batch).compile()
     text = compiled.as_text()
     found = hlo.summarize(hlo.executed_collectives(text))
     # The stash buffers: (2 slots + 1 scratch, rows, features) per device.
     stash_shapes = sorted(set(re.findall(r"f32\[3,(\d+),(\d+)\]", text)),
                           key=lambda d: -int(d[0]) * int(d[1]))
-    rows.append([stash, f"{compiled.cost_analysis()['flops'] / 1e6:.1f}",
+    rows.append([name, f"{compiled.cost_analysis()['flops'] / 1e6:.1f}",
                  f"{compiled.memory_analysis().temp_size_in_bytes / 2**20:.2f}",
                  ", ".join(f"{k} {n} x / {b / 2**20:.2f} MiB" for k, (n, b) in
                            sorted(found.items())),
@@ -85,10 +91,13 @@ def measure(pairs: int) -> str:
       box["state"], metrics = trainer.train_step(box["state"], box["batch"])
       return metrics["loss"]
 
-    runs[stash] = step
-  timing = paired_ratio(runs["residuals"], runs["inputs"], pairs=pairs)
-  rows[0].append(f"**{timing['ratio']:.2f}** ({timing['ratio_q1']:.2f}-{timing['ratio_q3']:.2f})")
-  rows[1].append("1.00")
+    runs[name] = step
+  for row in rows:
+    if row[0] == "inputs":
+      row.append("1.00")
+      continue
+    timing = paired_ratio(runs[row[0]], runs["inputs"], pairs=pairs)
+    row.append(f"**{timing['ratio']:.2f}** ({timing['ratio_q1']:.2f}-{timing['ratio_q3']:.2f})")
   return table(["stash", "MFLOPs", "temp MiB", "collectives per step", "largest stash buffer",
                 "step time vs inputs"], rows)
 
