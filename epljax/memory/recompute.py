@@ -49,9 +49,11 @@ def after(vals: Sequence[Any], cts: Any, *, platform: str) -> tuple:
   vals, _ = jax.lax.optimization_barrier((vals, floats))
   if platform != "cpu":
     return tuple(vals)
-  probe = jax.lax.slice(jnp.ravel(floats[0]), (0,), (1,))[0] if floats[0].size else None
-  if probe is None:
+  first = floats[0]
+  if not first.size:
     return tuple(vals)
+  # Its first element, sliced in place: a ravel would gather a model-split cotangent whole.
+  probe = jax.lax.slice(first, (0,) * first.ndim, (1,) * first.ndim).reshape(())
   live = probe == probe          # False only for NaN: XLA cannot fold it
   return tuple(_select(live, v) for v in vals)
 
