@@ -132,6 +132,17 @@ def test_split_stages_stash_their_residuals_split_over_model(scopes_run):
   assert not [c for c in hlo.collectives(text) if c.kind == "all-gather"]
 
 
+def test_split_stages_with_gc_auto_match_reference_and_gather_nothing():
+  """GC auto inside split stages: exact, a smaller stash, and no all-gather (the CPU
+  recomputation's tie to the cotangent once raveled it, gathering model-split cotangents)."""
+  epl.init({**BACKWARD, "pipeline.num_micro_batch": 4, "gradient_checkpoint.type": "auto"})
+  batch = classification_batch(32)
+  trainer, state = check_matches_reference(SplitScopes(), batch, sgd_clipped())
+  assert any("gradient checkpointing (auto:" in f for f in trainer.plan.features)
+  text = trainer.lower(state, batch).compile().as_text()
+  assert not [c for c in hlo.collectives(text) if c.kind == "all-gather"]
+
+
 @pytest.mark.slow
 def test_split_default_strategy_4_stages_gpipe_match_reference():
   epl.init({**FORWARD, "pipeline.num_micro_batch": 4})
