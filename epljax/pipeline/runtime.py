@@ -430,9 +430,9 @@ def branch_flops(branches: Sequence[Branch], aux_avals, batch_avals) -> list[tup
   out = []
   for b in branches:
     state = {k: jax.ShapeDtypeStruct(t.shape, t.dtype) for k, t in sizes.state.items()}
-    fwd = jax.jit(_forward_branch(b, sizes, aux_avals)).lower(
+    fwd = jax.jit(b._bound(_forward_branch(b, sizes, aux_avals))).lower(
         params, bufs(sizes.payload), batch, state).compile()
-    bwd = jax.jit(_backward_branch(b, sizes)).lower(
+    bwd = jax.jit(b._bound(_backward_branch(b, sizes))).lower(
         params, bufs(sizes.payload if sizes.keep_inputs else {}, (2,)),
         bufs(sizes.residuals, (2,)), jax.ShapeDtypeStruct((), jnp.int32), batch,
         bufs(sizes.grad_payload), jax.ShapeDtypeStruct((), jnp.float32)).compile()
