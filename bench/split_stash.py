@@ -3,7 +3,8 @@
     python bench/split_stash.py [--record]
 
 A residual MLP (width 256, hidden 1024, 2 blocks per stage) in two ``epl.split(2)`` stages on
-8 devices (data 2 x stage 2 x model 2), 4 micro batches, 1F1B, SGD (1e-3: the timing runs about 50 steps), three ways:
+8 devices (data 2 x stage 2 x model 2), 4 micro batches, 1F1B, SGD (1e-3: the timing runs
+about 50 steps), three ways:
 - ``residuals`` (the default): the residuals of each stage's ``jax.vjp`` stashed in slots
   (whole arrays, one ``(slots + 1, *shape)`` buffer per shape, which GSPMD keeps split over
   ``model``);

@@ -221,6 +221,6 @@ def test_a_scan_that_updates_model_state_is_not_split_and_says_why():
   # batch means would have to be averaged over the replicas inside the scan, which
   # pipeline/stats.py refuses (test_pipeline_state.py).
   with pytest.warns(StageBalanceWarning, match="reads model state"), \
-      pytest.raises(PlanError, match=r"Model state .* of pipeline stage 'stage_1', with 4 "
-                    r"replicas .*\(reduce_sum in .*BatchNorm_0\) that is inside a scan"):
+      pytest.raises(PlanError, match=r"Pipeline stage 'stage_1', with 4 replicas .*reduce_sum "
+                    r"over the rows in .*BatchNorm_0, inside a loop \(nn.scan"):
     trainer.init(jax.random.key(0), classification_batch(8))

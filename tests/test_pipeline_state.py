@@ -150,28 +150,80 @@ def test_batch_norm_in_split_stages_matches_single_device_micro_batches(k):
   assert_trees_close(trainer.variables(state), expected, TOL)
 
 
-class RowSums(nn.Module):
-  """Model state that sums the rows (not a mean): not the same per replica and on one
-  device."""
+class RowStatistic(nn.Module):
+  """A statistic of stage 0's rows kept (or, with ``passed_on``, passed to stage 1 and kept
+  there) as model state; ``kind`` says how it is made from the rows."""
+  kind: str
+  passed_on: bool = False
 
   @nn.compact
   def __call__(self, x):
     with epl.replicate(1, name="stage_0"):
       h = nn.Dense(8)(x)
-      total = self.variable("batch_stats", "total", jnp.zeros, (8,))
-      total.value = total.value + jnp.sum(h, axis=0)
+      stat = {"sum": lambda: jnp.sum(h, axis=0), "slice_mean": lambda: jnp.mean(h[:1], axis=0),
+              "mean": lambda: jnp.mean(h, axis=0)}[self.kind]()
+      if not self.passed_on:
+        kept = self.variable("batch_stats", "stat", jnp.zeros, (8,))
+        kept.value = 0.5 * kept.value + stat
     with epl.replicate(1, name="stage_1"):
+      if self.passed_on:
+        kept = self.variable("batch_stats", "stat", jnp.zeros, (8,))
+        kept.value = 0.5 * kept.value + stat
       return nn.Dense(10)(h)
 
 
-def test_model_state_that_is_not_a_batch_mean_is_refused_with_several_replicas():
+@pytest.mark.parametrize("model,why", [
+    (RowStatistic("sum"), r"reduce_sum over the rows in RowStatistic.*, not divided by the "
+                          r"number of rows"),
+    (RowStatistic("slice_mean"), r"slice along the rows in RowStatistic"),
+    (RowStatistic("mean", passed_on=True), r"reduce_sum over the rows in RowStatistic.*"
+                                           r"stage_0\], a mean that does not make its own "
+                                           r"stage's model state"),
+], ids=["sum", "slice_mean", "mean_of_an_earlier_stage"])
+def test_state_from_one_replicas_rows_is_refused_with_several_replicas(model, why):
+  """A sum, a mean of some rows, a mean made by an earlier stage (not averaged there): each
+  is per replica, so the state would differ from one device's."""
   epl.init({"pipeline.num_micro_batch": 2})
-  init_fn, loss_fn = _fns(RowSums())
+  init_fn, loss_fn = _fns(model)
   trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1), mutable=["batch_stats"])
-  with pytest.raises(epl.PlanError, match=r"(?s)Model state 'batch_stats/total' of pipeline "
-                     r"stage 'stage_0', with 4 replicas .* reduction over the rows "
-                     r"\(reduce_sum in .*\) that is not a mean.*epl.replicate\(k, name=...\)"):
+  stage = "stage_1" if model.passed_on else "stage_0"
+  with pytest.raises(epl.PlanError, match=(
+      rf"(?s)Model state 'batch_stats/stat' of pipeline stage '{stage}', with 4 replicas .* "
+      rf"computed from its replica's rows alone: {why}.*epl.replicate\(k, name=...\)")):
     trainer.init(jax.random.key(0), classification_batch(16))
+
+
+class FrozenThenKeepdims(nn.Module):
+  """Stage 0: BatchNorm with its running averages (state kept as it is); stage 1: statistics
+  written with ``keepdims`` (sum, broadcast, divide). Four replicas."""
+
+  @nn.compact
+  def __call__(self, x):
+    with epl.replicate(1, name="stage_0"):
+      h = nn.relu(nn.BatchNorm(use_running_average=True)(nn.Dense(16)(x)))
+    with epl.replicate(1, name="stage_1"):
+      h = nn.Dense(16)(h)
+      mean = jnp.mean(h, axis=0, keepdims=True)
+      var = jnp.mean(jnp.square(h - mean), axis=0, keepdims=True)
+      kept = self.variable("batch_stats", "mean", jnp.zeros, (1, 16))
+      kept.value = 0.9 * kept.value + 0.1 * mean
+      return nn.Dense(10)((h - mean) * jax.lax.rsqrt(var + 1e-5))
+
+
+def test_kept_state_and_keepdims_means_with_several_replicas_match_single_device():
+  epl.init({**BACKWARD, "pipeline.num_micro_batch": MICRO})
+  init_fn, loss_fn = _fns(FrozenThenKeepdims())
+  optimizer = optax.sgd(0.1)
+  batch = classification_batch(32)
+  trainer = epl.Trainer(init_fn, loss_fn, optimizer, mutable=["batch_stats"])
+  state = trainer.init(jax.random.key(0), batch)
+  assert trainer.plan.num_replicas == 4
+  history, expected = _reference(init_fn, loss_fn, optimizer, batch, 4, steps=2)
+  for step in range(2):
+    state, metrics = trainer.train_step(state, batch)
+    np.testing.assert_allclose(metrics["loss"], history[step][0], **TOL)
+  assert_trees_close(trainer.variables(state), expected, TOL)
+  assert "its 2 batch means averaged over the replicas (data)" in str(trainer.plan)
 
 
 class NNXDropoutStages(nnx.Module):
@@ -232,7 +284,7 @@ def test_nnx_rng_state_with_several_replicas_is_refused():
   epl.init({**BACKWARD, "pipeline.num_micro_batch": MICRO})
   make = lambda rng: NNXDropoutStages(nnx.Rngs(rng, dropout=1), devices=2)  # noqa: E731
   trainer = epl.Trainer(lambda rng, b: make(rng), _nnx_loss, optax.sgd(0.1))
-  with pytest.raises(epl.PlanError, match=r"(?s)Model state '.*drop.*' of pipeline stage "
-                     r"'stage_0', with 2 replicas.*is not computed from the batch rows \(an RNG "
-                     r"stream"):
+  with pytest.raises(epl.PlanError, match=r"(?s)Pipeline stage 'stage_0', with 2 replicas .*, "
+                     r"draws random numbers \(.* in .*\) from its model state \(an RNG stream: "
+                     r"'.*'"):
     trainer.init(jax.random.key(0), classification_batch(32))

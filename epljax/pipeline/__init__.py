@@ -7,8 +7,9 @@ interleaved over virtual stages), and the ``shard_map`` loop that runs them in o
 - ``packing.py``: stage parameters, activations and residuals as flat per-dtype buffers inside
   the step (the stored parameters are the user's tree);
 - ``storage.py``: the stored leaves <-> the packed buffers (tied leaves: copies, summed);
-- ``slots.py``: parameters kept whole (tensor-parallel stages) and model state, one row per
-  stage;
+- ``slots.py``: parameters and residuals kept whole (tensor-parallel stages) and model state,
+  one row per stage;
+- ``stats.py``: batch statistics averaged over pipeline replicas (BatchNorm with several);
 - ``runtime.py``: the loop over ticks (``jax.vjp`` per micro batch, ``ppermute`` between stages);
 - ``builder.py``: what ``epl.Trainer`` calls; ``render.py``: the schedule as a picture.
 """

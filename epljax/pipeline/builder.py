@@ -111,8 +111,9 @@ class Pipeline:
     self.slot_layouts: list[slots.SlotLayout] | None = None
     self.param_specs: list[P] = [P()] * len(self.param_avals)
     # Model state (BatchNorm statistics): each leaf kept by the stage that updates it, in slots,
-    # and threaded through the micro batches in order (one replica: a stage sees whole micro
-    # batches, so batch statistics are those of the micro batch, as on one device).
+    # and threaded through the micro batches in order; with several replicas the batch means
+    # are averaged over them (``stats.py``), so they are those of the micro batch, as on one
+    # device.
     self.state_avals = list(state_avals)
     self.state_def = state_def
     self.state_layouts = slots.assign([

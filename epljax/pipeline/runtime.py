@@ -13,12 +13,17 @@ stage
 
 The backward is written out per micro batch (not left to autodiff of the loop), which is what
 lets 1F1B free a micro batch's residuals as soon as its backward ran. Stages that differ are
-branches of a ``lax.switch`` on the stage index, over packed buffers (``packing.py``); an idle
-slot takes an extra branch that does nothing, so bubble ticks cost no compute.
+branches of a ``lax.switch`` on the stage index, over packed buffers (``packing.py``), or over
+slots of whole arrays for tensor-parallel stages (``slots.py``: parameters and residuals keep
+GSPMD's ``model`` split); an idle slot takes an extra branch that does nothing, so bubble ticks
+cost no compute.
 
 What is stashed: the *residuals* of ``jax.vjp`` (no recomputation; the forward runs once),
 minus the parameters, incoming activations and batch leaves they contain, which are read
-again at backward time instead of being copied per micro batch. ``stash="inputs"`` stashes
+again at backward time instead of being copied per micro batch. With tensor-parallel stages
+every slot holds the largest residual of its shape over the distinct stage functions, so a
+stage whose residuals are all small still carries the others' slots (the plan's ``stash`` line
+gives the bytes). ``stash="inputs"`` stashes
 only the stage inputs and recomputes the forward in the backward (``jax.checkpoint`` of the
 stage), trading one more forward for the residual memory; gradient checkpointing features
 (their ``forward`` hook) give the policies in between.
@@ -144,6 +149,9 @@ class Branch:
     that binds the axis names, and the pullback's static parts are those the loop reuses."""
     if not self.stage.averaged:
       return fn
+    if self.loop is None:    # internal invariant: distinct_branches passes the loop's axes
+      raise AssertionError(f"stage '{self.stage.name}' averages batch statistics, but its "
+                           "branch was made without the loop's mesh")
     mesh, manual = self.loop
     return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False,
                          axis_names=manual)
@@ -421,8 +429,9 @@ def branch_flops(branches: Sequence[Branch], aux_avals, batch_avals) -> list[tup
   costliest branch, so the executed FLOPs are these times the busy slots of the schedule.)"""
   sizes = buffer_sizes(branches)
   sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
-  def bufs(d, lead=()):
-    return {k: jax.ShapeDtypeStruct((*lead, n), k) for k, n in d.items()}
+  def bufs(d, lead=()):    # packed sizes or slot types
+    return {k: jax.ShapeDtypeStruct((*lead, *t.shape), t.dtype) if isinstance(t, slots.SlotType)
+            else jax.ShapeDtypeStruct((*lead, t), k) for k, t in d.items()}
 
   batch = [sds(a) for a in batch_avals]
   params = {k: jax.ShapeDtypeStruct(t.shape, t.dtype) if isinstance(t, slots.SlotType) else

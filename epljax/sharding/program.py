@@ -377,7 +377,6 @@ def nbytes(aval) -> int:
   return n * dtype.itemsize
 
 
-
 # -- evaluation: re-running a traced function step by step ------------------------------------
 # A feature that changes *how* ``fn(params, *args)`` runs, never *what* it computes (the memory
 # features, the gradient-sum rewrite), traces it (``trace_steps``) and evaluates the steps

@@ -268,13 +268,10 @@ class _Run:
       elif use is not None:
         outs = [self._row_use(step, use, invals)]
       elif step.primitive == "scan" and self._inside(step, nodes[pos]):
-        outs = in_context(step, run_scan, step, invals,
-                                    self._body(step, nodes[pos]))
+        outs = in_context(step, run_scan, step, invals, self._body(step, nodes[pos]))
       else:
         outs = bind(step, invals)
-      for key, val in zip(step.outputs, outs):
-        if key is not None:
-          env[key] = val
+      env.update((k, v) for k, v in zip(step.outputs, outs) if k is not None)
     return [read(env, a) for a in program.outputs]
 
   def _body(self, step: Step, first: int):

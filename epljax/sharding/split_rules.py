@@ -125,6 +125,18 @@ def gather_index_dims(eqn) -> dict[int, int]:
   return dict(zip(range(idx_rank - 1), outs))
 
 
+def gather_offset_dim(eqn, dim: int) -> int | None:
+  """The output dim of a gather's operand ``dim`` when it is taken whole (an offset dim that is
+  not indexed), else None."""
+  dnums = eqn.params["dimension_numbers"]
+  skipped = set(dnums.collapsed_slice_dims) | set(getattr(dnums, "operand_batching_dims", ()))
+  if dim in skipped or dim in dnums.start_index_map or (
+      eqn.params["slice_sizes"][dim] != D.shape(eqn.invars[0])[dim]):
+    return None
+  kept = [d for d in range(len(D.shape(eqn.invars[0]))) if d not in skipped]
+  return tuple(dnums.offset_dims)[kept.index(dim)]
+
+
 class _State:
 
   def __init__(self, program: Program, candidates: set[int], fixed: set[int],
@@ -396,6 +408,8 @@ class _State:
     rows = self.split_dim(node, 1) if self.follow_indices else None
     if rows is not None:
       self.set_out(node, gather_index_dims(node.eqn).get(rows))
+    elif self.follow_indices and self.split_dim(node, 0) is not None:
+      self.set_out(node, gather_offset_dim(node.eqn, self.split_dim(node, 0)))
     w = self.view(node, 0)
     if w is None:
       return
