@@ -63,6 +63,17 @@ class Collective:
       if iota.group(3):
         ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
       return ids.reshape(shape[0], -1).tolist()
+    mesh = re.match(r"mesh\[(.*?)\]\s*\{(.*?)\}", text)
+    if mesh:   # newer XLA: mesh['data'=2,...] {'data'}: ids row-major over the mesh axes
+      named = [(a, int(n)) for a, n in re.findall(r"'(\w+)'=(\d+)", mesh.group(1))]
+      axes = [a for a, _ in named]
+      inside = [axes.index(a) for a in re.findall(r"'(\w+)'", mesh.group(2)) if a in axes]
+      if math.prod(n for _, n in named) != num_devices:
+        return None
+      ids = np.arange(num_devices).reshape([n for _, n in named])
+      outside = [d for d in range(len(axes)) if d not in inside]
+      size = math.prod(named[d][1] for d in inside)
+      return ids.transpose(outside + inside).reshape(-1, size).tolist()
     return None
 
 

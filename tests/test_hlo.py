@@ -83,4 +83,11 @@ def test_replica_groups_are_read_in_every_form_xla_prints():
   assert groups("[4,2]<=[8]") == [[0, 1], [2, 3], [4, 5], [6, 7]]
   assert groups("[2,4]<=[4,2]T(1,0)") == [[0, 2, 4, 6], [1, 3, 5, 7]]
   assert groups("[4,2]<=[2,2,2]T(0,2,1)") == [[0, 2], [1, 3], [4, 6], [5, 7]]
-  assert groups("mesh['x'=8]{'x'}") is None   # a form not read: the caller must not guess
+  # jax 0.11's XLA names mesh axes; device ids are row-major over them (the mesh's devices)
+  assert groups("mesh['x'=8]{'x'}") == [list(range(8))]
+  assert groups("mesh['data'=2,'stage'=2,'model'=2] {'data'}") == [[0, 4], [1, 5], [2, 6],
+                                                                  [3, 7]]
+  assert groups("mesh['data'=2,'stage'=2,'model'=2] {'data','model'}") == [[0, 1, 4, 5],
+                                                                           [2, 3, 6, 7]]
+  assert groups("mesh['x'=4]{'x'}") is None    # not this program's 8 devices: not guessed
+  assert groups("<=[8] something new") is None  # a form not read: the caller must not guess
