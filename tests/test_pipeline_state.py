@@ -14,6 +14,9 @@ from flax import nnx
 import epljax as epl
 from helpers import TOL, assert_trees_close, classification_batch, cross_entropy
 from pipeline_helpers import BACKWARD, FORWARD, count_compiles
+from test_pipeline_chunks import ScannedWithStats
+
+from epljax.pipeline.auto import StageBalanceWarning
 
 MICRO = 4
 
@@ -117,6 +120,25 @@ def test_batch_norm_stages_match_single_device_micro_batches(replicas, config):
   means = "; its 2 batch means averaged over the replicas (data)" if replicas > 1 else ""
   assert ("state     stage 1 'stage_1' keeps 2 model state leaves (128 B), updated by each "
           f"micro batch's forward in order{means}\n") in str(trainer.plan) + "\n"
+
+
+def test_batch_norm_under_nn_scan_with_several_replicas_matches_single_device():
+  """BatchNorm in layers under ``nn.scan`` (a stage of its own, 4 replicas): the statistics
+  are averaged over the replicas in every iteration of the scan."""
+  epl.init({"auto.auto_parallel": True, "pipeline.num_stages": 2,
+            "pipeline.num_micro_batch": MICRO})
+  init_fn, loss_fn = _fns(ScannedWithStats())
+  optimizer = optax.sgd(0.1)
+  batch = classification_batch(32)
+  trainer = epl.Trainer(init_fn, loss_fn, optimizer, mutable=["batch_stats"])
+  with pytest.warns(StageBalanceWarning, match="reads model state"):
+    state = trainer.init(jax.random.key(0), batch)
+  assert trainer.plan.num_replicas == 4
+  history, expected = _reference(init_fn, loss_fn, optimizer, batch, 4, steps=2)
+  for step in range(2):
+    state, metrics = trainer.train_step(state, batch)
+    np.testing.assert_allclose(metrics["loss"], history[step][0], **TOL)
+  assert_trees_close(trainer.variables(state), expected, TOL)
 
 
 class SplitBatchNormStages(nn.Module):

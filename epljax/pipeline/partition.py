@@ -38,7 +38,8 @@ from epljax.errors import PlanError
 from epljax.pipeline import chunks
 from epljax.pipeline.roll import Run, roll_repeats
 from epljax.sharding.capture import Capture
-from epljax.sharding.program import CALLS, DERIVATIVE_CALLS, _sub_calls, bind_eqn
+from epljax.sharding.program import (CALLS, DERIVATIVE_CALLS, _sub_calls, bind_eqn,
+                                     in_context, run_scan)
 
 # Call-like primitives whose body may be cut between stages (inlined). Inlining a custom
 # derivative rule or a checkpoint that straddles two stages falls back to differentiating its
@@ -99,16 +100,25 @@ class Stage:
     return (), outs[n], tuple(outs[n + 1:]), new_state
 
 
-def _averaging(closed: jcore.ClosedJaxpr, averaged: Sequence[int], axes: Sequence[str],
-               args: Sequence[Any]) -> list[Any]:
-  """``closed`` evaluated on ``args``, the results of its equations ``averaged`` replaced by
-  their mean over the mesh ``axes`` (inside the pipeline's ``shard_map``)."""
+def _averaging(closed: jcore.ClosedJaxpr, averaged: Sequence[tuple[int, ...]],
+               axes: Sequence[str], args: Sequence[Any]) -> list[Any]:
+  """``closed`` evaluated on ``args``, the results of the equations at the paths ``averaged``
+  replaced by their mean over the mesh ``axes`` (inside the pipeline's ``shard_map``). A path
+  is the equation's index, after the indices of the ``scan`` equations it sits in: such a scan
+  runs with its body evaluated the same way, every iteration averaging its own statistic."""
   env = dict(zip(closed.jaxpr.constvars, closed.consts))
   env.update(zip(closed.jaxpr.invars, args))
   read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
   for i, eqn in enumerate(closed.jaxpr.eqns):
-    outs = bind_eqn(eqn, [read(v) for v in eqn.invars])
-    if i in averaged:
+    inner = [p[1:] for p in averaged if len(p) > 1 and p[0] == i]
+    invals = [read(v) for v in eqn.invars]
+    if inner:       # a scan holding averaged statistics
+      body = lambda consts, carry, x, eqn=eqn, inner=inner: _averaging(  # noqa: E731
+          eqn.params["jaxpr"], inner, axes, [*consts, *carry, *x])
+      outs = in_context(eqn, run_scan, eqn, invals, body)
+    else:
+      outs = bind_eqn(eqn, invals)
+    if (i,) in averaged:
       outs = [lax.pmean(o, tuple(axes)) for o in outs]
     env.update(zip(eqn.outvars, outs))
   return [read(v) for v in closed.jaxpr.outvars]

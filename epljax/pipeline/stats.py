@@ -5,22 +5,23 @@ one device a batch statistic is a mean over the whole micro batch. So where a st
 model state is computed from a mean over the rows (a ``reduce_sum`` over the rows divided by
 their count, possibly through a broadcast: how ``jnp.mean``, ``jnp.var`` and Flax's
 ``BatchNorm`` write it), that sum is averaged over the replicas (``lax.pmean`` over the axes
-the rows are split over) right where it is made. Replicas hold equally many rows, so the
-average of their means is the micro batch's mean. The normalization reads the same averaged
-value, and the backward pass sums the statistics' cotangents over the replicas (``pmean``'s
-transpose): loss, gradients and new state are the single-device ones.
+the rows are split over) right where it is made; inside a ``scan`` (BatchNorm in layers under
+``nn.scan``), in every iteration. Replicas hold equally many rows, so the average of their
+means is the micro batch's mean. The normalization reads the same averaged value, and the
+backward pass sums the statistics' cotangents over the replicas (``pmean``'s transpose): loss,
+gradients and new state are the single-device ones.
 
 A mean that is combined with the rows again (a normalization by it) is averaged the same way,
 whether or not it is kept as state. Everything else a replica computes from its rows is its
 own: a value that mixes rows in any other way (a sum or max over them, a slice, sort or
-cumulative sum along them, a mean inside a loop) is *per replica*, in this stage or passed on
-from an earlier one. New state that depends on a per-replica value, a per-replica value
-combined with the rows again, state that keeps the rows themselves, and random numbers drawn
-from model state (an NNX RNG stream: each replica would draw for its own rows, not as one
-device does) are refused with the reason. The loss's own mean over the rows stays per replica,
-as the pipeline averages the loss over replicas itself. State that does not depend on the rows
-(kept as it is, or made from parameters) is the same on every replica and needs nothing.
-These checks run for pipelines with model state and several replicas.
+cumulative sum along them, a mean inside a ``while`` loop or a call) is *per replica*, in this
+stage or passed on from an earlier one. New state that depends on a per-replica value, a
+per-replica value combined with the rows again, state that keeps the rows themselves, and
+random numbers drawn from model state (an NNX RNG stream: each replica would draw for its own
+rows, not as one device does) are refused with the reason. The loss's own mean over the rows
+stays per replica, as the pipeline averages the loss over replicas itself. State that does not
+depend on the rows (kept as it is, or made from parameters) is the same on every replica and
+needs nothing. These checks run for pipelines with model state and several replicas.
 """
 
 from __future__ import annotations
@@ -71,10 +72,10 @@ class _StageCheck:
     outs = program.outputs
     state_out = outs[len(outs) - n_s:] if n_s else ()
     reach = {n.index for bases in state_out for n in _producers(program, bases)}
-    top = {id(e): i for i, e in enumerate(stage.jaxpr.jaxpr.eqns)}
-    averaged = {n.index for n in program.nodes if not n.enclosing and self._over_rows(n)
+    path_of = _paths(stage.jaxpr.jaxpr)
+    averaged = {n.index for n in program.nodes if id(n.eqn) in path_of and self._over_rows(n)
                 and _is_mean(program, n) and (n.index in reach or self._meets_rows(n))}
-    self.means = tuple(sorted(top[id(program.nodes[i].eqn)] for i in averaged))
+    self.means = tuple(sorted(path_of[id(program.nodes[i].eqn)] for i in averaged))
     for node in program.nodes:
       self._visit(node, averaged)
     self._check_state(state_out, n_p)
@@ -124,8 +125,9 @@ class _StageCheck:
       row_inputs = [p for p in range(len(node.inputs)) if self.dims.split_dim(node, p) is not None]
       if row_inputs and not self._row_wise(node, row_inputs):
         why = f"{_what(node)} in {'/'.join(node.frames) or 'the top level'}"
-        if self._over_rows(node) and node.enclosing:
-          why += f", inside {_inside(node.enclosing[0])}"
+        outer = [e for e in node.enclosing if e != "scan"]
+        if self._over_rows(node) and outer:
+          why += f", inside {_inside(outer[0])}"
         elif self._over_rows(node) and node.primitive == "reduce_sum":
           why += (", a mean that does not make its own stage's model state (only those are "
                   "averaged)" if _is_mean(self.program, node) else
@@ -148,7 +150,8 @@ class _StageCheck:
       return row_inputs == [0] and dim[0] == eqn.params["dimension_numbers"].lhs_spec[0]
     if prim == "gather":     # a lookup by row-carrying indices, or a slice within each row
       dnums = eqn.params["dimension_numbers"]
-      if 0 not in row_inputs or 1 not in row_inputs:
+      if 0 not in row_inputs or 1 not in row_inputs or all(
+          D.shape(eqn.invars[p])[dim[p]] == 1 for p in row_inputs):   # one row: nothing mixes
         return True
       batching = tuple(getattr(dnums, "operand_batching_dims", ()))
       return dim[0] in batching and tuple(dnums.start_indices_batching_dims)[
@@ -187,6 +190,17 @@ class _StageCheck:
               "draw for its own rows, not as one device does for the whole micro batch. "
               + _FIX)
         from_state.update(node.eqn.outvars)
+
+
+def _paths(jaxpr, prefix: tuple[int, ...] = ()) -> dict[int, tuple[int, ...]]:
+  """``id(eqn)`` -> its path (``partition._averaging``): its index, after those of the
+  ``scan`` equations around it (loops over layers run their statistics per iteration)."""
+  found = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    found[id(eqn)] = (*prefix, i)
+    if eqn.primitive.name == "scan":
+      found.update(_paths(eqn.params["jaxpr"].jaxpr, (*prefix, i)))
+  return found
 
 
 def _producers(program: Program, bases) -> list[Node]:
@@ -239,8 +253,7 @@ def _what(node: Node) -> str:
 
 def _inside(primitive: str) -> str:
   if primitive in LOOPS:
-    return ("a loop (nn.scan, or the scan of pipeline.roll_layers): take the statistic out of "
-            "the loop")
+    return f"a {primitive} loop (only scans average their statistics per iteration)"
   if primitive in REMAT:
     return "a rematerialized call (jax.checkpoint, nn.remat)"
   return f"a {primitive} call"
