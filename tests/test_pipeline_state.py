@@ -127,18 +127,24 @@ def test_batch_norm_under_nn_scan_with_several_replicas_matches_single_device():
   are averaged over the replicas in every iteration of the scan."""
   epl.init({"auto.auto_parallel": True, "pipeline.num_stages": 2,
             "pipeline.num_micro_batch": MICRO})
-  init_fn, loss_fn = _fns(ScannedWithStats())
+  with pytest.warns(StageBalanceWarning, match="reads model state"):
+    _matches_reference_with_4_replicas(ScannedWithStats())
+
+
+def _matches_reference_with_4_replicas(model):
+  """Two SGD steps of ``model`` (4 pipeline replicas) against single-device micro batches."""
+  init_fn, loss_fn = _fns(model)
   optimizer = optax.sgd(0.1)
   batch = classification_batch(32)
   trainer = epl.Trainer(init_fn, loss_fn, optimizer, mutable=["batch_stats"])
-  with pytest.warns(StageBalanceWarning, match="reads model state"):
-    state = trainer.init(jax.random.key(0), batch)
+  state = trainer.init(jax.random.key(0), batch)
   assert trainer.plan.num_replicas == 4
   history, expected = _reference(init_fn, loss_fn, optimizer, batch, 4, steps=2)
   for step in range(2):
     state, metrics = trainer.train_step(state, batch)
     np.testing.assert_allclose(metrics["loss"], history[step][0], **TOL)
   assert_trees_close(trainer.variables(state), expected, TOL)
+  return trainer
 
 
 class SplitBatchNormStages(nn.Module):
@@ -234,17 +240,7 @@ class FrozenThenKeepdims(nn.Module):
 
 def test_kept_state_and_keepdims_means_with_several_replicas_match_single_device():
   epl.init({**BACKWARD, "pipeline.num_micro_batch": MICRO})
-  init_fn, loss_fn = _fns(FrozenThenKeepdims())
-  optimizer = optax.sgd(0.1)
-  batch = classification_batch(32)
-  trainer = epl.Trainer(init_fn, loss_fn, optimizer, mutable=["batch_stats"])
-  state = trainer.init(jax.random.key(0), batch)
-  assert trainer.plan.num_replicas == 4
-  history, expected = _reference(init_fn, loss_fn, optimizer, batch, 4, steps=2)
-  for step in range(2):
-    state, metrics = trainer.train_step(state, batch)
-    np.testing.assert_allclose(metrics["loss"], history[step][0], **TOL)
-  assert_trees_close(trainer.variables(state), expected, TOL)
+  trainer = _matches_reference_with_4_replicas(FrozenThenKeepdims())
   assert "its 2 batch means averaged over the replicas (data)" in str(trainer.plan)
 
 
