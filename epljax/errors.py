@@ -33,3 +33,9 @@ class CheckpointError(EPLError, ValueError):
 
 class NonFiniteError(EPLError, FloatingPointError):
   """Training stopped: too many steps in a row had a non-finite loss or gradients."""
+
+
+def listing(names, limit: int = 3) -> str:
+  """A few of ``names`` quoted for a message (``'a', 'b', 'c' ...``)."""
+  names = list(names)
+  return ", ".join(f"'{n}'" for n in names[:limit]) + (" ..." if len(names) > limit else "")

@@ -40,11 +40,10 @@ class Collective:
     explicit = re.match(r"\{\{([\d,]*)\}", text)
     if explicit:
       return len([d for d in explicit.group(1).split(",") if d])
-    mesh = re.match(r"mesh\[(.*?)\]\s*\{(.*?)\}", text)
+    mesh = _mesh_form(text)
     if mesh:
-      sizes = dict(re.findall(r"'(\w+)'=(\d+)", mesh.group(1)))
-      axes = re.findall(r"'(\w+)'", mesh.group(2))
-      return math.prod(int(sizes[a]) for a in axes if a in sizes)
+      sizes, inside = mesh
+      return math.prod(sizes[d] for d in inside)
     return None
 
   def device_groups(self, num_devices: int) -> list[list[int]] | None:
@@ -63,18 +62,25 @@ class Collective:
       if iota.group(3):
         ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
       return ids.reshape(shape[0], -1).tolist()
-    mesh = re.match(r"mesh\[(.*?)\]\s*\{(.*?)\}", text)
-    if mesh:   # newer XLA: mesh['data'=2,...] {'data'}: ids row-major over the mesh axes
-      named = [(a, int(n)) for a, n in re.findall(r"'(\w+)'=(\d+)", mesh.group(1))]
-      axes = [a for a, _ in named]
-      inside = [axes.index(a) for a in re.findall(r"'(\w+)'", mesh.group(2)) if a in axes]
-      if math.prod(n for _, n in named) != num_devices:
-        return None
-      ids = np.arange(num_devices).reshape([n for _, n in named])
-      outside = [d for d in range(len(axes)) if d not in inside]
-      size = math.prod(named[d][1] for d in inside)
-      return ids.transpose(outside + inside).reshape(-1, size).tolist()
+    mesh = _mesh_form(text)
+    if mesh and math.prod(mesh[0]) == num_devices:   # ids row-major over the mesh axes
+      sizes, inside = mesh
+      outside = [d for d in range(len(sizes)) if d not in inside]
+      ids = np.arange(num_devices).reshape(sizes).transpose(outside + inside)
+      return ids.reshape(-1, math.prod(sizes[d] for d in inside)).tolist()
     return None
+
+
+def _mesh_form(text: str) -> tuple[list[int], list[int]] | None:
+  """``mesh['data'=2,'stage'=2,'model'=2] {'data'}`` (newer XLA) -> (axis sizes, the indices of
+  the axes each group spans), or None for another form."""
+  mesh = re.match(r"mesh\[(.*?)\]\s*\{(.*?)\}", text)
+  if not mesh:
+    return None
+  named = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
+  axes = [a for a, _ in named]
+  return ([int(n) for _, n in named],
+          [axes.index(a) for a in re.findall(r"'(\w+)'", mesh.group(2)) if a in axes])
 
 
 def _nbytes(dtype: str, dims: str) -> int:

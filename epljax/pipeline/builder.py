@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from epljax.config import PipelineConfig
 from epljax import hlo
-from epljax.errors import PlanError
+from epljax.errors import PlanError, listing
 from epljax.features import BuildContext, Feature, GradientFn, loss_scale
 from epljax.mesh import DATA, MODEL, STAGE, Layout
 from epljax.pipeline import packing, runtime, slots, stats, storage
@@ -403,7 +403,7 @@ class Pipeline:
           f"parts     {len(self.parts)} stacked leaves (scanned layers) stored split over stage "
           f"on their layers axis; each stage reads its own {_kib(self.part_bytes_per_device)} "
           "where stored, never exchanged: "
-          + _listing([self.param_paths[i] for i in self.parts.values()]))
+          + listing([self.param_paths[i] for i in self.parts.values()]))
     lines += self.describe_split()
     for stage in self.stages:
       if stage.state:
@@ -439,7 +439,7 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
   if any(k > 1 for k in split) and MODEL in batch_axes:   # internal invariant (specs.py)
     raise AssertionError("tensor-parallel stages with the batch split over model")
   if layout.num_virtual_stages > 1 and (s_leaves or any(k > 1 for k in split)):
-    what = (f"model state ({_listing(state_paths)})" if s_leaves else
+    what = (f"model state ({listing(state_paths)})" if s_leaves else
             "tensor-parallel (epl.split) stages")
     raise PlanError(_VIRTUAL_WITH.format(v=layout.num_virtual_stages, what=what))
   shards = layout.num_replicas * (layout.devices_per_stage if MODEL in batch_axes else 1)
@@ -495,10 +495,6 @@ def chunk_rows(num_stages: int, num_virtual_stages: int) -> list[int]:
   (the interleaved layout) as its ``v`` consecutive rows, so sharding the rows over ``stage``
   gives every device its own chunks."""
   return [s + j * num_stages for s in range(num_stages) for j in range(num_virtual_stages)]
-
-
-def _listing(paths: Sequence[str]) -> str:
-  return ", ".join(f"'{p}'" for p in paths[:3]) + (" ..." if len(paths) > 3 else "")
 
 
 def _kib(n: int) -> str:

@@ -38,8 +38,8 @@ from epljax.errors import PlanError
 from epljax.pipeline import chunks
 from epljax.pipeline.roll import Run, roll_repeats
 from epljax.sharding.capture import Capture
-from epljax.sharding.program import (CALLS, DERIVATIVE_CALLS, _sub_calls, bind_eqn,
-                                     in_context, run_scan)
+from epljax.sharding.program import (CALLS, DERIVATIVE_CALLS, _sub_calls, bind, in_context,
+                                     inner_eqns, read, run_scan, run_steps, start_env, steps_of)
 
 # Call-like primitives whose body may be cut between stages (inlined). Inlining a custom
 # derivative rule or a checkpoint that straddles two stages falls back to differentiating its
@@ -82,9 +82,10 @@ class Stage:
   # Its chunks of stacked parameters: (index in ``params``, the user's leaf). A part's index is
   # ``num_params + j`` (the ``j``-th chunked leaf); its value is the stage's chunk of the leaf.
   parts: tuple[tuple[int, int], ...] = ()
-  # Batch statistics with several replicas (``stats.py``): its top-level equations whose result
-  # is averaged over ``row_axes``, the mesh axes a micro batch's rows are split over.
-  averaged: tuple[int, ...] = ()
+  # Batch statistics with several replicas (``stats.py``): the equations (ids, in its jaxpr or
+  # the bodies of its scans) whose result is averaged over ``row_axes``, the mesh axes a micro
+  # batch's rows are split over.
+  averaged: frozenset[int] = frozenset()
   row_axes: tuple[str, ...] = ()
 
   def __call__(self, params: Sequence[Any], incoming: Sequence[Any], batch: Sequence[Any],
@@ -100,28 +101,25 @@ class Stage:
     return (), outs[n], tuple(outs[n + 1:]), new_state
 
 
-def _averaging(closed: jcore.ClosedJaxpr, averaged: Sequence[tuple[int, ...]],
-               axes: Sequence[str], args: Sequence[Any]) -> list[Any]:
-  """``closed`` evaluated on ``args``, the results of the equations at the paths ``averaged``
-  replaced by their mean over the mesh ``axes`` (inside the pipeline's ``shard_map``). A path
-  is the equation's index, after the indices of the ``scan`` equations it sits in: such a scan
-  runs with its body evaluated the same way, every iteration averaging its own statistic."""
-  env = dict(zip(closed.jaxpr.constvars, closed.consts))
-  env.update(zip(closed.jaxpr.invars, args))
-  read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
-  for i, eqn in enumerate(closed.jaxpr.eqns):
-    inner = [p[1:] for p in averaged if len(p) > 1 and p[0] == i]
-    invals = [read(v) for v in eqn.invars]
-    if inner:       # a scan holding averaged statistics
-      body = lambda consts, carry, x, eqn=eqn, inner=inner: _averaging(  # noqa: E731
-          eqn.params["jaxpr"], inner, axes, [*consts, *carry, *x])
-      outs = in_context(eqn, run_scan, eqn, invals, body)
+def _averaging(closed: jcore.ClosedJaxpr, averaged: frozenset[int], axes: Sequence[str],
+               args: Sequence[Any]) -> list[Any]:
+  """``closed`` evaluated on ``args``, the results of the equations ``averaged`` (their ids)
+  replaced by their mean over the mesh ``axes`` (inside the pipeline's ``shard_map``). A scan
+  holding one runs with its body evaluated the same way: every iteration averages its own."""
+  program = steps_of(closed)
+
+  def rule(step, invals):
+    if step.primitive == "scan" and any(id(e) in averaged for e in inner_eqns(step.eqn)):
+      body = lambda consts, carry, x: _averaging(  # noqa: E731
+          step.eqn.params["jaxpr"], averaged, axes, [*consts, *carry, *x])
+      outs = in_context(step, run_scan, step, invals, body)
     else:
-      outs = bind_eqn(eqn, invals)
-    if (i,) in averaged:
-      outs = [lax.pmean(o, tuple(axes)) for o in outs]
-    env.update(zip(eqn.outvars, outs))
-  return [read(v) for v in closed.jaxpr.outvars]
+      outs = bind(step, invals)
+    return [lax.pmean(o, tuple(axes)) for o in outs] if id(step.eqn) in averaged else outs
+
+  env = start_env(program, args)
+  run_steps(program.steps, env, rule)
+  return [read(env, a) for a in program.outputs]
 
 
 def cut_stages(cap: Capture, stage_of: Sequence[int], num_params: int,

@@ -434,11 +434,9 @@ def branch_flops(branches: Sequence[Branch], aux_avals, batch_avals) -> list[tup
             else jax.ShapeDtypeStruct((*lead, t), k) for k, t in d.items()}
 
   batch = [sds(a) for a in batch_avals]
-  params = {k: jax.ShapeDtypeStruct(t.shape, t.dtype) if isinstance(t, slots.SlotType) else
-            jax.ShapeDtypeStruct((t,), k) for k, t in sizes.params.items()}
+  params, state = bufs(sizes.params), bufs(sizes.state)
   out = []
   for b in branches:
-    state = {k: jax.ShapeDtypeStruct(t.shape, t.dtype) for k, t in sizes.state.items()}
     fwd = jax.jit(b._bound(_forward_branch(b, sizes, aux_avals))).lower(
         params, bufs(sizes.payload), batch, state).compile()
     bwd = jax.jit(b._bound(_backward_branch(b, sizes))).lower(

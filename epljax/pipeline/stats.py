@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 from jax.extend import core as jcore
 
-from epljax.errors import PlanError
+from epljax.errors import PlanError, listing
 from epljax.sharding import dims as D
 from epljax.sharding import split_rules
 from epljax.sharding.program import LOOPS, REMAT, Node, Program
@@ -41,8 +41,9 @@ RANDOM = frozenset({"random_bits", "threefry2x32", "random_fold_in", "random_spl
 _MEAN_VIEWS = frozenset({"broadcast_in_dim", "reshape", "convert_element_type"})
 
 
-def batch_means(stages: Sequence, state_paths: Sequence[str], replicas: int) -> list[tuple]:
-  """Per stage, the indices of the top-level equations of its jaxpr whose result is averaged
+def batch_means(stages: Sequence, state_paths: Sequence[str],
+                replicas: int) -> list[frozenset[int]]:
+  """Per stage, the equations (ids) of its jaxpr or its scan bodies whose result is averaged
   over the replicas (module doc); raises ``PlanError`` where the new state would not be the
   single-device one. The stages are in pipeline order (stage ``s``'s outgoing activations are
   ``s + 1``'s incoming)."""
@@ -72,10 +73,11 @@ class _StageCheck:
     outs = program.outputs
     state_out = outs[len(outs) - n_s:] if n_s else ()
     reach = {n.index for bases in state_out for n in _producers(program, bases)}
-    path_of = _paths(stage.jaxpr.jaxpr)
-    averaged = {n.index for n in program.nodes if id(n.eqn) in path_of and self._over_rows(n)
-                and _is_mean(program, n) and (n.index in reach or self._meets_rows(n))}
-    self.means = tuple(sorted(path_of[id(program.nodes[i].eqn)] for i in averaged))
+    # Averaged where the stage's evaluation reaches them: at its top level or in scan bodies.
+    averaged = {n.index for n in program.nodes if all(e == "scan" for e in n.enclosing)
+                and self._over_rows(n) and _is_mean(program, n)
+                and (n.index in reach or self._meets_rows(n))}
+    self.means = frozenset(id(program.nodes[i].eqn) for i in averaged)
     for node in program.nodes:
       self._visit(node, averaged)
     self._check_state(state_out, n_p)
@@ -186,21 +188,10 @@ class _StageCheck:
               f"Pipeline stage '{stage.name}', with {self.replicas} replicas (each sees its own "
               f"rows of a micro batch), draws random numbers ({node.primitive} in "
               f"{'/'.join(node.frames) or 'the top level'}) from its model state (an RNG "
-              f"stream: {_listing([self.paths[j] for j in stage.state])}): each replica would "
+              f"stream: {listing([self.paths[j] for j in stage.state])}): each replica would "
               "draw for its own rows, not as one device does for the whole micro batch. "
               + _FIX)
         from_state.update(node.eqn.outvars)
-
-
-def _paths(jaxpr, prefix: tuple[int, ...] = ()) -> dict[int, tuple[int, ...]]:
-  """``id(eqn)`` -> its path (``partition._averaging``): its index, after those of the
-  ``scan`` equations around it (loops over layers run their statistics per iteration)."""
-  found = {}
-  for i, eqn in enumerate(jaxpr.eqns):
-    found[id(eqn)] = (*prefix, i)
-    if eqn.primitive.name == "scan":
-      found.update(_paths(eqn.params["jaxpr"].jaxpr, (*prefix, i)))
-  return found
 
 
 def _producers(program: Program, bases) -> list[Node]:
@@ -240,10 +231,6 @@ def _is_mean(program: Program, node: Node) -> bool:
     return True
 
   return divided(node.eqn.outvars[0])
-
-
-def _listing(paths: Sequence[str]) -> str:
-  return ", ".join(f"'{p}'" for p in paths[:3]) + (" ..." if len(paths) > 3 else "")
 
 
 def _what(node: Node) -> str:

@@ -111,7 +111,8 @@ def walk(closed: Any, enter: Callable[[jcore.JaxprEqn], bool] = lambda eqn: True
 def bind_eqn(eqn: jcore.JaxprEqn, values: Any, **params: Any) -> list[Any]:
   """Replays ``eqn`` on ``values`` in the current trace, under its own name stack (the capture
   reads scopes from it) and context; ``params`` override the equation's."""
-  return in_context(eqn, bind_here, eqn, values, **params)
+  with _context(eqn, eqn.source_info.name_stack):
+    return bind_here(eqn, values, **params)
 
 
 def bind_here(eqn: jcore.JaxprEqn, values: Any, **params: Any) -> list[Any]:
@@ -413,15 +414,10 @@ def _in_device_memory(x) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=aval.sharding, manual_axis_type=manual)
 
 
-def in_context(step: Step | jcore.JaxprEqn, fn: Callable, *args, **kwargs):
-  """Calls ``fn(*args)`` as if it were part of ``step`` (or of an equation, under its own name
-  stack): same name stack and context, so what a feature inserts around an equation (a cast,
-  a transfer) belongs to the same block."""
-  if isinstance(step, Step):
-    eqn, name_stack = step.eqn, step.name_stack
-  else:
-    eqn, name_stack = step, step.source_info.name_stack
-  with _context(eqn, name_stack):
+def in_context(step: Step, fn: Callable, *args, **kwargs):
+  """Calls ``fn(*args)`` as if it were part of ``step``: same name stack and context, so what
+  a feature inserts around an equation (a cast, a transfer) belongs to the same block."""
+  with _context(step.eqn, step.name_stack):
     return fn(*args, **kwargs)
 
 
@@ -457,17 +453,15 @@ def finish(program: Steps, env: dict, cast_back: bool = False) -> Any:
   return jax.tree.unflatten(program.out_tree, outs)
 
 
-def run_scan(step: Step | jcore.JaxprEqn, invals: Sequence[Any],
-             body: Callable | None = None) -> list[Any]:
-  """Re-binds a ``scan`` step (or equation) through ``jax.lax.scan`` with ``body(consts, carry,
-  x) -> carry + ys`` (lists; default: the traced body), so a feature can change how each
-  iteration runs (rematerialize it, cast or gather its weights, average a statistic). Call
-  inside ``in_context(step, ...)``."""
-  eqn = step.eqn if isinstance(step, Step) else step
-  p = eqn.params
-  nc, nk = scan_counts(eqn)
+def run_scan(step: Step, invals: Sequence[Any], body: Callable | None = None) -> list[Any]:
+  """Re-binds a ``scan`` step through ``jax.lax.scan`` with ``body(consts, carry, x) ->
+  carry + ys`` (lists; default: the traced body), so a feature can change how each iteration
+  runs (rematerialize it, cast or gather its weights, average a statistic). Call inside
+  ``in_context(step, ...)``."""
+  p = step.eqn.params
+  nc, nk = scan_counts(step.eqn)
   consts, carry, xs = list(invals[:nc]), list(invals[nc:nc + nk]), list(invals[nc + nk:])
-  body = body or scan_body(eqn)
+  body = body or scan_body(step)
 
   def one(c, x):
     outs = list(body(consts, list(c), list(x)))
@@ -479,7 +473,7 @@ def run_scan(step: Step | jcore.JaxprEqn, invals: Sequence[Any],
   return list(carry) + list(ys)
 
 
-def scan_body(step: Step | jcore.JaxprEqn) -> Callable:
-  """The body of a ``scan`` step (or equation) as ``body(consts, carry, x) -> carry + ys``."""
-  fun = jcore.jaxpr_as_fun((step.eqn if isinstance(step, Step) else step).params["jaxpr"])
+def scan_body(step: Step) -> Callable:
+  """The body of a ``scan`` step as ``body(consts, carry, x) -> carry + ys``."""
+  fun = jcore.jaxpr_as_fun(step.eqn.params["jaxpr"])
   return lambda consts, carry, x: list(fun(*consts, *carry, *x))
