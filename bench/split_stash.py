@@ -1,6 +1,7 @@
 """Tensor-parallel pipeline stages: residuals stashed in slots vs inputs kept and recomputed.
 
     python bench/split_stash.py [--record]
+    python bench/split_stash.py --zoo [--record]   # the zoo's split-stage models instead
 
 A residual MLP (width 256, hidden 1024, 2 blocks per stage) in two ``epl.split(2)`` stages on
 8 devices (data 2 x stage 2 x model 2), 4 micro batches, 1F1B, SGD (1e-3: the timing runs
@@ -15,6 +16,11 @@ Compiled train step: FLOPs from ``cost_analysis()``, temporaries from
 ``memory_analysis()``, bytes of the collectives executed per step from the HLO (loops counted
 per iteration), the shape of the largest stash buffer, and the step time as a ratio measured
 side by side (alternating, median of pairs).
+
+``--zoo``: the models of tests/models whose layers two ``epl.split(2)`` stages can name
+(``ZooModel.stage_splits``: Gemma, GPT-2, ViT), 64 rows, 2 micro batches, the same three ways;
+temporaries, FLOPs, stash bytes per slot (the plan's, before the ``model`` split) and
+all-gathers of the compiled step.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from epljax import hlo
 from epljax.pipeline import builder
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/tests")
 from common import machine, paired_ratio, record, table  # noqa: E402
 
 WIDTH, HIDDEN, ROWS, MICRO = 256, 1024, 256, 4
@@ -103,16 +110,49 @@ def measure(pairs: int) -> str:
                 "step time vs inputs"], rows)
 
 
+def zoo_table(rows: int = 64) -> str:
+  from models import ZOO
+
+  from epljax.pipeline import runtime
+  out = []
+  for model in (m for m in ZOO.values() if m.stage_splits):
+    batch = model.make_batch(rows)
+    for name, stash, config in CASES:
+      epl.init({"pipeline.num_stages": 2, "pipeline.num_micro_batch": 2, **config})
+      epl.annotate(model.stage_split_rules(2))
+      builder.STASH = stash
+      try:
+        trainer = epl.Trainer(model.init_fn, model.loss_fn, optax.sgd(0.1))
+        state = trainer.init(jax.random.key(0), batch)
+      finally:
+        builder.STASH = "residuals"
+      compiled = trainer.lower(state, batch).compile()
+      buffers = trainer.plan.pipeline.buffers
+      per_slot = runtime.buffer_nbytes(buffers.residuals) + (
+          runtime.buffer_nbytes(buffers.payload) if buffers.keep_inputs else 0)
+      gathers = [c for c in hlo.collectives(compiled.as_text()) if c.kind == "all-gather"]
+      out.append([model.name, name, f"{compiled.memory_analysis().temp_size_in_bytes / 1024:.0f}",
+                  f"{compiled.cost_analysis()['flops'] / 1e6:.2f}", f"{per_slot / 1024:.1f}",
+                  len(gathers)])
+  return table(["model", "stash", "temp KiB", "MFLOPs", "stash KiB per slot", "all-gathers"],
+               out)
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--pairs", type=int, default=20)
+  parser.add_argument("--zoo", action="store_true")
   parser.add_argument("--record", action="store_true")
   args = parser.parse_args(argv)
-  body = measure(args.pairs)
+  body = zoo_table() if args.zoo else measure(args.pairs)
   print(f"{machine()}\n\n{body}")
   if args.record:
-    record("Split pipeline stages: residuals in slots vs inputs (bench/split_stash.py)",
-           __doc__.split("\n\n", 2)[2].strip() + "\n\n" + body, argv)
+    doc = __doc__.split("\n\n")
+    text = doc[-1] if args.zoo else "\n\n".join(doc[2:-1])
+    record("Split pipeline stages on the zoo: residuals in slots vs inputs "
+           "(bench/split_stash.py --zoo)" if args.zoo else
+           "Split pipeline stages: residuals in slots vs inputs (bench/split_stash.py)",
+           text.strip() + "\n\n" + body, argv)
 
 
 if __name__ == "__main__":

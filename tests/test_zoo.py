@@ -61,17 +61,6 @@ STRATEGIES = {
 SAYS_UNBALANCED: set[tuple[str, str]] = set()
 
 
-# The module-path rules a user writes for ``pipeline_split``: consecutive layers in two named
-# split(2) stages; what no rule matches (the embedding lookups, a tied embedding's logits)
-# follows its data. Llama's layers are one nn.scan and mlp_loop one module: no layer boundary
-# for a module path to name, so they have no such cell.
-STAGE_SPLITS = {
-    "gemma": ("Gemma/layer_[01]", "Gemma/(layer_[23]|final_norm)"),
-    "gpt2": ("GPT2/(wpe|h_0)", "GPT2/(h_1|ln_f)"),
-    "vit": ("ViT/(patch_embed|encoder_0)", "ViT/(encoder_1|ln_f|head)"),
-}
-
-
 def optimizer():
   # SGD, not Adam: Adam turns the rounding noise of exactly-zero gradients (an attention key
   # bias) into full-size updates, which no two summation orders agree on.
@@ -83,8 +72,8 @@ def cells():
     for strategy in STRATEGIES:
       if strategy == "split_logical" and model.logical_rules is None:
         continue   # the model carries no logical axis names
-      if strategy == "pipeline_split" and name not in STAGE_SPLITS:
-        continue
+      if strategy == "pipeline_split" and not model.stage_splits:
+        continue   # Llama's layers are one nn.scan, mlp_loop's one module: no path boundary
       if strategy == "pipeline_roll" and name != "mlp_loop":
         continue
       yield pytest.param(name, strategy, id=f"{name}-{strategy}")
@@ -138,8 +127,7 @@ def run_cell(model: ZooModel, strategy: str):
     # model's own logical axis names.
     epl.annotate({model.annotate_pattern.split("/")[0]: epl.split(2)})
   elif strategy == "pipeline_split":
-    epl.annotate({pattern: epl.split(2, name=f"stage_{i}")
-                  for i, pattern in enumerate(STAGE_SPLITS[model.name])})
+    epl.annotate(model.stage_split_rules(2))   # the module-path rules a user writes
   amp = strategy == "amp_o1"
   tol = DEEP_TOL if model.deep else TOL
   with rules, warnings.catch_warnings(record=True) as caught:
@@ -249,6 +237,7 @@ def test_zoo_contract(name, strategy):
   elif strategy == "pipeline_split":
     assert dict(plan.mesh.shape) == {"data": 2, "stage": 2, "model": 2}
     assert plan.pipeline.split == (2, 2)
+    assert plan.pipeline.stash == "residuals"    # kept in slots, split over model
     check_stages(trainer, name, 2)
   elif strategy == "pipeline_roll":
     check_stages(trainer, name, 2)

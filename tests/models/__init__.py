@@ -41,10 +41,19 @@ class ZooModel:
   megatron: dict[str, tuple]                 # parameter path regex -> expected spec entries
   logical_rules: tuple | None = None         # Flax logical axis rules, when the model has names
   deep: bool = False                         # 1e-4 instead of 1e-5
+  # Module-path regexes of two consecutive split(2) pipeline stages (what no rule matches
+  # follows its data); empty when the layers have no boundary a path can name (nn.scan, one
+  # module).
+  stage_splits: tuple[str, ...] = ()
 
   def annotate_rules(self, device_count: int = 2) -> dict:
     """The one-line ``epl.annotate`` a user writes: ``{pattern: epl.split(device_count)}``."""
     return {self.annotate_pattern: epl.split(device_count)}
+
+  def stage_split_rules(self, device_count: int = 2) -> dict:
+    """The ``epl.annotate`` of ``stage_splits``: stage ``i`` is ``epl.split(device_count)``."""
+    return {pattern: epl.split(device_count, name=f"stage_{i}")
+            for i, pattern in enumerate(self.stage_splits)}
 
   def expected_spec(self, path: str) -> P:
     """The Megatron spec of the parameter at ``path`` (as the plan prints paths)."""
@@ -68,7 +77,8 @@ ZOO: dict[str, ZooModel] = {
     "gemma": ZooModel(
         "gemma", gemma.init_fn, gemma.loss_fn,
         lambda rows: common.token_batch(rows, 16, gemma.VOCAB),
-        gemma.ANNOTATE, gemma.MEGATRON, deep=True),
+        gemma.ANNOTATE, gemma.MEGATRON, deep=True,
+        stage_splits=("Gemma/layer_[01]", "Gemma/(layer_[23]|final_norm)")),
     "llama": ZooModel(
         "llama", llama.init_fn, llama.loss_fn,
         lambda rows: common.token_batch(rows, 16, llama.VOCAB),
@@ -76,11 +86,12 @@ ZOO: dict[str, ZooModel] = {
     "gpt2": ZooModel(
         "gpt2", gpt2.init_fn, gpt2.loss_fn,
         lambda rows: common.token_batch(rows, gpt2.LENGTH, gpt2.VOCAB),
-        gpt2.ANNOTATE, gpt2.MEGATRON),
+        gpt2.ANNOTATE, gpt2.MEGATRON, stage_splits=("GPT2/(wpe|h_0)", "GPT2/(h_1|ln_f)")),
     "vit": ZooModel(
         "vit", vit.init_fn, vit.loss_fn,
         lambda rows: common.image_batch(rows, vit.SIZE, vit.CHANNELS, vit.CLASSES),
-        vit.ANNOTATE, vit.MEGATRON),
+        vit.ANNOTATE, vit.MEGATRON,
+        stage_splits=("ViT/(patch_embed|encoder_0)", "ViT/(encoder_1|ln_f|head)")),
     "mlp_loop": ZooModel(
         "mlp_loop", mlp_loop.init_fn, mlp_loop.loss_fn,
         lambda rows: common.regression_batch(rows, mlp_loop.FEATURES, mlp_loop.OUTPUTS),
