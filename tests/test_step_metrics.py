@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import epljax as epl
+from epljax import step as epl_step
 from helpers import DEEP_TOL, MLP, TOL, classification_batch, cross_entropy, linen_fns
 
 EXACT = dict(rtol=0, atol=0)
@@ -90,6 +91,19 @@ def test_fp16_allreduce_overflow_is_caught_and_skipped():
   assert np.isfinite(float(metrics["loss"])) and not bool(metrics["finite"])
   assert_same_bits(host(state).params, before.params)
   assert_same_bits(host(state).opt_state, before.opt_state)
+
+
+@pytest.mark.parametrize("bad, finite, norm", [
+    (np.inf, False, np.nan), (-np.inf, False, np.nan), (np.nan, False, np.nan),
+    (3e20, True, np.inf),     # finite gradients whose squares overflow float32: still finite
+    (3.0, True, np.sqrt(9.0 + 2 * 4.0 + 3 * 1.0))])
+def test_the_finite_flag_is_per_element_and_the_norm_float32(bad, finite, norm):
+  grads = {"a": np.array([bad, 2.0], np.float32), "b": np.array([2.0], np.float16),
+           "c": np.ones(3, jax.numpy.bfloat16)}
+  got_norm, got_finite = jax.jit(epl_step.norm_and_finite)(np.float32(1.0), grads)
+  assert bool(got_finite) is finite
+  np.testing.assert_allclose(float(got_norm), norm, rtol=1e-6)
+  assert not bool(jax.jit(epl_step.norm_and_finite)(np.float32(np.nan), grads)[1])
 
 
 def test_training_stops_after_max_nonfinite_steps_in_a_row():
