@@ -133,17 +133,12 @@ def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
   cap = capture_loss(var, micro_shapes, len(cluster.devices), **options)
   if config.auto.auto_parallel:   # EPL's automatic pipeline partitioning
     check_auto(cap, config.pipeline.num_stages)
-    split, not_split = scan_split(cap, config.pipeline.num_stages, var.num_params,
-                                  len(var.paths))
-    if split is not None and config.pipeline.num_virtual_stages > 1:
-      split, not_split = None, ("pipeline.num_virtual_stages > 1 puts non-adjacent chunks on "
-                                "one stage, which a stack of layers stored per stage cannot "
-                                "follow yet")
-    if split is not None:   # scanned layers: one scan per stage
+    n_chunks = config.pipeline.num_stages * config.pipeline.num_virtual_stages
+    split, not_split = scan_split(cap, n_chunks, var.num_params, len(var.paths))
+    if split is not None:   # scanned layers: one scan per stage (per chunk, interleaved)
       options["rewrite"] = split
       cap = capture_loss(var, micro_shapes, len(cluster.devices), **options)
-    options["stage_cuts"] = auto_stage_cuts(   # S x v chunks with virtual stages
-        cap, config.pipeline.num_stages * config.pipeline.num_virtual_stages, not_split)
+    options["stage_cuts"] = auto_stage_cuts(cap, n_chunks, not_split)
     cap = capture_loss(var, micro_shapes, len(cluster.devices), **options)
   where = place(fns, var, cap, micro_shapes, rows, config, cluster, options)
   mesh = where.layout.mesh

@@ -17,6 +17,7 @@ import epljax as epl
 from epljax import hlo
 from epljax.pipeline.auto import StageBalanceWarning
 from epljax.pipeline.chunks import scan_splitter, split_scan
+from epljax.pipeline.storage import _interleave_rounds
 from epljax.plan import EVERY_STAGE
 from helpers import classification_batch, cross_entropy
 from pipeline_helpers import check_matches_reference
@@ -178,6 +179,44 @@ def test_each_stage_reads_its_layers_where_stored_whatever_the_depth():
   # never do, so doubling them moves no more bytes, and the program does not grow with depth.
   assert _all_to_all_bytes(texts[4]) == _all_to_all_bytes(texts[8]) > 0
   assert len(texts[8]) < 1.02 * len(texts[4]), (len(texts[4]), len(texts[8]))
+
+
+def test_scanned_layers_interleave_exactly_with_virtual_stages():
+  # 8 layers in S x v = 4 chunks of 2: chunk c on stage c % 2, so stage 0 runs layers 0-1 and
+  # 4-5, which it does not store (it stores 0-3): an all-to-all per stacked leaf brings them.
+  trainer, state = _train(8, optax.adam(1e-2), **{"pipeline.num_virtual_stages": 2})
+  pipe = trainer.plan.pipeline
+  assert len(pipe.stages) == 4 and pipe.schedule.num_virtual_stages == 2
+  assert len(pipe.parts) == 6 and pipe.shared == {}, (pipe.parts, pipe.shared)
+  assert "(chunks s, s + 2, ...), moved from where stored" in str(trainer.plan)
+  text = trainer.lower(state, classification_batch(16)).compile().as_text()
+  # Chunks 1 and 2 change stage (1 is stored on stage 0 and runs on 1, 2 the other way), each
+  # a quarter of every stacked leaf, there and back (its gradient): half the stacked bytes in
+  # collective-permutes (the loop's activations add theirs). Nothing is gathered whole.
+  collectives = hlo.collectives(text)
+  stacked = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params)
+                if x.shape[0] == 8)
+  assert not [c for c in collectives if c.kind == "all-gather"]
+  assert sum(c.bytes for c in collectives if c.kind == "collective-permute") >= stacked // 2
+
+
+@pytest.mark.parametrize("stages, virtual", [(4, 2), (2, 4)])
+def test_scanned_layers_interleave_exactly_with_more_stages_or_chunks(stages, virtual):
+  epl.init({"auto.auto_parallel": True, "pipeline.num_stages": stages,
+            "pipeline.num_virtual_stages": virtual, "pipeline.num_micro_batch": 4})
+  trainer, _ = check_matches_reference(Scanned(8), classification_batch(16), optax.sgd(0.1))
+  pipe = trainer.plan.pipeline
+  assert len(pipe.stages) == 8 and len(pipe.parts) == 6 and pipe.shared == {}
+
+
+@pytest.mark.parametrize("stages, virtual", [(2, 2), (4, 2), (2, 4), (3, 2), (4, 3), (8, 4)])
+def test_interleave_rounds_move_every_chunk_once_to_its_stage(stages, virtual):
+  rounds = _interleave_rounds(stages, virtual)
+  assert len(rounds) == virtual
+  for sent in rounds:   # one chunk from each stage, from its stored ones, none received twice
+    assert [c // virtual for c in sent] == list(range(stages))
+    assert sorted(c % stages for c in sent) == list(range(stages))
+  assert sorted(c for sent in rounds for c in sent) == list(range(stages * virtual))
 
 
 def test_a_scan_that_does_not_divide_into_the_stages_says_so():

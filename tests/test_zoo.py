@@ -44,6 +44,10 @@ STRATEGIES = {
                    "pipeline.num_micro_batch": 2},
     "pipeline_4": {"auto.auto_parallel": True, "pipeline.num_stages": 4,
                    "pipeline.num_micro_batch": 4},
+    # Interleaved: 4 chunks, 2 per stage (Llama: its nn.scan split in 4, so each stage runs
+    # layers it does not store, which the step brings with ppermutes).
+    "pipeline_interleaved": {"auto.auto_parallel": True, "pipeline.num_stages": 2,
+                             "pipeline.num_virtual_stages": 2, "pipeline.num_micro_batch": 2},
     # The looped MLP's stages each run their repeated blocks as one scan (the other models
     # have one layer, or two different ones, per stage: nothing repeats to roll).
     "pipeline_roll": {"auto.auto_parallel": True, "pipeline.num_stages": 2,
@@ -76,6 +80,8 @@ def cells():
         continue   # Llama's layers are one nn.scan, mlp_loop's one module: no path boundary
       if strategy == "pipeline_roll" and name != "mlp_loop":
         continue
+      if strategy == "pipeline_interleaved" and name not in ("llama", "gpt2"):
+        continue   # the scanned layers, and a tied embedding on chunks 0 and 3
       yield pytest.param(name, strategy, id=f"{name}-{strategy}")
 
 
@@ -195,18 +201,20 @@ def check_specs(model: ZooModel, trainer, expect_megatron: bool):
 TIED = {"gemma": "params/embedder/input_embedding", "gpt2": "params/wte/embedding"}
 
 
-def check_stages(trainer, name: str, stages: int):
-  """Every stage holds parameters and work: no more than 1.5x the mean FLOPs, more than half
-  the mean parameter bytes; a tied embedding is held by the first and the last stage."""
+def check_stages(trainer, name: str, stages: int, chunks: int | None = None):
+  """Every stage (chunk, interleaved) holds parameters and work: no more than 1.5x the mean
+  FLOPs, more than half the mean parameter bytes; a tied embedding is held by the first and
+  the last chunk."""
   plan = trainer.plan
   assert plan.num_stages == stages
+  chunks = chunks or stages
   built = trainer._built
-  flops, params = stage_balance(built.capture, built.layout.stage_of, stages)
-  assert max(flops) <= 1.5 * sum(flops) / stages and min(flops) > 0, flops
-  assert min(params) > 0.5 * sum(params) / stages, params
+  flops, params = stage_balance(built.capture, built.layout.stage_of, chunks)
+  assert max(flops) <= 1.5 * sum(flops) / chunks and min(flops) > 0, flops
+  assert min(params) > 0.5 * sum(params) / chunks, params
   pipe = plan.pipeline
   if name in TIED:
-    assert pipe.shared == {pipe.param_paths.index(TIED[name]): (0, stages - 1)}
+    assert pipe.shared == {pipe.param_paths.index(TIED[name]): (0, chunks - 1)}
   else:
     assert pipe.shared == {}
 
@@ -239,6 +247,12 @@ def test_zoo_contract(name, strategy):
     assert plan.pipeline.split == (2, 2)
     assert plan.pipeline.stash == "residuals"    # kept in slots, split over model
     check_stages(trainer, name, 2)
+  elif strategy == "pipeline_interleaved":
+    check_stages(trainer, name, 2, chunks=4)
+    assert plan.pipeline.schedule.num_virtual_stages == 2
+    if name == "llama":   # every stacked layer weight read in chunks, none held whole
+      assert len(plan.pipeline.parts) == len(jax.tree.leaves(state.params["layers"])), (
+          plan.pipeline.parts)
   elif strategy == "pipeline_roll":
     check_stages(trainer, name, 2)
     assert all(row.loop != "-" for row in plan.pipeline.stage_info()), plan

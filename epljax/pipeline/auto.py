@@ -151,8 +151,8 @@ def _warn_opaque_giants(capture: Capture, num_stages: int, not_split: str | None
           f"{path or 'the top level'}) holds {share:.0%} of the model's estimated FLOPs or "
           "parameter bytes, and the automatic cut does not enter loops, branches or "
           "custom-derivative calls. A top-level scan over stacked layers (`nn.scan`) is split "
-          "into one scan per stage when its length divides by the number of stages (and "
-          "pipeline.num_virtual_stages is 1)"
+          "into one scan per stage (per chunk with pipeline.num_virtual_stages) when its "
+          "length divides by their number"
           + (f"; the largest was not split: {not_split}" if not_split else "")
           + ". Otherwise write the layers as a Python loop, or cut the stages with "
           "`epl.replicate(..., name=...)` scopes.",

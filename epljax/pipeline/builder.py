@@ -86,9 +86,8 @@ class Pipeline:
     # Stacked leaves read by each stage in its own row chunk (``chunks.py``): part index ->
     # leaf, and the avals of the user's leaves then of the parts (what the stages take).
     self.parts = dict(sorted({v: i for s in stages for v, i in s.parts}.items()))
-    n_stages = schedule.num_stages
-    self.all_avals = self.param_avals + [
-        jax.ShapeDtypeStruct((param_avals[i].shape[0] // n_stages, *param_avals[i].shape[1:]),
+    self.all_avals = self.param_avals + [   # a part: one chunk's rows
+        jax.ShapeDtypeStruct((param_avals[i].shape[0] // len(stages), *param_avals[i].shape[1:]),
                              param_avals[i].dtype) for i in self.parts.values()]
     if list(self.parts) != list(range(len(param_avals), len(self.all_avals))):  # invariant
       raise AssertionError(f"pipeline parts are not numbered after the leaves: {self.parts}")
@@ -202,11 +201,9 @@ class Pipeline:
     leaves = jax.tree.leaves(params)
     out = storage.exchange(leaves, self._by_row(self._exchange_layouts),
                            self._by_row(self._exchanged()), self.dims, self.mesh)
-    n_stages = self.mesh.shape[STAGE]
-    for v, i in self.parts.items():   # stage s's chunk is already on its devices
-      stacked = leaves[i].reshape(n_stages, -1, *leaves[i].shape[1:])
-      out[storage.part_key(v - len(leaves))] = jax.lax.with_sharding_constraint(
-          stacked, NamedSharding(self.mesh, P(STAGE)))
+    for v, i in self.parts.items():   # scanned layers, where stored (or interleaved)
+      out[storage.part_key(v - len(leaves))] = storage.interleave(
+          leaves[i], self.schedule.num_virtual_stages, self.mesh)
     return out
 
   def pack_state(self, model_state: Any) -> dict[str, jax.Array]:
@@ -242,7 +239,7 @@ class Pipeline:
           {k: g for k, g in packed.items() if k not in parts}, self._by_row(self._exchange_layouts),
           self._by_row(self._exchanged()), self.dims, self.param_avals, self.mesh))
       for k, i in parts.items():
-        leaves[i] = packed[k].reshape(self.param_avals[i].shape)
+        leaves[i] = storage.deinterleave(packed[k], tuple(self.param_avals[i].shape), self.mesh)
     return jax.tree.unflatten(self.params_def, leaves)
 
   def _by_row(self, per_chunk: Sequence[Any]) -> list[Any]:
@@ -271,9 +268,10 @@ class Pipeline:
 
   @property
   def part_bytes_per_device(self) -> int:
-    """The stage's chunks of stacked leaves (kept where they are stored)."""
-    return sum(math.prod(self.all_avals[v].shape) * self.all_avals[v].dtype.itemsize
-               for v in self.parts)
+    """The stage's chunks of stacked leaves (kept where they are stored; ``v`` chunks each with
+    virtual stages)."""
+    return self.schedule.num_virtual_stages * sum(
+        math.prod(self.all_avals[v].shape) * self.all_avals[v].dtype.itemsize for v in self.parts)
 
   # -- the step -----------------------------------------------------------------------------
   def check_compiled(self, hlo_text: str) -> None:
@@ -402,7 +400,10 @@ class Pipeline:
       lines.append(
           f"parts     {len(self.parts)} stacked leaves (scanned layers) stored split over stage "
           f"on their layers axis; each stage reads its own {_kib(self.part_bytes_per_device)} "
-          "where stored, never exchanged: "
+          + ("where stored, never exchanged: " if self.schedule.num_virtual_stages == 1 else
+             f"(chunks s, s + {self.schedule.num_stages}, ...), moved from where stored "
+             "(contiguous layers per stage) once per step each way (at most v ppermutes per "
+             "leaf): ")
           + listing([self.param_paths[i] for i in self.parts.values()]))
     lines += self.describe_split()
     for stage in self.stages:
@@ -470,7 +471,7 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
   outvars = cap.program.closed_jaxpr.jaxpr.outvars
   aux_avals = [v.aval for v in outvars[1:len(outvars) - n_s]]
   stages = cut_stages(cap, layout.stage_of, n_p, n_s, roll=config.roll_layers,
-                      parts=layout.num_virtual_stages == 1 and not any(k > 1 for k in split))
+                      parts=not any(k > 1 for k in split))
   if s_leaves and shards > 1:    # batch statistics over several replicas' rows
     means = stats.batch_means(stages, state_paths, shards)
     stages = tuple(dataclasses.replace(s, averaged=m, row_axes=batch_axes)

@@ -22,6 +22,7 @@ holds its chunk: it skips the exchange and rides beside the buffers as ``{"part<
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -30,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from epljax.mesh import STAGE
@@ -211,6 +212,109 @@ def exchange_gradients(packed: Mapping[str, jax.Array], rows: Sequence[ExchangeL
   specs = tuple(map(_spec, dims))
   return jax.shard_map(local, mesh=mesh, in_specs=(P(STAGE),), out_specs=specs,
                        axis_names=frozenset({STAGE}), check_vma=False)(dict(packed))
+
+
+def interleave(leaf: jax.Array, virtual: int, mesh: Mesh) -> jax.Array:
+  """A stacked leaf stored split over ``stage`` on its rows -> ``(S v, rows, ...)`` split the
+  same way, row ``s v + j`` holding row chunk ``s + j S`` (the interleaved schedule's chunk
+  ``j`` of stage ``s``). Stored, stage ``s`` holds chunks ``s v, ..., s v + v - 1``; each
+  device sends each of those to its stage in one of ``v`` ``ppermute`` rounds
+  (``_interleave_rounds``), so every chunk moves once, and no device holds more than its own."""
+  n_stages = mesh.shape[STAGE]
+  if virtual == 1:   # stage s holds chunk s where stored: a free reshape
+    return lax.with_sharding_constraint(leaf.reshape(n_stages, -1, *leaf.shape[1:]),
+                                        NamedSharding(mesh, P(STAGE)))
+  rounds = _interleave_rounds(n_stages, virtual)
+
+  def local(mine):   # (v rows chunks, ...): chunks s v + i
+    mine = mine.reshape(virtual, -1, *mine.shape[1:])
+    s = lax.axis_index(STAGE)
+    out = jnp.zeros_like(mine)
+    for sent in rounds:
+      i = jnp.asarray([c % virtual for c in sent])[s]
+      got = _move(lax.dynamic_index_in_dim(mine, i, keepdims=False),
+                  [(c // virtual, c % n_stages) for c in sent])
+      j = jnp.asarray([c // n_stages for c in _received(sent, n_stages)])[s]
+      out = lax.dynamic_update_index_in_dim(out, got, j, 0)
+    return out
+
+  return jax.shard_map(local, mesh=mesh, in_specs=P(STAGE), out_specs=P(STAGE),
+                       axis_names=frozenset({STAGE}), check_vma=False)(leaf)
+
+
+def deinterleave(parts: jax.Array, shape: tuple[int, ...], mesh: Mesh) -> jax.Array:
+  """The transpose of ``interleave``: ``(S v, rows, ...)`` (the chunks' gradients) -> the leaf
+  of ``shape``, in its stored layout."""
+  n_stages = mesh.shape[STAGE]
+  virtual = parts.shape[0] // n_stages
+  if virtual == 1:
+    return parts.reshape(shape)
+  rounds = _interleave_rounds(n_stages, virtual)
+
+  def local(mine):   # (v, rows, ...): chunks s + j S
+    s = lax.axis_index(STAGE)
+    out = jnp.zeros_like(mine)
+    for sent in rounds:
+      j = jnp.asarray([c // n_stages for c in _received(sent, n_stages)])[s]
+      got = _move(lax.dynamic_index_in_dim(mine, j, keepdims=False),
+                  [(c % n_stages, c // virtual) for c in sent])
+      i = jnp.asarray([c % virtual for c in sent])[s]
+      out = lax.dynamic_update_index_in_dim(out, got, i, 0)
+    return out.reshape(-1, *shape[1:])
+
+  return jax.shard_map(local, mesh=mesh, in_specs=P(STAGE), out_specs=P(STAGE),
+                       axis_names=frozenset({STAGE}), check_vma=False)(parts)
+
+
+def _move(x: jax.Array, pairs: list[tuple[int, int]]) -> jax.Array:
+  """``ppermute`` over ``stage``; a round in which every stage keeps its chunk moves nothing."""
+  return x if all(a == b for a, b in pairs) else lax.ppermute(x, STAGE, pairs)
+
+
+def _received(sent: Sequence[int], n_stages: int) -> list[int]:
+  """Per stage: the chunk it receives in a round in which stage ``s`` sends ``sent[s]``."""
+  out = [0] * n_stages
+  for c in sent:
+    out[c % n_stages] = c
+  return out
+
+
+@functools.cache
+def _interleave_rounds(n_stages: int, virtual: int) -> tuple[tuple[int, ...], ...]:
+  """``v`` rounds, each the chunk every stage sends (``round[s]``, one of its stored chunks
+  ``s v + i``) to the stage that runs it (``c % S``), no stage receiving two in a round.
+  Chunks as edges from their stored stage to their running stage make a ``v``-regular
+  bipartite multigraph, which splits into ``v`` perfect matchings (König); each is found by
+  augmenting paths on the edges left."""
+  left = set(range(n_stages * virtual))
+  rounds = []
+  for _ in range(virtual):
+    taken: dict[int, int] = {}       # running stage -> chunk
+    for src in range(n_stages):
+      if not _augment(src, left, taken, n_stages, virtual, set()):   # internal invariant:
+        raise AssertionError(      # a regular bipartite multigraph has a perfect matching
+            f"no perfect matching of chunks ({n_stages} stages, v={virtual})")
+    sent = {c // virtual: c for c in taken.values()}
+    rounds.append(tuple(sent[s] for s in range(n_stages)))
+    left -= set(sent.values())
+  return tuple(rounds)
+
+
+def _augment(src: int, left: set[int], taken: dict[int, int], n_stages: int, virtual: int,
+             seen: set[int]) -> bool:
+  """An augmenting path from stored stage ``src`` over the chunks ``left`` (Kuhn's matching):
+  gives ``src`` a chunk whose running stage is free, or frees one by moving its chunk's
+  sender to another chunk."""
+  for c in sorted(left):
+    dst = c % n_stages
+    if c // virtual != src or dst in seen:
+      continue
+    seen.add(dst)
+    if dst not in taken or _augment(taken[dst] // virtual, left, taken, n_stages, virtual,
+                                    seen):
+      taken[dst] = c
+      return True
+  return False
 
 
 def stage_dim(spec: P) -> int | None:
