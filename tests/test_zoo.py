@@ -54,6 +54,9 @@ STRATEGIES = {
                       "pipeline.num_micro_batch": 2, "pipeline.roll_layers": True},
     # Two tensor-parallel stages named by the user (data 2 x stage 2 x model 2).
     "pipeline_split": {"pipeline.num_stages": 2, "pipeline.num_micro_batch": 2},
+    # The whole model split(2), cut into 2 stages by auto_parallel (data 2 x stage 2 x model 2).
+    "pipeline_auto_split": {"auto.auto_parallel": True, "pipeline.num_stages": 2,
+                            "pipeline.num_micro_batch": 2},
     "gc_auto": {"gradient_checkpoint.type": "auto"},
     "zero_v1": {"zero.level": "v1"},
     "zero_v3": {"zero.level": "v3"},
@@ -80,8 +83,9 @@ def cells():
         continue   # Llama's layers are one nn.scan, mlp_loop's one module: no path boundary
       if strategy == "pipeline_roll" and name != "mlp_loop":
         continue
-      if strategy == "pipeline_interleaved" and name not in ("llama", "gpt2"):
-        continue   # the scanned layers, and a tied embedding on chunks 0 and 3
+      if strategy in ("pipeline_interleaved", "pipeline_auto_split") and name not in (
+          "llama", "gpt2"):
+        continue   # the scanned layers, and a tied embedding (on chunks 0 and 3)
       yield pytest.param(name, strategy, id=f"{name}-{strategy}")
 
 
@@ -128,7 +132,7 @@ def run_cell(model: ZooModel, strategy: str):
   rules = nn.logical_axis_rules(model.logical_rules) if model.logical_rules else _NoRules()
   if strategy == "split_annotate":
     epl.annotate(model.annotate_rules(2))
-  elif strategy == "split_logical":
+  elif strategy in ("split_logical", "pipeline_auto_split"):
     # The user marks the whole model as one split(2) task graph; the specs come from the
     # model's own logical axis names.
     epl.annotate({model.annotate_pattern.split("/")[0]: epl.split(2)})
@@ -247,6 +251,15 @@ def test_zoo_contract(name, strategy):
     assert plan.pipeline.split == (2, 2)
     assert plan.pipeline.stash == "residuals"    # kept in slots, split over model
     check_stages(trainer, name, 2)
+  elif strategy == "pipeline_auto_split":
+    assert dict(plan.mesh.shape) == {"data": 2, "stage": 2, "model": 2}
+    assert plan.pipeline.split == (2, 2)
+    check_stages(trainer, name, 2)
+    if name == "llama":   # each stage's layers where stored, in slots split over model
+      pipe = plan.pipeline
+      assert len(pipe.parts) == len(jax.tree.leaves(state.params["layers"])), pipe.parts
+      types = dict(pipe.slot_layouts[0].types)
+      assert any("model" in t.spec for k, t in types.items() if k.startswith("part")), types
   elif strategy == "pipeline_interleaved":
     check_stages(trainer, name, 2, chunks=4)
     assert plan.pipeline.schedule.num_virtual_stages == 2

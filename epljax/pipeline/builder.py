@@ -149,9 +149,14 @@ class Pipeline:
       self.layouts = [storage.WithParts(layout, tuple(
           storage.part_key(v - len(self.param_avals)) for v, _ in stage.parts), types)
           for layout, stage in zip(self.layouts, self.stages)]
-    if self.slotted:
-      self.slot_layouts = slots.assign([[self._slot_type(i) for i in s.params]
-                                        for s in self.stages])
+    if self.slotted:   # the exchanged leaves in shared slots, then each part in its own
+      self._leaf_slots = slots.assign([[self._slot_type(i) for i in leaves]
+                                       for leaves in self._exchanged()])
+      parts = tuple((storage.part_key(v - len(self.param_avals)), self._slot_type(v))
+                    for v in self.parts)
+      self.slot_layouts = [slots.SlotLayout(
+          layout.keys + tuple(storage.part_key(v - len(self.param_avals)) for v, _ in s.parts),
+          layout.types + parts) for layout, s in zip(self._leaf_slots, self.stages)]
     return jax.tree.unflatten(self.params_def, out)
 
   def _rows_over_stage(self, i: int, spec: P) -> P:
@@ -184,26 +189,30 @@ class Pipeline:
                          memory_kind=param_sharding.memory_kind)
 
   def _slot_type(self, i: int) -> slots.SlotType:
-    a = self.param_avals[i]
-    spec = tuple(self.param_specs[i])
+    """Leaf (or part: one chunk's rows, with its leaf's spec) ``i`` in a slot."""
+    a = self.all_avals[i]
+    spec = tuple(self.param_specs[self.parts.get(i, i)])
     return slots.SlotType(tuple(a.shape), packing.dtype_name(a.dtype),
                           spec + (None,) * (len(a.shape) - len(spec)))
 
   def pack(self, params: Any) -> dict[str, jax.Array]:
     """The user's parameter tree -> ``{dtype: (S x v, size)}`` (traceable; rows: ``rows``);
     with tensor-parallel stages ``{slot: (S, *shape)}`` sharded ``P(stage, *spec)``."""
+    leaves = jax.tree.leaves(params)
     if self.slotted:
-      members = [s.params for s in self.stages]
-      stacked = slots.stack(jax.tree.leaves(params), members, self.slot_layouts)
+      stacked = slots.stack(leaves, self._exchanged(), self._leaf_slots)
+      stacked.update((storage.part_key(v - len(leaves)),
+                      storage.interleave(leaves[i], 1, self.mesh))
+                     for v, i in self.parts.items())
       types = dict(self.slot_layouts[0].types)
       return {k: jax.lax.with_sharding_constraint(
           v, NamedSharding(self.mesh, types[k].stacked_spec(STAGE))) for k, v in stacked.items()}
-    leaves = jax.tree.leaves(params)
     out = storage.exchange(leaves, self._by_row(self._exchange_layouts),
                            self._by_row(self._exchanged()), self.dims, self.mesh)
     for v, i in self.parts.items():   # scanned layers, where stored (or interleaved)
-      out[storage.part_key(v - len(leaves))] = storage.interleave(
-          leaves[i], self.schedule.num_virtual_stages, self.mesh)
+      out[storage.part_key(v - len(leaves))] = jax.lax.with_sharding_constraint(
+          storage.interleave(leaves[i], self.schedule.num_virtual_stages, self.mesh),
+          NamedSharding(self.mesh, P(STAGE)))
     return out
 
   def pack_state(self, model_state: Any) -> dict[str, jax.Array]:
@@ -229,17 +238,17 @@ class Pipeline:
   def gradients_of(self, packed: dict[str, jax.Array]) -> Any:
     """Packed gradients -> the user's tree; a leaf held by several stages gets their sum (the
     transpose of ``pack``, which copies it to each)."""
-    members = [s.params for s in self.stages]
+    n = len(self.param_avals)
+    parts = {storage.part_key(v - n): i for v, i in self.parts.items()}
     if self.slotted:
-      leaves = slots.unstack(packed, members, self.slot_layouts, self.param_avals, total=True)
+      leaves = slots.unstack(packed, self._exchanged(), self._leaf_slots, self.param_avals,
+                             total=True)
     else:
-      n = len(self.param_avals)
-      parts = {storage.part_key(v - n): i for v, i in self.parts.items()}
       leaves = list(storage.exchange_gradients(
           {k: g for k, g in packed.items() if k not in parts}, self._by_row(self._exchange_layouts),
           self._by_row(self._exchanged()), self.dims, self.param_avals, self.mesh))
-      for k, i in parts.items():
-        leaves[i] = storage.deinterleave(packed[k], tuple(self.param_avals[i].shape), self.mesh)
+    for k, i in parts.items():
+      leaves[i] = storage.deinterleave(packed[k], tuple(self.param_avals[i].shape), self.mesh)
     return jax.tree.unflatten(self.params_def, leaves)
 
   def _by_row(self, per_chunk: Sequence[Any]) -> list[Any]:
@@ -271,7 +280,8 @@ class Pipeline:
     """The stage's chunks of stacked leaves (kept where they are stored; ``v`` chunks each with
     virtual stages)."""
     return self.schedule.num_virtual_stages * sum(
-        math.prod(self.all_avals[v].shape) * self.all_avals[v].dtype.itemsize for v in self.parts)
+        math.prod(self.all_avals[v].shape) * self.all_avals[v].dtype.itemsize
+        // self._leaf_split(v) for v in self.parts)
 
   # -- the step -----------------------------------------------------------------------------
   def check_compiled(self, hlo_text: str) -> None:
@@ -368,7 +378,7 @@ class Pipeline:
       if k == 1:
         continue
       split = [i for i in stage.params if self._leaf_split(i) > 1]
-      whole = sum(math.prod(self.param_avals[i].shape) * self.param_avals[i].dtype.itemsize
+      whole = sum(math.prod(self.all_avals[i].shape) * self.all_avals[i].dtype.itemsize
                   for i in stage.params)
       lines.append(f"split     stage {stage.index} '{stage.name}': epl.split({k}) over model; "
                    f"{len(split)} of {len(stage.params)} parameters split, "
@@ -471,7 +481,7 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
   outvars = cap.program.closed_jaxpr.jaxpr.outvars
   aux_avals = [v.aval for v in outvars[1:len(outvars) - n_s]]
   stages = cut_stages(cap, layout.stage_of, n_p, n_s, roll=config.roll_layers,
-                      parts=not any(k > 1 for k in split))
+                      parts=True)
   if s_leaves and shards > 1:    # batch statistics over several replicas' rows
     means = stats.batch_means(stages, state_paths, shards)
     stages = tuple(dataclasses.replace(s, averaged=m, row_axes=batch_axes)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from epljax.mesh import STAGE
@@ -222,8 +222,7 @@ def interleave(leaf: jax.Array, virtual: int, mesh: Mesh) -> jax.Array:
   (``_interleave_rounds``), so every chunk moves once, and no device holds more than its own."""
   n_stages = mesh.shape[STAGE]
   if virtual == 1:   # stage s holds chunk s where stored: a free reshape
-    return lax.with_sharding_constraint(leaf.reshape(n_stages, -1, *leaf.shape[1:]),
-                                        NamedSharding(mesh, P(STAGE)))
+    return leaf.reshape(n_stages, -1, *leaf.shape[1:])
   rounds = _interleave_rounds(n_stages, virtual)
 
   def local(mine):   # (v rows chunks, ...): chunks s v + i

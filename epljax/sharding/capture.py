@@ -211,9 +211,6 @@ def _cut_into_stages(program: Program, labels: list, order: list[str],
                      specs: dict[str, _Spec], cuts: Sequence[int]):
   """``auto.auto_parallel``: one task graph, cut by node position into stages of its kind."""
   only = specs[order[0]]
-  if only.kind != strategy_lib.REPLICATE:
-    raise PlanError(f"auto.auto_parallel cuts a model into replicate stages, but the model's "
-                    f"strategy is {_show(only)}.")
   bounds = [0, *cuts, len(program.nodes)]
   new_order = []
   for i in range(len(bounds) - 1):
