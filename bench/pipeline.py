@@ -6,6 +6,7 @@ unpipelined model.
     python bench/pipeline.py --compile  # compile time and HLO size vs depth (pipeline_compile.py)
     python bench/pipeline.py --memory   # 1F1B stash (S - s per stage) and temp memory vs M
     python bench/pipeline.py --interleaved   # 1F1B vs interleaved 1F1B (v=2 chunks per stage)
+    python bench/pipeline.py --interleaved-scan   # the same with the blocks under nn.scan
 
 A residual MLP of 8 blocks cut into S=4 stages of 2 blocks (``set_default_strategy`` between
 them, EPL's BERT style) on 8 devices: 2 pipeline replicas. For M in {4, 8, 16, 32} micro
@@ -24,6 +25,13 @@ batches of 64 rows per replica:
 (``pipeline.num_virtual_stages``), next to 1F1B on 4 stages of 2 blocks: the bubble measured
 from the tick table against ``(S - 1) / (vM + S - 1)``, kept chunks, temp memory, executed
 FLOPs, and step time against 1F1B's.
+
+``--interleaved-scan``: 16 blocks under ``nn.scan`` cut by ``auto.auto_parallel`` into S=4
+stages, 1F1B (v=1: each stage reads its 4 layers where stored) against interleaved 1F1B (v=2:
+the scan in 8 chunks of 2 layers, stage ``s`` runs chunks ``s`` and ``s + 4`` but stores
+chunks ``2s`` and ``2s + 1``, so each step moves chunks there and their gradients back with
+``ppermute``): bubble, temp memory, the bytes of the step's collective-permutes (the loop's
+activation hops and the chunk moves) from the compiled HLO, and step time.
 """
 
 import os
@@ -41,6 +49,7 @@ import optax  # noqa: E402
 
 import epljax as epl  # noqa: E402
 from common import paired_ratio, record, table  # noqa: E402
+from epljax import hlo  # noqa: E402
 from epljax.pipeline import builder, runtime  # noqa: E402
 
 STAGES, BLOCKS, WIDTH, ROWS = 4, 2, 256, 64
@@ -180,6 +189,43 @@ def measure_interleaved(micro: int, pairs: int, virtual: int = 2) -> list:
   return out
 
 
+def measure_interleaved_scan(micro: int, pairs: int, layers: int = 16) -> list:
+  """1F1B and interleaved 1F1B (v=2) of blocks under ``nn.scan`` (see the module doc)."""
+  import pipeline_compile as pc
+  rows = 2 * micro * ROWS
+  batch = batch_of(rows)
+  model = pc.Scanned(layers)
+  runs = []
+  for v in (1, 2):
+    config = {"auto.auto_parallel": True, "pipeline.num_stages": STAGES,
+              "pipeline.num_micro_batch": micro, "pipeline.num_virtual_stages": v}
+    trainer, state, _ = trainer_for(model, config, batch)
+    text = trainer.lower(state, batch).compile().as_text()
+    permuted = sum(c.bytes for c in hlo.collectives(text) if c.kind == "collective-permute")
+    runs.append((v, trainer, {"state": state}, trainer.shard_batch(batch), permuted))
+  stacked = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runs[0][2]["state"].params)
+                if x.shape[:1] == (layers,))
+  out = []
+  for v, trainer, _, _, permuted in runs:
+    sched = trainer.plan.pipeline.schedule
+    out.append([micro, sched.name, v, f"{sched.measured_bubble():.3f}",
+                f"{trainer.plan.memory.temp_size_in_bytes / 2**20:.2f}",
+                f"{permuted / 2**20:.2f}", f"{stacked / STAGES / 2**20:.2f}"])
+
+  def step(run):
+    def go():
+      _, trainer, box, b, _ = run
+      box["state"], m = trainer.train_step(box["state"], b)
+      return m["loss"]
+    return go
+
+  r = paired_ratio(step(runs[1]), step(runs[0]), pairs=pairs)
+  out[0].append(f"{r['second_s'] * 1e3:.1f}")
+  out[1].append(f"{r['first_s'] * 1e3:.1f} (**{r['ratio']:.2f}**x, {r['ratio_q1']:.2f}-"
+                f"{r['ratio_q3']:.2f})")
+  return out
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--micro", type=int, nargs="+", default=[4, 8, 16, 32])
@@ -191,7 +237,31 @@ def main(argv=None) -> None:
                       help="only compile time and HLO size vs depth, next to a hand-written GPipe")
   parser.add_argument("--interleaved", action="store_true",
                       help="only 1F1B vs interleaved 1F1B (pipeline.num_virtual_stages=2)")
+  parser.add_argument("--interleaved-scan", action="store_true",
+                      help="the same, the blocks under nn.scan (chunks moved per step)")
   args = parser.parse_args(argv)
+  if args.interleaved_scan:
+    rows = []
+    for micro in args.micro:
+      rows += measure_interleaved_scan(micro, args.pairs)
+      print(f"M={micro} done", flush=True)
+    body = table(["M", "schedule", "v", "bubble (tick table)", "temp MiB/dev",
+                  "collective-permute MiB/dev", "stacked layers stored MiB/dev",
+                  "step ms (interleaved / 1F1B)"], rows)
+    body += (f"\n\n16 residual blocks of width {WIDTH} under nn.scan, auto.auto_parallel with "
+             f"S={STAGES} stages: 1F1B reads each stage's 4 layers where stored; interleaved 1F1B "
+             "(v=2) splits the scan into 8 chunks of 2 layers, chunk c on stage c % S, and moves "
+             "the chunks a stage runs but does not store (and their gradients back) with "
+             f"ppermute each step. {ROWS} rows per micro batch and replica, 2 pipeline replicas "
+             "on 8 devices. collective-permute: result bytes per device of every "
+             "collective-permute in the compiled step's HLO (a loop's counted once: the "
+             "activation hops per tick, and the chunk moves); temp from memory_analysis(); step "
+             "time: median over pairs, timed alternately.")
+    print(body)
+    if args.record:
+      record("Pipeline interleaved 1F1B of nn.scan layers (bench/pipeline.py --interleaved-scan)",
+             body)
+    return
   if args.interleaved:
     rows = []
     for micro in args.micro:
