@@ -133,12 +133,14 @@ def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
   cap = capture_loss(var, micro_shapes, len(cluster.devices), **options)
   if config.auto.auto_parallel:   # EPL's automatic pipeline partitioning
     check_auto(cap, config.pipeline.num_stages)
-    n_chunks = config.pipeline.num_stages * config.pipeline.num_virtual_stages
-    split, not_split = scan_split(cap, n_chunks, var.num_params, len(var.paths))
+    stages, virtual = config.pipeline.num_stages, config.pipeline.num_virtual_stages
+    n_chunks = stages * virtual
+    unit = "stages" if virtual == 1 else f"chunks ({stages} stages x {virtual} virtual)"
+    split, not_split = scan_split(cap, n_chunks, var.num_params, len(var.paths), unit)
     if split is not None:   # scanned layers: one scan per stage (per chunk, interleaved)
       options["rewrite"] = split
       cap = capture_loss(var, micro_shapes, len(cluster.devices), **options)
-    options["stage_cuts"] = auto_stage_cuts(cap, n_chunks, not_split)
+    options["stage_cuts"] = auto_stage_cuts(cap, n_chunks, not_split, unit)
     cap = capture_loss(var, micro_shapes, len(cluster.devices), **options)
   where = place(fns, var, cap, micro_shapes, rows, config, cluster, options)
   mesh = where.layout.mesh

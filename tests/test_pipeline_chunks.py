@@ -17,7 +17,7 @@ import epljax as epl
 from epljax import hlo
 from epljax.pipeline.auto import StageBalanceWarning
 from epljax.pipeline.chunks import scan_splitter, split_scan
-from epljax.pipeline.storage import _interleave_rounds
+from epljax.pipeline.storage import interleave_rounds
 from epljax.plan import EVERY_STAGE
 from helpers import classification_batch, cross_entropy
 from pipeline_helpers import check_matches_reference
@@ -183,7 +183,7 @@ def test_each_stage_reads_its_layers_where_stored_whatever_the_depth():
 
 def test_scanned_layers_interleave_exactly_with_virtual_stages():
   # 8 layers in S x v = 4 chunks of 2: chunk c on stage c % 2, so stage 0 runs layers 0-1 and
-  # 4-5, which it does not store (it stores 0-3): an all-to-all per stacked leaf brings them.
+  # 4-5, but stores 0-3: ppermutes bring layers 4-5 (and take 2-3 to stage 1) every step.
   trainer, state = _train(8, optax.adam(1e-2), **{"pipeline.num_virtual_stages": 2})
   pipe = trainer.plan.pipeline
   assert len(pipe.stages) == 4 and pipe.schedule.num_virtual_stages == 2
@@ -200,18 +200,22 @@ def test_scanned_layers_interleave_exactly_with_virtual_stages():
   assert sum(c.bytes for c in collectives if c.kind == "collective-permute") >= stacked // 2
 
 
-@pytest.mark.parametrize("stages, virtual", [(4, 2), (2, 4)])
-def test_scanned_layers_interleave_exactly_with_more_stages_or_chunks(stages, virtual):
+@pytest.mark.parametrize("stages, virtual, layers, config", [
+    (4, 2, 8, {}), (2, 4, 8, {}), (2, 3, 12, {}), (2, 2, 8, {"zero.level": "v3"})],
+    ids=["S4v2", "S2v4", "S2v3", "S2v2-zero_v3"])
+def test_scanned_layers_interleave_exactly_with_more_stages_or_chunks(stages, virtual, layers,
+                                                                      config):
   epl.init({"auto.auto_parallel": True, "pipeline.num_stages": stages,
-            "pipeline.num_virtual_stages": virtual, "pipeline.num_micro_batch": 4})
-  trainer, _ = check_matches_reference(Scanned(8), classification_batch(16), optax.sgd(0.1))
+            "pipeline.num_virtual_stages": virtual, "pipeline.num_micro_batch": 4, **config})
+  trainer, _ = check_matches_reference(Scanned(layers), classification_batch(16),
+                                       optax.adam(1e-2))
   pipe = trainer.plan.pipeline
-  assert len(pipe.stages) == 8 and len(pipe.parts) == 6 and pipe.shared == {}
+  assert len(pipe.stages) == stages * virtual and len(pipe.parts) == 6 and pipe.shared == {}
 
 
 @pytest.mark.parametrize("stages, virtual", [(2, 2), (4, 2), (2, 4), (3, 2), (4, 3), (8, 4)])
-def test_interleave_rounds_move_every_chunk_once_to_its_stage(stages, virtual):
-  rounds = _interleave_rounds(stages, virtual)
+def testinterleave_rounds_move_every_chunk_once_to_its_stage(stages, virtual):
+  rounds = interleave_rounds(stages, virtual)
   assert len(rounds) == virtual
   for sent in rounds:   # one chunk from each stage, from its stored ones, none received twice
     assert [c // virtual for c in sent] == list(range(stages))

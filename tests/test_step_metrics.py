@@ -106,6 +106,13 @@ def test_the_finite_flag_is_per_element_and_the_norm_float32(bad, finite, norm):
   assert not bool(jax.jit(epl_step.norm_and_finite)(np.float32(np.nan), grads)[1])
 
 
+def test_a_finite_float64_gradient_beyond_float32_is_finite():
+  with jax.enable_x64(True):   # 1e300 is finite in float64; its float32 cast is not
+    norm, finite = jax.jit(epl_step.norm_and_finite)(np.float32(1.0),
+                                                     {"a": np.array([1e300, 1.0])})
+  assert bool(finite) and float(norm) == np.inf
+
+
 def test_training_stops_after_max_nonfinite_steps_in_a_row():
   trainer, state = make(max_nonfinite_steps=2)
   state, _ = trainer.train_step(state, nan_batch())

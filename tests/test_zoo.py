@@ -25,6 +25,7 @@ from flax.core import meta
 from jax.sharding import PartitionSpec as P
 
 import epljax as epl
+from epljax import hlo
 from epljax.mesh import DATA
 from epljax.pipeline.auto import StageBalanceWarning, stage_balance
 from helpers import DEEP_TOL, TOL, assert_trees_close, reference_run
@@ -85,7 +86,7 @@ def cells():
         continue
       if strategy in ("pipeline_interleaved", "pipeline_auto_split") and name not in (
           "llama", "gpt2"):
-        continue   # the scanned layers, and a tied embedding (on chunks 0 and 3)
+        continue   # the scanned layers, and a tied embedding (interleaved: chunks 0 and 3)
       yield pytest.param(name, strategy, id=f"{name}-{strategy}")
 
 
@@ -259,7 +260,12 @@ def test_zoo_contract(name, strategy):
       pipe = plan.pipeline
       assert len(pipe.parts) == len(jax.tree.leaves(state.params["layers"])), pipe.parts
       types = dict(pipe.slot_layouts[0].types)
-      assert any("model" in t.spec for k, t in types.items() if k.startswith("part")), types
+      for v, i in pipe.parts.items():   # a part keeps its leaf's model split
+        spec = tuple(pipe.param_specs[i])
+        assert types[f"part{v - len(pipe.param_avals)}"].spec == spec + (None,) * (
+            len(pipe.param_avals[i].shape) - len(spec)), (pipe.param_paths[i], types)
+      text = trainer.lower(state, model.make_batch(ROWS)).compile().as_text()
+      assert not [c for c in hlo.collectives(text) if c.kind == "all-gather"]
   elif strategy == "pipeline_interleaved":
     check_stages(trainer, name, 2, chunks=4)
     assert plan.pipeline.schedule.num_virtual_stages == 2

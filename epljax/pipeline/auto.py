@@ -39,10 +39,10 @@ from epljax.sharding.program import CALLS as _TRANSPARENT  # cutting through a c
 from epljax.sharding.program import Node
 
 
-def auto_stage_cuts(capture: Capture, num_stages: int, not_split: str | None = None
-                    ) -> tuple[int, ...]:
+def auto_stage_cuts(capture: Capture, num_stages: int, not_split: str | None = None,
+                    unit: str = "stages") -> tuple[int, ...]:
   """Node indices where stages 1..S-1 start (see the module doc). ``not_split``: why the
-  largest scan was not split per stage (for the warning)."""
+  largest scan was not split per stage (for the warning, which names them ``unit``)."""
   nodes = capture.program.nodes
   if num_stages > len(nodes):
     raise PlanError(f"pipeline.num_stages={num_stages} with auto.auto_parallel, but the traced "
@@ -52,7 +52,7 @@ def auto_stage_cuts(capture: Capture, num_stages: int, not_split: str | None = N
     return starts
   node_costs = [node_flops(n) for n in nodes]
   first_bytes = _first_use_bytes(capture, num_stages)
-  _warn_opaque_giants(capture, num_stages, not_split)
+  _warn_opaque_giants(capture, num_stages, not_split, unit)
   flops, params = _prefix(node_costs), _prefix(first_bytes)
   legal = _legal_cuts(capture, flops, flops[-1] / num_stages, num_stages)
 
@@ -73,11 +73,13 @@ def auto_stage_cuts(capture: Capture, num_stages: int, not_split: str | None = N
   return tuple(cuts)
 
 
-def scan_split(capture: Capture, num_stages: int, num_params: int, num_vars: int):
-  """``(rewrite, None)``: ``chunks.split_scan`` giving each of ``num_stages`` stages its share
-  of the top-level scan that holds the most of the model, when a scan holds more than one
-  stage's share (no cut around it balances the stages); ``(None, why not)`` when none of those
-  can be split; ``(None, None)`` when no scan needs it."""
+def scan_split(capture: Capture, num_stages: int, num_params: int, num_vars: int,
+               unit: str = "stages"):
+  """``(rewrite, None)``: ``chunks.split_scan`` giving each of ``num_stages`` stages (chunks,
+  interleaved: ``unit`` names them in messages) its share of the top-level scan that holds the
+  most of the model, when a scan holds more than one stage's share (no cut around it balances
+  the stages); ``(None, why not)`` when none of those can be split; ``(None, None)`` when no
+  scan needs it."""
   heavy = sorted(((share, eqn_id) for eqn_id, (_, _, share) in _opaque_groups(capture).items()
                   if share * num_stages > 1.0), reverse=True)
   eqns = capture.program.closed_jaxpr.jaxpr.eqns
@@ -88,7 +90,7 @@ def scan_split(capture: Capture, num_stages: int, num_params: int, num_vars: int
       why = why or "it is inside a call (a jit, a checkpoint), not at the top of the loss"
       continue
     found = chunks.scan_splitter(capture.program.closed_jaxpr, top[0], num_stages, num_params,
-                                 num_vars)
+                                 num_vars, unit)
     if not isinstance(found, str):
       return found, None
     why = why or found
@@ -140,14 +142,14 @@ def _opaque_groups(capture: Capture) -> dict[int, tuple[str, str, float]]:
 
 
 def _warn_opaque_giants(capture: Capture, num_stages: int, not_split: str | None = None,
-                        limit: float = 1.5) -> None:
+                        unit: str = "stages", limit: float = 1.5) -> None:
   """Warns (``StageBalanceWarning``) when one loop, branch or custom-derivative call the cut
   cannot enter holds more than ``limit`` stages' shares of the FLOPs or parameter bytes (a
   scan ``scan_split`` could not split)."""
   for name, path, share in _opaque_groups(capture).values():
     if share * num_stages > limit:
       warnings.warn(
-          f"auto.auto_parallel cannot balance {num_stages} stages: one `{name}` (at "
+          f"auto.auto_parallel cannot balance {num_stages} {unit}: one `{name}` (at "
           f"{path or 'the top level'}) holds {share:.0%} of the model's estimated FLOPs or "
           "parameter bytes, and the automatic cut does not enter loops, branches or "
           "custom-derivative calls. A top-level scan over stacked layers (`nn.scan`) is split "

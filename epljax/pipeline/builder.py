@@ -202,7 +202,8 @@ class Pipeline:
     if self.slotted:
       stacked = slots.stack(leaves, self._exchanged(), self._leaf_slots)
       stacked.update((storage.part_key(v - len(leaves)),
-                      storage.interleave(leaves[i], 1, self.mesh))
+                      storage.interleave(leaves[i], self.schedule.num_virtual_stages,
+                                         self.mesh))
                      for v, i in self.parts.items())
       types = dict(self.slot_layouts[0].types)
       return {k: jax.lax.with_sharding_constraint(
@@ -412,8 +413,8 @@ class Pipeline:
           f"on their layers axis; each stage reads its own {_kib(self.part_bytes_per_device)} "
           + ("where stored, never exchanged: " if self.schedule.num_virtual_stages == 1 else
              f"(chunks s, s + {self.schedule.num_stages}, ...), moved from where stored "
-             "(contiguous layers per stage) once per step each way (at most v ppermutes per "
-             "leaf): ")
+             "(contiguous layers per stage) once per step each way (at most "
+             f"{self.schedule.num_virtual_stages} ppermutes per leaf): ")
           + listing([self.param_paths[i] for i in self.parts.values()]))
     lines += self.describe_split()
     for stage in self.stages:

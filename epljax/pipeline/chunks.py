@@ -30,10 +30,11 @@ from epljax.sharding.program import bind_eqn, scan_counts
 
 
 def scan_splitter(closed: jcore.ClosedJaxpr, position: int, parts: int, num_params: int,
-                  num_vars: int | None = None
+                  num_vars: int | None = None, unit: str = "stages"
                   ) -> Callable[[jcore.ClosedJaxpr], jcore.ClosedJaxpr] | str:
   """The rewrite splitting top-level equation ``position`` into ``parts`` scans, or why not
-  (a sentence for the warning). Program inputs ``[num_params, num_vars)`` are model state."""
+  (a sentence for the warning; ``unit`` names the parts there). Program inputs
+  ``[num_params, num_vars)`` are model state."""
   eqn = closed.jaxpr.eqns[position]
   if eqn.primitive.name != "scan":
     return f"it is a `{eqn.primitive.name}`, not a scan"
@@ -41,7 +42,7 @@ def scan_splitter(closed: jcore.ClosedJaxpr, position: int, parts: int, num_para
   if eqn.params["reverse"]:
     return "it runs in reverse"
   if length % parts:
-    return f"its {length} iterations do not divide into {parts} stages"
+    return f"its {length} iterations do not divide into {parts} {unit}"
   invars = closed.jaxpr.invars
   operands = [v for v in eqn.invars if isinstance(v, jcore.Var)]
   state = set(invars[num_params:num_vars if num_vars is not None else num_params])

@@ -219,11 +219,11 @@ def interleave(leaf: jax.Array, virtual: int, mesh: Mesh) -> jax.Array:
   same way, row ``s v + j`` holding row chunk ``s + j S`` (the interleaved schedule's chunk
   ``j`` of stage ``s``). Stored, stage ``s`` holds chunks ``s v, ..., s v + v - 1``; each
   device sends each of those to its stage in one of ``v`` ``ppermute`` rounds
-  (``_interleave_rounds``), so every chunk moves once, and no device holds more than its own."""
+  (``interleave_rounds``), so every chunk moves once, and no device holds more than its own."""
   n_stages = mesh.shape[STAGE]
   if virtual == 1:   # stage s holds chunk s where stored: a free reshape
     return leaf.reshape(n_stages, -1, *leaf.shape[1:])
-  rounds = _interleave_rounds(n_stages, virtual)
+  rounds = interleave_rounds(n_stages, virtual)
 
   def local(mine):   # (v rows chunks, ...): chunks s v + i
     mine = mine.reshape(virtual, -1, *mine.shape[1:])
@@ -248,7 +248,7 @@ def deinterleave(parts: jax.Array, shape: tuple[int, ...], mesh: Mesh) -> jax.Ar
   virtual = parts.shape[0] // n_stages
   if virtual == 1:
     return parts.reshape(shape)
-  rounds = _interleave_rounds(n_stages, virtual)
+  rounds = interleave_rounds(n_stages, virtual)
 
   def local(mine):   # (v, rows, ...): chunks s + j S
     s = lax.axis_index(STAGE)
@@ -266,8 +266,16 @@ def deinterleave(parts: jax.Array, shape: tuple[int, ...], mesh: Mesh) -> jax.Ar
 
 
 def _move(x: jax.Array, pairs: list[tuple[int, int]]) -> jax.Array:
-  """``ppermute`` over ``stage``; a round in which every stage keeps its chunk moves nothing."""
-  return x if all(a == b for a, b in pairs) else lax.ppermute(x, STAGE, pairs)
+  """``ppermute`` over ``stage`` of the pairs that change stage; a stage whose pair is its own
+  keeps ``x`` (no collective at all when every stage does)."""
+  moving = [(a, b) for a, b in pairs if a != b]
+  if not moving:
+    return x
+  moved = lax.ppermute(x, STAGE, moving)
+  keeps = [a for a, b in pairs if a == b]
+  if not keeps:
+    return moved
+  return jnp.where(jnp.isin(lax.axis_index(STAGE), jnp.asarray(keeps)), x, moved)
 
 
 def _received(sent: Sequence[int], n_stages: int) -> list[int]:
@@ -279,7 +287,7 @@ def _received(sent: Sequence[int], n_stages: int) -> list[int]:
 
 
 @functools.cache
-def _interleave_rounds(n_stages: int, virtual: int) -> tuple[tuple[int, ...], ...]:
+def interleave_rounds(n_stages: int, virtual: int) -> tuple[tuple[int, ...], ...]:
   """``v`` rounds, each the chunk every stage sends (``round[s]``, one of its stored chunks
   ``s v + i``) to the stage that runs it (``c % S``), no stage receiving two in a round.
   Chunks as edges from their stored stage to their running stage make a ``v``-regular
