@@ -169,17 +169,17 @@ def norm_and_finite(loss: jax.Array, grads: Any) -> tuple[jax.Array, jax.Array]:
   """The global norm of the gradients (float32), and whether the loss and every gradient are
   finite, from one reduction per leaf.
 
-  Each leaf sums ``g**2 + 0*g`` in float32, ``0*g`` taken in the leaf's dtype (a float64 1e300
-  is finite, its float32 cast is not): ``0*g`` is NaN exactly where ``g`` is Inf or NaN, so the
-  sum is NaN iff some element is not finite, while finite elements whose squares overflow give
-  ``+inf``, never NaN (the terms are >= 0). So the flag is per element, as a separate
+  Each leaf sums its squares in float32 with NaN in place of any element that is not finite
+  (checked in the leaf's own dtype: a float64 1e300 is finite, its float32 cast is not). The
+  sum is NaN iff some element is not finite, while finite elements whose squares overflow
+  give ``+inf``, never NaN (the terms are >= 0). So the flag is per element, as a separate
   ``all(isfinite(g))`` would be, at half the reductions (each a compiled kernel).
   """
   leaves = jax.tree.leaves(in_device_memory(grads))
   if not leaves:
     return jnp.zeros((), jnp.float32), jnp.isfinite(loss)
-  f32 = jnp.float32
-  squares = sum(jnp.sum(jnp.square(g.astype(f32)) + (0 * g).astype(f32)) for g in leaves)
+  squares = sum(jnp.sum(jnp.where(jnp.isfinite(g), jnp.square(g.astype(jnp.float32)), jnp.nan))
+                for g in leaves)
   return jnp.sqrt(squares), jnp.logical_and(jnp.isfinite(loss), ~jnp.isnan(squares))
 
 
