@@ -156,6 +156,21 @@ def measure(micro: int, pairs: int) -> tuple[list, list]:
   return memory, timing
 
 
+def _time_against_first(rows: list, runs: list, pairs: int) -> None:
+  """Appends the step time of ``runs`` = ``[(trainer, {"state": ...}, batch)] * 2`` to
+  ``rows``: the first's, then the second's with its ratio to the first, timed alternately."""
+  def step(trainer, box, b):
+    def go():
+      box["state"], m = trainer.train_step(box["state"], b)
+      return m["loss"]
+    return go
+
+  r = paired_ratio(step(*runs[1]), step(*runs[0]), pairs=pairs)
+  rows[0].append(f"{r['second_s'] * 1e3:.1f}")
+  rows[1].append(f"{r['first_s'] * 1e3:.1f} (**{r['ratio']:.2f}**x, {r['ratio_q1']:.2f}-"
+                 f"{r['ratio_q3']:.2f})")
+
+
 def measure_interleaved(micro: int, pairs: int, virtual: int = 2) -> list:
   """1F1B (S stages) and interleaved 1F1B (S x v chunks) of the same model and batch."""
   rows = 2 * micro * ROWS
@@ -175,17 +190,7 @@ def measure_interleaved(micro: int, pairs: int, virtual: int = 2) -> list:
                 f"{trainer.plan.memory.temp_size_in_bytes / 2**20:.2f}",
                 f"{executed_flops(trainer) / reference:.3f}"])
 
-  def step(run):
-    def go():
-      _, trainer, box, b = run
-      box["state"], m = trainer.train_step(box["state"], b)
-      return m["loss"]
-    return go
-
-  r = paired_ratio(step(runs[1]), step(runs[0]), pairs=pairs)
-  out[0].append(f"{r['second_s'] * 1e3:.1f}")
-  out[1].append(f"{r['first_s'] * 1e3:.1f} (**{r['ratio']:.2f}**x, {r['ratio_q1']:.2f}-"
-                f"{r['ratio_q3']:.2f})")
+  _time_against_first(out, [run[1:4] for run in runs], pairs)
   return out
 
 
@@ -212,17 +217,7 @@ def measure_interleaved_scan(micro: int, pairs: int, layers: int = 16) -> list:
                 f"{trainer.plan.memory.temp_size_in_bytes / 2**20:.2f}",
                 f"{permuted / 2**20:.2f}", f"{stacked / STAGES / 2**20:.2f}"])
 
-  def step(run):
-    def go():
-      _, trainer, box, b, _ = run
-      box["state"], m = trainer.train_step(box["state"], b)
-      return m["loss"]
-    return go
-
-  r = paired_ratio(step(runs[1]), step(runs[0]), pairs=pairs)
-  out[0].append(f"{r['second_s'] * 1e3:.1f}")
-  out[1].append(f"{r['first_s'] * 1e3:.1f} (**{r['ratio']:.2f}**x, {r['ratio_q1']:.2f}-"
-                f"{r['ratio_q3']:.2f})")
+  _time_against_first(out, [run[1:4] for run in runs], pairs)
   return out
 
 
