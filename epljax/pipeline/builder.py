@@ -481,8 +481,7 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
     raise AssertionError("the per-replica trace found other task graphs than the global one")
   outvars = cap.program.closed_jaxpr.jaxpr.outvars
   aux_avals = [v.aval for v in outvars[1:len(outvars) - n_s]]
-  stages = cut_stages(cap, layout.stage_of, n_p, n_s, roll=config.roll_layers,
-                      parts=True)
+  stages = cut_stages(cap, layout.stage_of, n_p, n_s, roll=config.roll_layers)
   if s_leaves and shards > 1:    # batch statistics over several replicas' rows
     means = stats.batch_means(stages, state_paths, shards)
     stages = tuple(dataclasses.replace(s, averaged=m, row_axes=batch_axes)

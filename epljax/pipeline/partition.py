@@ -123,18 +123,17 @@ def _averaging(closed: jcore.ClosedJaxpr, averaged: frozenset[int], axes: Sequen
 
 
 def cut_stages(cap: Capture, stage_of: Sequence[int], num_params: int,
-               num_state: int = 0, roll: bool = False, parts: bool = False
-               ) -> tuple[Stage, ...]:
+               num_state: int = 0, roll: bool = False) -> tuple[Stage, ...]:
   """The stages of the captured program ``(params..., state..., batch...) -> (loss, aux...,
   new_state...)``.
 
   ``stage_of`` maps task graph index -> stage; the first ``num_params`` program inputs are
   parameters, the next ``num_state`` model state (each leaf read and updated by one stage,
   its new value among the last ``num_state`` outputs); the rest are batch leaves, read by
-  every stage. ``roll``: each stage's repeated layers become one ``lax.scan`` (``roll.py``);
-  ``parts``: stages take their chunks of stacked parameters (else they hold the whole leaf).
+  every stage. ``roll``: each stage's repeated layers become one ``lax.scan`` (``roll.py``).
+  A stage reading only its own row chunk of a stacked parameter takes that chunk (a part).
   """
-  cutter = _Cutter(cap, stage_of, num_params, num_state, parts)
+  cutter = _Cutter(cap, stage_of, num_params, num_state)
   cutter.run()
   cutter.check_state(list(cap.input_paths[num_params:num_params + num_state]))
   stages = cutter.build()
@@ -147,7 +146,7 @@ def cut_stages(cap: Capture, stage_of: Sequence[int], num_params: int,
 class _Cutter:
 
   def __init__(self, cap: Capture, stage_of: Sequence[int], num_params: int,
-               num_state: int = 0, parts: bool = False):
+               num_state: int = 0):
     self.cap = cap
     self.node_tg = cap.node_taskgraph
     self.stage_of = list(stage_of)
@@ -170,7 +169,7 @@ class _Cutter:
     self.cursor = 0
     self.outputs: list[Any] = []
     self.batch_only: set[_Key] = set()
-    self.part_nodes, self.chunked = self._find_parts() if parts else ({}, [])
+    self.part_nodes, self.chunked = self._find_parts()
     self.part_keys: dict[tuple[int, int], _Key] = {}
 
   def _find_parts(self) -> tuple[dict[int, tuple[int, int]], list[int]]:
