@@ -84,9 +84,6 @@ def cells():
         continue   # Llama's layers are one nn.scan, mlp_loop's one module: no path boundary
       if strategy == "pipeline_roll" and name != "mlp_loop":
         continue
-      if strategy in ("pipeline_interleaved", "pipeline_auto_split") and name not in (
-          "llama", "gpt2"):
-        continue   # the scanned layers, and a tied embedding (interleaved: chunks 0 and 3)
       yield pytest.param(name, strategy, id=f"{name}-{strategy}")
 
 
