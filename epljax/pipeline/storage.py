@@ -223,22 +223,9 @@ def interleave(leaf: jax.Array, virtual: int, mesh: Mesh) -> jax.Array:
   n_stages = mesh.shape[STAGE]
   if virtual == 1:   # stage s holds chunk s where stored: a free reshape
     return leaf.reshape(n_stages, -1, *leaf.shape[1:])
-  rounds = interleave_rounds(n_stages, virtual)
-
-  def local(mine):   # (v rows chunks, ...): chunks s v + i
-    mine = mine.reshape(virtual, -1, *mine.shape[1:])
-    s = lax.axis_index(STAGE)
-    out = jnp.zeros_like(mine)
-    for sent in rounds:
-      i = jnp.asarray([c % virtual for c in sent])[s]
-      got = _move(lax.dynamic_index_in_dim(mine, i, keepdims=False),
-                  [(c // virtual, c % n_stages) for c in sent])
-      j = jnp.asarray([c // n_stages for c in _received(sent, n_stages)])[s]
-      out = lax.dynamic_update_index_in_dim(out, got, j, 0)
-    return out
-
-  return jax.shard_map(local, mesh=mesh, in_specs=P(STAGE), out_specs=P(STAGE),
-                       axis_names=frozenset({STAGE}), check_vma=False)(leaf)
+  stored, running = _places(n_stages, virtual)
+  return _route(leaf.reshape(n_stages * virtual, -1, *leaf.shape[1:]), virtual, mesh,
+                stored, running)
 
 
 def deinterleave(parts: jax.Array, shape: tuple[int, ...], mesh: Mesh) -> jax.Array:
@@ -248,21 +235,38 @@ def deinterleave(parts: jax.Array, shape: tuple[int, ...], mesh: Mesh) -> jax.Ar
   virtual = parts.shape[0] // n_stages
   if virtual == 1:
     return parts.reshape(shape)
-  rounds = interleave_rounds(n_stages, virtual)
+  stored, running = _places(n_stages, virtual)
+  return _route(parts, virtual, mesh, running, stored).reshape(shape)
 
-  def local(mine):   # (v, rows, ...): chunks s + j S
+
+def _places(n_stages: int, virtual: int):
+  """Chunk -> (stage, row) where it is stored (stage ``s``: chunks ``s v ...``) and where it
+  runs (stage ``c % S``, its row ``c // S``)."""
+  return (lambda c: divmod(c, virtual)), (lambda c: divmod(c, n_stages)[::-1])
+
+
+def _route(chunks: jax.Array, virtual: int, mesh: Mesh, source, target) -> jax.Array:
+  """``(S v, rows, ...)`` split over ``stage`` (each stage its ``v`` rows) with chunk ``c`` at
+  ``source(c) = (stage, row)`` -> the same with every chunk at ``target(c)``, in the
+  ``ppermute`` rounds of ``interleave_rounds`` (one chunk sent and one received per stage)."""
+  n_stages = mesh.shape[STAGE]
+
+  def local(mine):   # (v, rows, ...)
     s = lax.axis_index(STAGE)
     out = jnp.zeros_like(mine)
-    for sent in rounds:
-      j = jnp.asarray([c // n_stages for c in _received(sent, n_stages)])[s]
-      got = _move(lax.dynamic_index_in_dim(mine, j, keepdims=False),
-                  [(c % n_stages, c // virtual) for c in sent])
-      i = jnp.asarray([c % virtual for c in sent])[s]
-      out = lax.dynamic_update_index_in_dim(out, got, i, 0)
-    return out.reshape(-1, *shape[1:])
+    for sent in interleave_rounds(n_stages, virtual):
+      # A round is a perfect matching: each stage sends one chunk and receives one.
+      out_of = {source(c)[0]: c for c in sent}
+      into_of = {target(c)[0]: c for c in sent}
+      row = jnp.asarray([source(out_of[t])[1] for t in range(n_stages)])[s]
+      moved = _move(lax.dynamic_index_in_dim(mine, row, keepdims=False),
+                    [(source(c)[0], target(c)[0]) for c in sent])
+      into = jnp.asarray([target(into_of[t])[1] for t in range(n_stages)])[s]
+      out = lax.dynamic_update_index_in_dim(out, moved, into, 0)
+    return out
 
   return jax.shard_map(local, mesh=mesh, in_specs=P(STAGE), out_specs=P(STAGE),
-                       axis_names=frozenset({STAGE}), check_vma=False)(parts)
+                       axis_names=frozenset({STAGE}), check_vma=False)(chunks)
 
 
 def _move(x: jax.Array, pairs: list[tuple[int, int]]) -> jax.Array:
@@ -276,14 +280,6 @@ def _move(x: jax.Array, pairs: list[tuple[int, int]]) -> jax.Array:
   if not keeps:
     return moved
   return jnp.where(jnp.isin(lax.axis_index(STAGE), jnp.asarray(keeps)), x, moved)
-
-
-def _received(sent: Sequence[int], n_stages: int) -> list[int]:
-  """Per stage: the chunk it receives in a round in which stage ``s`` sends ``sent[s]``."""
-  out = [0] * n_stages
-  for c in sent:
-    out[c % n_stages] = c
-  return out
 
 
 @functools.cache
