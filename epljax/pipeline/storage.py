@@ -16,7 +16,10 @@ number of collectives and a few static slices per leaf, however deep the model.
 A stacked leaf whose stage ``s`` reads only its ``s``-th row chunk (scanned layers split per
 stage, ``chunks.py``) is stored split over ``stage`` on its rows, so each stage device already
 holds its chunk: it skips the exchange and rides beside the buffers as ``{"part<j>": (S, rows,
-...)}`` (``WithParts``), a free reshape of the stored leaf, its gradient likewise.
+...)}`` (``WithParts``; its own slot in tensor-parallel stages), a free reshape of the stored
+leaf, its gradient likewise. Interleaved (``v`` chunks per stage) stage ``s`` stores chunks
+``s v ...`` but runs ``s, s + S, ...``: ``interleave`` moves them there with ``ppermute``, and
+``deinterleave`` their gradients back.
 """
 
 from __future__ import annotations
