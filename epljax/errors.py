@@ -39,3 +39,12 @@ def listing(names, limit: int = 3) -> str:
   """A few of ``names`` quoted for a message (``'a', 'b', 'c' ...``)."""
   names = list(names)
   return ", ".join(f"'{n}'" for n in names[:limit]) + (" ..." if len(names) > limit else "")
+
+
+def size(n: float) -> str:
+  """A byte count for a message or a table: ``512 B``, ``1.5 KiB``, ``3.0 MiB``, ``2.0 GiB``."""
+  for unit in ("B", "KiB", "MiB"):
+    if n < 1024:
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+  return f"{n:.1f} GiB"

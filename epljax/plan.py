@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from epljax import hlo
+from epljax.errors import size
 from epljax.strategy import TaskGraph
 
 
@@ -155,26 +156,26 @@ class Plan:
     lines += _table(
         ["index", "name", "strategy", "devices", "params", "bytes/device"],
         [[tg.index, tg.name, tg.strategy, tg.device_count, len(per_tg[tg.name]),
-          _bytes(sum(x.bytes_per_device for x in per_tg[tg.name]))] for tg in self.taskgraphs])
+          size(sum(x.bytes_per_device for x in per_tg[tg.name]))] for tg in self.taskgraphs])
     if self.pipeline is not None:
       lines += ["", "pipeline stages"]
       lines += _table(
           ["stage", "task graph", "params", "bytes/device", "activations in", "kept/micro batch",
            "loop"],
-          [[i.index, i.name, i.num_params, _bytes(i.param_bytes), _bytes(i.incoming_bytes),
-            _bytes(i.kept_bytes), i.loop] for i in self.pipeline.stage_info()])
+          [[i.index, i.name, i.num_params, size(i.param_bytes), size(i.incoming_bytes),
+            size(i.kept_bytes), i.loop] for i in self.pipeline.stage_info()])
       lines += [f"  {line}" for line in self.pipeline.describe()]
     lines += ["", "variables"]
     lines += _table(
         ["path", "shape", "dtype", "spec", "bytes/device", "task graph", "why"],
         [[leaf.path + ("" if leaf.trainable else "  (state)"), leaf.shape, leaf.dtype,
-          _spec(leaf.spec), _bytes(leaf.bytes_per_device), leaf.taskgraph, leaf.rule]
+          _spec(leaf.spec), size(leaf.bytes_per_device), leaf.taskgraph, leaf.rule]
          for leaf in self.leaves])
     lines += ["", "memory per device"] + self._memory_lines() + [
         "", "collectives per step (compiled HLO)"]
     summary = hlo.summarize(self.collectives)
     lines += _table(["kind", "count", "bytes"],
-                    [[k, n, _bytes(b)] for k, (n, b) in summary.items()]) if summary else [
+                    [[k, n, size(b)] for k, (n, b) in summary.items()]) if summary else [
                         "  none"]
     return "\n".join(lines)
 
@@ -182,24 +183,24 @@ class Plan:
     mem = self.memory
     where = lambda part: self.placement.get(part, "device")  # noqa: E731
     grads = self.param_bytes if self.grads_bytes is None else self.grads_bytes
-    rows = [["parameters", _bytes(self.param_bytes), where("parameters")],
-            ["gradients", _bytes(grads), where("gradients")],
-            ["optimizer state", _bytes(self.optimizer_bytes), where("optimizer state")],
-            ["model state", _bytes(self.model_state_bytes), where("model state")]]
+    rows = [["parameters", size(self.param_bytes), where("parameters")],
+            ["gradients", size(grads), where("gradients")],
+            ["optimizer state", size(self.optimizer_bytes), where("optimizer state")],
+            ["model state", size(self.model_state_bytes), where("model state")]]
     activations = self.activation_bytes
     if activations is not None:
-      rows.append(["activations", _bytes(activations),
+      rows.append(["activations", size(activations),
                    "device (temp of the compiled forward + backward)"])
     lines = _table(["part", "bytes", "lives in"], rows)
     lines.append(
-        f"  compiled step: arguments {_bytes(mem.argument_size_in_bytes)}    outputs "
-        f"{_bytes(mem.output_size_in_bytes)}    temp {_bytes(mem.temp_size_in_bytes)}    "
-        f"aliased {_bytes(mem.alias_size_in_bytes)}")
+        f"  compiled step: arguments {size(mem.argument_size_in_bytes)}    outputs "
+        f"{size(mem.output_size_in_bytes)}    temp {size(mem.temp_size_in_bytes)}    "
+        f"aliased {size(mem.alias_size_in_bytes)}")
     host = (mem.host_argument_size_in_bytes, mem.host_output_size_in_bytes,
             mem.host_temp_size_in_bytes)
     if any(host) or any(v != "device" for v in self.placement.values()):
-      lines.append(f"  compiled step, host memory: arguments {_bytes(host[0])}    outputs "
-                   f"{_bytes(host[1])}    temp {_bytes(host[2])}"
+      lines.append(f"  compiled step, host memory: arguments {size(host[0])}    outputs "
+                   f"{size(host[1])}    temp {size(host[2])}"
                    + ("" if any(host) else "  (this backend counts host buffers as device)"))
     return lines
 
@@ -210,14 +211,6 @@ class Plan:
 
 def _spec(spec: P) -> str:
   return "P(" + ", ".join(repr(a) for a in spec) + ")"
-
-
-def _bytes(n: int) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB"):
-    if n < 1024 or unit == "GiB":
-      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-    n /= 1024
-  return f"{n} B"
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:

@@ -15,6 +15,7 @@ from jax.extend import core as jcore
 
 import epljax as epl
 from epljax import hlo
+from epljax.pipeline import PipelineWarning
 from epljax.pipeline.auto import StageBalanceWarning
 from epljax.pipeline.chunks import scan_splitter, split_scan
 from epljax.pipeline.storage import interleave_rounds
@@ -144,6 +145,31 @@ def test_each_stage_takes_its_own_chunk_with_a_stacked_input_that_is_not_a_param
     assert chunked == ["params/b", "params/w"], pipe.parts
     assert pipe.shared == {}, pipe.shared
     assert [dict(s.parts) for s in pipe.stages] == [dict(pipe.stages[0].parts)] * stages
+
+
+def test_a_stack_also_read_outside_its_scan_is_held_whole_and_says_so():
+  # An L2 term over every parameter reads the stacked layers whole, outside the scan: the
+  # stages cannot take one chunk each, so the stack is held whole. Exact, but it warns.
+  model = Scanned(4)
+
+  def loss_fn(variables, batch):
+    l2 = sum(jnp.sum(x * x) for x in jax.tree.leaves(variables))
+    return cross_entropy(model.apply(variables, batch["x"]), batch["y"]) + 1e-3 * l2
+
+  epl.init({"auto.auto_parallel": True, "pipeline.num_stages": 2,
+            "pipeline.num_micro_batch": 4})
+  with pytest.warns(PipelineWarning, match=(
+      r"(?s)^6 stacked parameters \('params/Scan_Layer_0/Dense_0/bias', .*holds all of it "
+      r"\(9\.0 KiB in all, where a\s+stage's own chunks are 4\.5 KiB\).*"
+      r"'params/Scan_Layer_0/Dense_0/bias' \(shape \(4, 16\)\): read whole by a \w+\.")) as caught:
+    trainer, _ = check_matches_reference(
+        None, classification_batch(16), optax.sgd(0.1),
+        fns=(lambda rng, batch: model.init(rng, batch["x"]), loss_fn))
+  assert len([w for w in caught if w.category is PipelineWarning]) == 1   # one for all six
+  pipe = trainer.plan.pipeline
+  assert pipe.parts == {}, pipe.parts
+  kernel = pipe.param_paths.index("params/Scan_Layer_0/Dense_0/kernel")
+  assert [kernel in s.params for s in pipe.stages] == [True, False]   # stage 0 runs the L2 term
 
 
 def _all_to_all_bytes(text: str) -> int:

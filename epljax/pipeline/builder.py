@@ -31,12 +31,12 @@ from jax.sharding import PartitionSpec as P
 
 from epljax.config import PipelineConfig
 from epljax import hlo
-from epljax.errors import PlanError, listing
+from epljax.errors import PlanError, listing, size
 from epljax.features import BuildContext, Feature, GradientFn, loss_scale
 from epljax.mesh import DATA, MODEL, STAGE, Layout
 from epljax.pipeline import packing, runtime, slots, stats, storage
 from epljax.pipeline.auto import check_balance
-from epljax.pipeline.partition import Stage, cut_stages, shared_params
+from epljax.pipeline.partition import PipelineWarning, Stage, cut_stages, shared_params
 from epljax.pipeline.schedules import Schedule, make_schedule
 from epljax.plan import leaf_bytes_per_device
 from epljax.sharding.capture import Capture, capture
@@ -48,10 +48,6 @@ from epljax.strategy import SPLIT
 # runs once) or "inputs" (the stage's forward runs again in the backward). bench/pipeline.py
 # measures both; gradient checkpointing features give the policies in between.
 STASH = "residuals"
-
-
-class PipelineWarning(UserWarning):
-  """A pipeline that runs, but not the way it should (too few micro batches)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,7 +379,7 @@ class Pipeline:
                   for i in stage.params)
       lines.append(f"split     stage {stage.index} '{stage.name}': epl.split({k}) over model; "
                    f"{len(split)} of {len(stage.params)} parameters split, "
-                   f"{_kib(self._stage_param_bytes(stage))} of {_kib(whole)} per device")
+                   f"{size(self._stage_param_bytes(stage))} of {size(whole)} per device")
     return lines
 
   def describe(self) -> list[str]:
@@ -400,17 +396,17 @@ class Pipeline:
       kept = "micro batches" if virtual == 1 else "micro batch chunks"
       lines.append(
           f"stash     {self.stash}: {self.schedule.num_slots} {kept} (+1 scratch slot) x "
-          f"{_kib(per_slot)} per device{' before the model split' if self.slotted else ''}; "
+          f"{size(per_slot)} per device{' before the model split' if self.slotted else ''}; "
           f"{len(self.branches)} distinct stage functions")
     inside = ("in slots (whole arrays, split over model) inside the step" if self.slotted else
               "packed for the largest stage inside the step")
-    lines.append(f"params    {_kib(self.param_bytes_per_device)} per device as stored (the "
-                 f"user's leaves, sharded over stage); {_kib(self.packed_bytes_per_device)} "
+    lines.append(f"params    {size(self.param_bytes_per_device)} per device as stored (the "
+                 f"user's leaves, sharded over stage); {size(self.packed_bytes_per_device)} "
                  + inside)
     if self.parts:
       lines.append(
           f"parts     {len(self.parts)} stacked leaves (scanned layers) stored split over stage "
-          f"on their layers axis; each stage reads its own {_kib(self.part_bytes_per_device)} "
+          f"on their layers axis; each stage reads its own {size(self.part_bytes_per_device)} "
           + ("where stored, never exchanged: " if self.schedule.num_virtual_stages == 1 else
              f"(chunks s, s + {self.schedule.num_stages}, ...), moved from where stored "
              "(contiguous layers per stage) once per step each way (at most "
@@ -419,13 +415,13 @@ class Pipeline:
     lines += self.describe_split()
     for stage in self.stages:
       if stage.state:
-        size = sum(math.prod(slots.data_aval(self.state_avals[j]).shape)
-                   * slots.data_aval(self.state_avals[j]).dtype.itemsize
-                   for j in stage.state)
+        nbytes = sum(math.prod(slots.data_aval(self.state_avals[j]).shape)
+                     * slots.data_aval(self.state_avals[j]).dtype.itemsize
+                     for j in stage.state)
         means = (f"; its {len(stage.averaged)} batch means averaged over the replicas "
                  f"({', '.join(stage.row_axes)})" if stage.averaged else "")
         lines.append(f"state     stage {stage.index} '{stage.name}' keeps {len(stage.state)} model "
-                     f"state leaves ({_kib(size)}), updated by each micro batch's forward in "
+                     f"state leaves ({size(nbytes)}), updated by each micro batch's forward in "
                      f"order{means}")
     lines += [f"balance   {row}" for row in self.balance]
     for i, holders in self.shared.items():
@@ -506,12 +502,6 @@ def chunk_rows(num_stages: int, num_virtual_stages: int) -> list[int]:
   (the interleaved layout) as its ``v`` consecutive rows, so sharding the rows over ``stage``
   gives every device its own chunks."""
   return [s + j * num_stages for s in range(num_stages) for j in range(num_virtual_stages)]
-
-
-def _kib(n: int) -> str:
-  if n < 1024:
-    return f"{n} B"
-  return f"{n / 1024:.1f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
 
 
 _ROWS_TAKEN = """\
