@@ -11,7 +11,8 @@ interleaved over virtual stages), and the ``shard_map`` loop that runs them in o
   one row per stage;
 - ``stats.py``: batch statistics averaged over pipeline replicas (BatchNorm with several);
 - ``runtime.py``: the loop over ticks (``jax.vjp`` per micro batch, ``ppermute`` between stages);
-- ``builder.py``: what ``epl.Trainer`` calls; ``render.py``: the schedule as a picture.
+- ``builder.py``: what ``epl.Trainer`` calls; ``describe.py``: the pipeline's lines in the plan;
+  ``render.py``: the schedule as a picture.
 """
 
 from epljax.pipeline.builder import Pipeline, PipelineWarning, plan_pipeline

@@ -12,13 +12,13 @@ schedule (``schedules.py``) and returns a ``Pipeline``:
   ``epl.split`` (``slots.py``) (a parameter used by two stages is copied to both, its two
   gradients summed); ``pack_state`` / ``unpack_state``: the model state, in slots;
 - ``gradients(features, ctx)``: the ``GradientFn`` of the step (``runtime.py``), with every
-  feature's ``forward`` hook around each stage's forward.
+  feature's ``forward`` hook around each stage's forward;
+- ``stage_info()`` / ``describe()``: its rows and lines in the plan (``describe.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,14 +31,14 @@ from jax.sharding import PartitionSpec as P
 
 from epljax.config import PipelineConfig
 from epljax import hlo
-from epljax.errors import PlanError, listing, size
+from epljax.errors import PlanError, listing
 from epljax.features import BuildContext, Feature, GradientFn, loss_scale
 from epljax.mesh import DATA, MODEL, STAGE, Layout
-from epljax.pipeline import packing, runtime, slots, stats, storage
+from epljax.pipeline import describe, packing, runtime, slots, stats, storage
 from epljax.pipeline.auto import check_balance
+from epljax.pipeline.describe import StageInfo
 from epljax.pipeline.partition import PipelineWarning, Stage, cut_stages, shared_params
 from epljax.pipeline.schedules import Schedule, make_schedule
-from epljax.plan import leaf_bytes_per_device
 from epljax.sharding.capture import Capture, capture
 from epljax.step import in_device_memory
 from epljax.strategy import SPLIT
@@ -48,18 +48,6 @@ from epljax.strategy import SPLIT
 # runs once) or "inputs" (the stage's forward runs again in the backward). bench/pipeline.py
 # measures both; gradient checkpointing features give the policies in between.
 STASH = "residuals"
-
-
-@dataclasses.dataclass(frozen=True)
-class StageInfo:
-  """One row of the plan's stage table."""
-  index: int
-  name: str
-  num_params: int
-  param_bytes: int        # the stage's own parameters (before padding)
-  incoming_bytes: int     # activations received per micro batch
-  kept_bytes: int         # kept per micro batch for its backward (residuals, inputs)
-  loop: str = "-"         # its repeated layers run as one scan: "6 x 33 ops" (``roll.py``)
 
 
 class Pipeline:
@@ -256,30 +244,6 @@ class Pipeline:
     """Parameter leaf -> its stages, for the leaves held by several stages (tied weights)."""
     return shared_params(self.stages)
 
-  @property
-  def param_bytes_per_device(self) -> int:
-    """The user's leaves as stored (sharded over ``stage``)."""
-    if self._stored is None:
-      return packing.nbytes(self.sizes)
-    return sum(leaf_bytes_per_device(a.shape, a.dtype, sh)
-               for a, sh in zip(self.param_avals, self._stored))
-
-  @property
-  def packed_bytes_per_device(self) -> int:
-    """One stage's packed parameters inside the step (the largest stage); with slots, one
-    row of every slot (split over ``model`` where the slot is)."""
-    if self.slotted:
-      return sum(t.nbytes // self._split_of(t.spec) for _, t in self.slot_layouts[0].types)
-    return packing.nbytes(self.sizes) + self.part_bytes_per_device
-
-  @property
-  def part_bytes_per_device(self) -> int:
-    """The stage's chunks of stacked leaves (kept where they are stored; ``v`` chunks each with
-    virtual stages)."""
-    return self.schedule.num_virtual_stages * sum(
-        math.prod(self.all_avals[v].shape) * self.all_avals[v].dtype.itemsize
-        // self._leaf_split(v) for v in self.parts)
-
   # -- the step -----------------------------------------------------------------------------
   def check_compiled(self, hlo_text: str) -> None:
     """Refuses a compiled step in which GSPMD put a collective inside a stage's branch that
@@ -340,95 +304,20 @@ class Pipeline:
 
     return gradients
 
-  # -- the plan -----------------------------------------------------------------------------
+  # -- the plan (``describe.py``) ------------------------------------------------------------
+  @property
+  def param_bytes_per_device(self) -> int:
+    return describe.param_bytes_per_device(self)
+
+  @property
+  def packed_bytes_per_device(self) -> int:
+    return describe.packed_bytes_per_device(self)
+
   def stage_info(self) -> list[StageInfo]:
-    rows = []
-    for stage in self.stages:
-      branch = self.branches[self.branch_of[stage.index]] if self.branches else None
-      kept = 0
-      if branch is not None:
-        kept = packing.nbytes(branch.residuals.layout.sizes)
-        kept += packing.nbytes(branch.incoming.sizes) if branch.needs_inputs else 0
-      rows.append(StageInfo(stage.index, stage.name, len(stage.params),
-                            self._stage_param_bytes(stage),
-                            packing.nbytes(packing.Layout.of(stage.incoming).sizes), kept,
-                            f"{stage.rolled.repeats} x {stage.rolled.length} ops"
-                            if stage.rolled else "-"))
-    return rows
-
-  def _split_of(self, spec: Sequence[Any]) -> int:
-    return math.prod(storage.axis_size(self.mesh, e) for e in spec if e is not None)
-
-  def _leaf_split(self, i: int) -> int:
-    """Devices leaf (or part) ``i`` is split over (its spec, without ``stage``)."""
-    return self._split_of(self.param_specs[self.parts.get(i, i)])
-
-  def _stage_param_bytes(self, stage: Stage) -> int:
-    """A stage's own parameters per device of the stage (split over ``model`` where split)."""
-    return sum(math.prod(self.all_avals[i].shape) * self.all_avals[i].dtype.itemsize
-               // self._leaf_split(i) for i in stage.params)
-
-  def describe_split(self) -> list[str]:
-    """Per tensor-parallel stage: its split and how much of it is split."""
-    lines = []
-    for stage, k in zip(self.stages, self.split):
-      if k == 1:
-        continue
-      split = [i for i in stage.params if self._leaf_split(i) > 1]
-      whole = sum(math.prod(self.all_avals[i].shape) * self.all_avals[i].dtype.itemsize
-                  for i in stage.params)
-      lines.append(f"split     stage {stage.index} '{stage.name}': epl.split({k}) over model; "
-                   f"{len(split)} of {len(stage.params)} parameters split, "
-                   f"{size(self._stage_param_bytes(stage))} of {size(whole)} per device")
-    return lines
+    return describe.stage_info(self)
 
   def describe(self) -> list[str]:
-    """Lines for the plan: the schedule and what one device keeps."""
-    lines = [f"schedule  {self.schedule.describe()}"]
-    n_stages, virtual = self.schedule.num_stages, self.schedule.num_virtual_stages
-    if virtual > 1:
-      lines.append("chunks    " + "; ".join(
-          f"stage {s}: " + ", ".join(f"'{self.stages[c].name}'" for c in self.rows[
-              s * virtual:(s + 1) * virtual]) for s in range(n_stages)))
-    if self.buffers is not None:
-      per_slot = runtime.buffer_nbytes(self.buffers.residuals) + (
-          packing.nbytes(self.buffers.payload) if self.buffers.keep_inputs else 0)
-      kept = "micro batches" if virtual == 1 else "micro batch chunks"
-      lines.append(
-          f"stash     {self.stash}: {self.schedule.num_slots} {kept} (+1 scratch slot) x "
-          f"{size(per_slot)} per device{' before the model split' if self.slotted else ''}; "
-          f"{len(self.branches)} distinct stage functions")
-    inside = ("in slots (whole arrays, split over model) inside the step" if self.slotted else
-              "packed for the largest stage inside the step")
-    lines.append(f"params    {size(self.param_bytes_per_device)} per device as stored (the "
-                 f"user's leaves, sharded over stage); {size(self.packed_bytes_per_device)} "
-                 + inside)
-    if self.parts:
-      lines.append(
-          f"parts     {len(self.parts)} stacked leaves (scanned layers) stored split over stage "
-          f"on their layers axis; each stage reads its own {size(self.part_bytes_per_device)} "
-          + ("where stored, never exchanged: " if self.schedule.num_virtual_stages == 1 else
-             f"(chunks s, s + {self.schedule.num_stages}, ...), moved from where stored "
-             "(contiguous layers per stage) once per step each way (at most "
-             f"{self.schedule.num_virtual_stages} ppermutes per leaf): ")
-          + listing([self.param_paths[i] for i in self.parts.values()]))
-    lines += self.describe_split()
-    for stage in self.stages:
-      if stage.state:
-        nbytes = sum(math.prod(slots.data_aval(self.state_avals[j]).shape)
-                     * slots.data_aval(self.state_avals[j]).dtype.itemsize
-                     for j in stage.state)
-        means = (f"; its {len(stage.averaged)} batch means averaged over the replicas "
-                 f"({', '.join(stage.row_axes)})" if stage.averaged else "")
-        lines.append(f"state     stage {stage.index} '{stage.name}' keeps {len(stage.state)} model "
-                     f"state leaves ({size(nbytes)}), updated by each micro batch's forward in "
-                     f"order{means}")
-    lines += [f"balance   {row}" for row in self.balance]
-    for i, holders in self.shared.items():
-      names = ", ".join(f"'{self.stages[h].name}'" for h in holders)
-      lines.append(f"tied      '{self.param_paths[i]}' held by stages {names}; their gradients "
-                   "are summed")
-    return lines
+    return describe.describe(self)
 
 
 def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, state_shape: Any,
