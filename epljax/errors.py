@@ -1,4 +1,5 @@
-"""One error base class for everything epljax refuses, so callers can catch it in one place.
+"""One error base class for everything epljax refuses, so callers can catch it in one place,
+and the warnings for what runs but not as it should.
 
 Subclasses also derive from the builtin a Python user would expect (``ValueError`` for bad
 values, ``RuntimeError`` for calls made in the wrong order), so ``except ValueError`` works too.
@@ -34,6 +35,11 @@ class CheckpointError(EPLError, ValueError):
 class NonFiniteError(EPLError, FloatingPointError):
   """Training stopped: too many steps in a row had a non-finite loss or gradients."""
 
+
+
+class PipelineWarning(UserWarning):
+  """A pipeline that runs, but not the way it should (too few micro batches, scanned layers
+  every stage holds whole)."""
 
 def listing(names, limit: int = 3) -> str:
   """A few of ``names`` quoted for a message (``'a', 'b', 'c' ...``)."""

@@ -103,8 +103,9 @@ def _chunk_starts(capture: Capture, num_stages: int) -> tuple[int, ...] | None:
   first: dict[int, int] = {}
   for leaf in range(len(capture.input_paths)):
     groups = param_parts(capture, leaf, num_stages)
-    if len(groups) < 2:
-      continue
+    if len(groups) < 2 or not all(chunks.feeds_scan(capture.program, capture.program.nodes[i])
+                                  for (i,), _ in groups):
+      continue   # not the layers of a split scan (a matrix sliced for another reason)
     aval = capture.program.closed_jaxpr.jaxpr.invars[leaf].aval
     for (i,), _ in groups:
       c = chunks.chunk_of(capture.program.nodes[i].eqn, tuple(aval.shape), num_stages)

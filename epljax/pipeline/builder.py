@@ -31,13 +31,13 @@ from jax.sharding import PartitionSpec as P
 
 from epljax.config import PipelineConfig
 from epljax import hlo
-from epljax.errors import PlanError, listing
+from epljax.errors import PipelineWarning, PlanError, listing
 from epljax.features import BuildContext, Feature, GradientFn, loss_scale
 from epljax.mesh import DATA, MODEL, STAGE, Layout
 from epljax.pipeline import describe, packing, runtime, slots, stats, storage
 from epljax.pipeline.auto import check_balance
 from epljax.pipeline.describe import StageInfo
-from epljax.pipeline.partition import PipelineWarning, Stage, cut_stages, shared_params
+from epljax.pipeline.partition import Stage, cut_stages, shared_params
 from epljax.pipeline.schedules import Schedule, make_schedule
 from epljax.sharding.capture import Capture, capture
 from epljax.step import in_device_memory

@@ -17,6 +17,8 @@ none of them (``builder.py``). Its optimizer state and checkpoint stay one stack
 from __future__ import annotations
 
 import functools
+import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,8 +27,9 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
+from epljax.errors import PipelineWarning, listing, size
 from epljax.sharding import dims
-from epljax.sharding.program import bind_eqn, scan_counts
+from epljax.sharding.program import Node, Program, bind_eqn, scan_counts
 
 
 def scan_splitter(closed: jcore.ClosedJaxpr, position: int, parts: int, num_params: int,
@@ -112,3 +115,43 @@ def chunk_of(node_eqn: jcore.JaxprEqn, shape: tuple[int, ...], parts: int) -> in
   if start[0] % rows or limit[0] - start[0] != rows:
     return None
   return start[0] // rows
+
+
+def feeds_scan(program: Program, node: Node) -> bool:
+  """Whether the value of top-level ``node`` (a chunk's slice) is read inside a scan: layers
+  of a scan split per stage, not a matrix sliced for another reason."""
+  return any("scan" in r.enclosing for r in program.node_consumers(node))
+
+
+def warn_whole_stacks(found: Sequence[tuple[str, Any, str]], num_chunks: int) -> None:
+  """Warns about scanned layers' stacked parameters the pipeline cannot store one chunk per
+  stage: (path, aval, why) each."""
+  nbytes = sum(math.prod(a.shape) * a.dtype.itemsize for _, a, _ in found)
+  path, aval, why = found[0]
+  which = (f"{len(found)} stacked parameters ({listing([p for p, _, _ in found])}) are"
+           if len(found) > 1 else f"Stacked parameter '{path}' (shape {tuple(aval.shape)}) is")
+  reason = (f"The first, '{path}' (shape {tuple(aval.shape)}): {why}." if len(found) > 1 else
+            f"{why[0].upper()}{why[1:]}.")
+  advice = _WHOLE_READ if "other than as" in why else _MISPLACED
+  one = len(found) == 1
+  warnings.warn(_WHOLE_STACK.format(
+      which=which, k=num_chunks, it="it" if one else "them", it_is="it is" if one else "they are",
+      whole=size(nbytes), chunk=size(nbytes / num_chunks), reason=reason, advice=advice),
+      PipelineWarning, stacklevel=5)
+
+
+_WHOLE_STACK = """\
+{which} read in {k} row chunks by the pipeline's stages, one
+chunk each, like the layers of an nn.scan, but not only that way, so {it_is} not stored split
+over the stages: a stage that reads {it} holds {it} whole ({whole} in all, where one chunk is
+{chunk}), and chunks sliced there for another stage travel with every micro batch. Training
+is still exact. {reason}
+{advice}"""
+
+_WHOLE_READ = """\
+To store one chunk per stage, read stacked weights only inside the scanned layers: nothing
+outside the nn.scan (a regularizer over all parameters, one layer's weights) may read them."""
+
+_MISPLACED = """\
+The stage boundaries do not fall between the scan's chunks: let auto.auto_parallel place
+them, or move them there."""

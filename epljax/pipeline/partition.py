@@ -26,8 +26,6 @@ sent. A value flowing from a later stage to an earlier one is an error naming bo
 from __future__ import annotations
 
 import dataclasses
-import math
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +34,7 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
-from epljax.errors import PlanError, listing, size
+from epljax.errors import PlanError
 from epljax.pipeline import chunks
 from epljax.pipeline.roll import Run, roll_repeats
 from epljax.sharding.capture import Capture
@@ -176,35 +174,38 @@ class _Cutter:
 
   def _find_parts(self) -> tuple[dict[int, tuple[int, int]], list[int]]:
     """The slices that give stage ``s`` the ``s``-th row chunk of a stacked parameter
-    (node -> (leaf, chunk)), for the leaves read only that way; and those leaves. A stack
-    sliced into chunks but also read another way is held whole: ``PipelineWarning``."""
+    (node -> (leaf, chunk)), for the leaves read only that way; and those leaves. A stack of
+    scanned layers that cannot be one (also read another way) warns: ``PipelineWarning``."""
     program, found, leaves, whole_stacks = self.cap.program, {}, [], []
     for leaf in range(self.num_params if self.num_stages > 1 else 0):
       shape = tuple(program.invars[leaf].aval.shape)
       mine: dict[int, int] = {}
-      seen: set[int | None] = set()   # the chunks sliced
-      whole = None             # why the leaf is held whole, if it is
+      scanned = set()            # the chunks sliced for a scan over layers
+      why: dict[str, str] = {}   # why the leaf is held whole: the first reason of each kind
       for n, _ in program.uses_of_input(leaf):
         c = None if n.enclosing else chunks.chunk_of(n.eqn, shape, self.num_stages)
-        seen.add(c)
+        if c is not None and chunks.feeds_scan(program, n):
+          scanned.add(c)
         # The slice and everything reading it are on stage c (else the stage holds the leaf).
         stages = {self.stage_of[self.node_tg[r.index]] if self.node_tg[r.index] >= 0 else None
                   for r in [n, *program.node_consumers(n)]}
         if c is None:
-          whole = whole or f"read whole by a {n.eqn.primitive.name}"
+          why.setdefault("read", f"a {n.eqn.primitive.name} reads it other than as one stage's "
+                         "chunk")
         elif c in mine.values():
-          whole = whole or f"its chunk {c} sliced twice"
+          why.setdefault("twice", f"its chunk {c} is sliced twice")
         elif stages != {c}:
-          whole = whole or f"its chunk {c} read outside stage {c}"
+          why.setdefault("stage", f"its chunk {c} is read outside stage {c}")
         else:
           mine[n.index] = c
-      if whole is None and mine:
+      if not why and mine:
         found.update((i, (leaf, c)) for i, c in mine.items())
         leaves.append(leaf)
-      elif len(seen - {None}) > 1:    # a stack the stages share out, held whole
-        whole_stacks.append((self.cap.input_paths[leaf], program.invars[leaf].aval, whole))
+      elif len(scanned) > 1:    # scanned layers the stages share out, held whole
+        whole_stacks.append((self.cap.input_paths[leaf], program.invars[leaf].aval,
+                             why.get("read") or next(iter(why.values()))))
     if whole_stacks:
-      _warn_whole_stacks(whole_stacks, self.num_stages)
+      chunks.warn_whole_stacks(whole_stacks, self.num_stages)
     return found, leaves
 
   # -- walking ------------------------------------------------------------------------------
@@ -503,31 +504,3 @@ Pipeline stage '{consumer}' uses a value computed in stage '{producer}', which r
 `{prim}` at {where} reads the result of `{made}` at {made_where}.
 Stages run in the order their first operation was traced ({order}), and a stage can only use
 values of the stages before it. Compute the value inside the earlier stage's scope."""
-
-
-class PipelineWarning(UserWarning):
-  """A pipeline that runs, but not the way it should (too few micro batches, a stack of
-  layers every stage holds whole)."""
-
-
-def _warn_whole_stacks(found: Sequence[tuple[str, Any, str]], num_stages: int) -> None:
-  """Warns about stacked parameters the stages read in chunks but hold whole: (path, aval,
-  why) each."""
-  nbytes = sum(math.prod(a.shape) * a.dtype.itemsize for _, a, _ in found)
-  paths = listing([p for p, _, _ in found])
-  path, aval, why = found[0]
-  warnings.warn(_WHOLE_STACK.format(
-      what=f"{len(found)} stacked parameters ({paths}) are" if len(found) > 1 else
-      f"Stacked parameter {paths} is", s=num_stages, whole=size(nbytes),
-      chunk=size(nbytes / num_stages), path=path, shape=tuple(aval.shape), why=why),
-      PipelineWarning, stacklevel=2)
-
-
-_WHOLE_STACK = """\
-{what} read by the {s} pipeline stages in row chunks,
-one chunk each, like the layers of an nn.scan, but also read another way, so they are not
-stored split over the stages: a stage that reads one holds all of it ({whole} in all, where a
-stage's own chunks are {chunk}), and chunks sliced there for another stage travel with every
-micro batch. Training is still exact. The first, '{path}' (shape {shape}): {why}.
-To store one chunk per stage, read stacked weights only inside the scanned layers: nothing
-outside the nn.scan (a regularizer over all parameters, one layer's weights) may read them."""
