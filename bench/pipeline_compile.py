@@ -19,6 +19,7 @@ on 8 devices:
 
 from __future__ import annotations
 
+import re
 import time
 
 import flax.linen as nn
@@ -115,8 +116,9 @@ def _block(p, h):
   return h + nn.gelu(y @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
 
 
-def handwritten_cost(layers: int) -> tuple[float, int]:
-  """A GPipe written by hand over stacked blocks (see the module doc)."""
+def handwritten_step(layers: int):
+  """A GPipe written by hand over stacked blocks (see the module doc): the jitted step and its
+  arguments."""
   mesh = Mesh(np.array(jax.devices()[:2 * S]).reshape(2, S), ("data", "stage"))
   per = layers // S
   k = jax.random.split(jax.random.key(0), 4)
@@ -165,11 +167,16 @@ def handwritten_cost(layers: int) -> tuple[float, int]:
     grads = jax.grad(loss)(p, bt)
     return jax.tree.map(lambda a, g: a - 0.1 * g, p, grads)
 
-  b = batch(2 * M * ROWS)
   data = NamedSharding(mesh, P("data"))
+  return (jax.jit(step, in_shardings=(shard, data), out_shardings=shard),
+          (params, batch(2 * M * ROWS)))
+
+
+def handwritten_cost(layers: int) -> tuple[float, int]:
+  """Seconds to lower and compile the hand-written step, and its HLO characters."""
+  step, args = handwritten_step(layers)
   start = time.perf_counter()
-  compiled = jax.jit(step, in_shardings=(shard, data), out_shardings=shard).lower(
-      params, b).compile()
+  compiled = step.lower(*args).compile()
   return time.perf_counter() - start, len(compiled.as_text())
 
 
@@ -206,4 +213,102 @@ def memory_rows(micros=(4, 8, 16), layers: int = 8) -> list[list]:
       sched = trainer.plan.pipeline.schedule
       rows.append([micro, strategy, sched.num_ticks, str(sched.kept_per_stage),
                    sched.num_slots, f"{trainer.plan.memory.temp_size_in_bytes / 2**20:.2f}"])
+  return rows
+
+
+# -- where the compile time goes (``--compile-split``) ------------------------------------------
+_KERNEL = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = [^=]*? fusion\(.*calls=%?([\w.\-]+)")
+_CALLS = re.compile(r"(?:body|branch_computations|true_computation|false_computation)="
+                    r"(\{[^}]*\}|%?[\w.\-]+)")
+
+
+def _computations(text: str) -> dict[str, list[str]]:
+  """Compiled HLO text -> {computation name: its instruction lines}."""
+  out, name = {}, None
+  for line in text.splitlines():
+    head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+    if head and not line.startswith(" "):
+      name = head.group(1)
+      out[name] = []
+    elif line.startswith("}"):
+      name = None
+    elif name is not None:
+      out[name].append(line)
+  return out
+
+
+def kernel_counts(text: str) -> tuple[int, int, int]:
+  """(fusion kernels, distinct kernels, distinct kernels found only inside conditional
+  branches) of a compiled step. Two fusions whose fused computations are equal up to names and
+  metadata are one kernel to generate; a conditional's branches are the pipeline's
+  bubble-skipping switch."""
+  comps = _computations(text)
+  bodies = {}
+  for name, lines in comps.items():
+    body = "\n".join(re.sub(r"%[\w.\-]+|, metadata=\{[^}]*\}", "", ln) for ln in lines)
+    bodies[name] = re.sub(r"\b(param|parameter)_?[\d.]*", "p", body)
+  kernels = [m.group(1) for lines in comps.values() for ln in lines if (m := _KERNEL.match(ln))]
+  branches = set()
+  for lines in comps.values():
+    for ln in lines:
+      if " conditional(" in ln:
+        for group in re.findall(r"branch_computations=\{([^}]*)\}", ln):
+          branches.update(n.strip().lstrip("%") for n in group.split(","))
+  inside, todo = set(), list(branches)
+  while todo:            # the branches and every loop or branch inside them
+    name = todo.pop()
+    if name in inside or name not in comps:
+      continue
+    inside.add(name)
+    for ln in comps[name]:
+      for ref in _CALLS.findall(ln):
+        todo += [n.strip().lstrip("%") for n in ref.strip("{}").split(",")]
+  def distinct(names):
+    return {bodies[m.group(1)] for name in names for ln in comps[name]
+            if (m := _KERNEL.match(ln)) and m.group(1) in bodies}
+
+  only_inside = distinct(inside) - distinct(set(comps) - inside)
+  return len(kernels), len(distinct(comps)), len(only_inside)
+
+
+def split_rows(layers: int = 48, reps: int = 3) -> list[list]:
+  """Lower and compile times of the epljax step (blocks under ``nn.scan``) and the
+  hand-written one, alternately ``reps`` times (medians), with their kernel counts."""
+  times = {"epljax": [], "hand-written": []}
+  texts = {}
+  for rep in range(reps):
+    step, args = handwritten_step(layers)
+    start = time.perf_counter()
+    lowered = step.lower(*args)
+    mid = time.perf_counter()
+    texts["hand-written"] = lowered.compile().as_text()
+    times["hand-written"].append((mid - start, time.perf_counter() - mid))
+
+    epl.init({"pipeline.num_micro_batch": M, "auto.auto_parallel": True, "pipeline.num_stages": S})
+    model = Scanned(layers)
+    b = batch(2 * M * ROWS)
+
+    def loss_fn(variables, bt, model=model):
+      logits = model.apply(variables, bt["x"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, bt["y"]).mean()
+
+    trainer = epl.Trainer(lambda k, bt, model=model: model.init(k, bt["x"]), loss_fn,
+                          optax.sgd(0.1))
+    state = trainer.init(jax.random.key(rep), b)
+    start = time.perf_counter()
+    lowered = trainer.lower(state, b)
+    mid = time.perf_counter()
+    texts["epljax"] = lowered.compile().as_text()
+    times["epljax"].append((mid - start, time.perf_counter() - mid))
+    print(f"rep {rep + 1}/{reps} done", flush=True)
+  rows = []
+  hand_lower, hand_compile = (float(np.median([t[i] for t in times["hand-written"]]))
+                              for i in (0, 1))
+  for who in ("epljax", "hand-written"):
+    lower, comp = (float(np.median([t[i] for t in times[who]])) for i in (0, 1))
+    total, distinct, branches = kernel_counts(texts[who])
+    both = (lower + comp) / (hand_lower + hand_compile)
+    rows.append([who, f"{lower:.2f}", f"{comp:.2f}", f"{lower / hand_lower:.1f}x",
+                 f"{comp / hand_compile:.1f}x", f"**{both:.1f}x**", total, distinct, branches,
+                 f"{len(texts[who]) / 1e3:.0f}"])
   return rows

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend import core as jcore
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -80,6 +81,9 @@ class Branch:
     self.state = state_layout or slots.SlotLayout((), ())
     self.residuals: _Residuals | None = None
     self.loss_dtype: Any = jnp.float32   # of the (feature-wrapped) stage's loss output
+    # The trial trace's program (params, acts, batch, state) -> (outs, loss, aux, stash, new
+    # state) and its output tree, replayed by the step's forward; None: traced there anew.
+    self.forward: tuple[jcore.ClosedJaxpr, Any] | None = None
 
   # -- forward: outputs and pullback -------------------------------------------------------
   def pullback(self, params, acts, batch, state=()):
@@ -111,17 +115,25 @@ class Branch:
     return treedef, tuple(kinds), stash
 
   def trace_residuals(self, param_avals, batch_avals) -> None:
-    """A trial trace: which pullback leaves must be stashed, and their shapes."""
+    """A trial trace: which pullback leaves must be stashed, and their shapes. Where the
+    trace can be replayed as it is (no collectives of its own, parameters in device memory),
+    it is kept as the forward's program (``forward``), so the step does not trace the
+    ``jax.vjp`` again."""
     found = {}
 
     def trial(params, acts, batch, state):
       params = self._in_memory(params)
-      _, loss, _, pull, _ = self.pullback(params, acts, batch, state)
+      outs, loss, aux, pull, new_state = self.pullback(params, acts, batch, state)
       found["treedef"], found["kinds"], stash = self.split(pull, params, acts, batch)
-      return loss, stash
+      return outs, loss, aux, stash, new_state
 
-    loss, stash = jax.eval_shape(self._bound(trial),
-                                 *self._abstract_args(param_avals, batch_avals))
+    args = self._abstract_args(param_avals, batch_avals)
+    if self.stage.averaged or self.param_space is not None:
+      _, loss, _, stash, _ = jax.eval_shape(self._bound(trial), *args)
+    else:
+      closed, shapes = jax.make_jaxpr(trial, return_shape=True)(*args)
+      _, loss, _, stash, _ = shapes
+      self.forward = (closed, jax.tree.structure(shapes))
     for leaf in stash:
       if not jnp.issubdtype(leaf.dtype, np.number) and leaf.dtype != np.bool_:
         raise PlanError(f"Stage '{self.stage.name}' keeps a value of dtype {leaf.dtype} for its "
@@ -239,13 +251,18 @@ def _forward_branch(branch: Branch, sizes: Buffers, aux_avals):
     leaves = branch.params.unpack(params)
     acts = branch.incoming.unpack(incoming)
     old = [slots.as_key(x, a) for x, a in zip(branch.state.unpack(state), branch.state_avals)]
-    outs, loss, aux, pull, new_state = branch.pullback(leaves, acts, batch, old)
-    state = {**state, **dict(zip(branch.state.keys, map(slots.as_data, new_state)))}
-    treedef, kinds, stash = branch.split(pull, leaves, acts, batch)
     expected = branch.residuals
-    if [k for k, _ in kinds] != [k for k, _ in expected.kinds] or treedef.num_leaves != \
-        expected.treedef.num_leaves:   # internal invariant: same function, same residuals
-      raise AssertionError(f"stage '{branch.stage.name}' traced to different residuals")
+    if branch.forward is not None:   # the trial trace's program, replayed
+      closed, tree = branch.forward
+      flat = jcore.jaxpr_as_fun(closed)(*jax.tree.leaves((leaves, acts, batch, old)))
+      outs, loss, aux, stash, new_state = jax.tree.unflatten(tree, flat)
+    else:
+      outs, loss, aux, pull, new_state = branch.pullback(leaves, acts, batch, old)
+      treedef, kinds, stash = branch.split(pull, leaves, acts, batch)
+      if [k for k, _ in kinds] != [k for k, _ in expected.kinds] or treedef.num_leaves != \
+          expected.treedef.num_leaves:   # internal invariant: same function, same residuals
+        raise AssertionError(f"stage '{branch.stage.name}' traced to different residuals")
+    state = {**state, **dict(zip(branch.state.keys, map(slots.as_data, new_state)))}
     if not branch.stage.last:
       aux = [jnp.zeros(a.shape, a.dtype) for a in aux_avals]
     return (branch.outgoing.pack(outs, sizes.payload), loss.astype(jnp.float32), list(aux),
