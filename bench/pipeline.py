@@ -291,7 +291,7 @@ def main(argv=None) -> None:
     body += (f"\n\n48 residual blocks of width {pc.WIDTH} under nn.scan, S={pc.S} stages "
              f"(auto.auto_parallel), M={pc.M} micro batches of {pc.ROWS} rows, 2 replicas on 8 "
              "devices, next to the hand-written GPipe of --compile. lower: tracing the step and "
-             "lowering it to StableHLO; XLA compile: Lowered.compile(); medians of 3, the two "
+             "lowering it to StableHLO; XLA compile: Lowered.compile(); medians of 5, the two "
              "timed alternately. Kernels from the compiled HLO: fusion instructions; distinct: "
              "their fused computations up to names and metadata (XLA:CPU generates code per "
              "distinct kernel); only in switch branches: distinct kernels found only inside the "

@@ -271,7 +271,7 @@ def kernel_counts(text: str) -> tuple[int, int, int]:
   return len(kernels), len(distinct(comps)), len(only_inside)
 
 
-def split_rows(layers: int = 48, reps: int = 3) -> list[list]:
+def split_rows(layers: int = 48, reps: int = 5) -> list[list]:
   """Lower and compile times of the epljax step (blocks under ``nn.scan``) and the
   hand-written one, alternately ``reps`` times (medians), with their kernel counts."""
   times = {"epljax": [], "hand-written": []}
