@@ -217,8 +217,8 @@ def memory_rows(micros=(4, 8, 16), layers: int = 8) -> list[list]:
 
 
 # -- where the compile time goes (``--compile-split``) ------------------------------------------
-_KERNEL = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = [^=]*? fusion\(.*calls=%?([\w.\-]+)")
-_CALLS = re.compile(r"(?:body|branch_computations|true_computation|false_computation)="
+_KERNEL = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = .*? fusion\(.*calls=%?([\w.\-]+)")
+_CALLS = re.compile(r"(?:body|condition|branch_computations|true_computation|false_computation)="
                     r"(\{[^}]*\}|%?[\w.\-]+)")
 
 
@@ -263,6 +263,7 @@ def kernel_counts(text: str) -> tuple[int, int, int]:
     for ln in comps[name]:
       for ref in _CALLS.findall(ln):
         todo += [n.strip().lstrip("%") for n in ref.strip("{}").split(",")]
+
   def distinct(names):
     return {bodies[m.group(1)] for name in names for ln in comps[name]
             if (m := _KERNEL.match(ln)) and m.group(1) in bodies}

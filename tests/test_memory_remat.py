@@ -12,10 +12,12 @@ import pytest
 from jax.experimental import io_callback
 
 import epljax as epl
+from epljax.errors import PlanError
 from epljax.memory import blocks
 from epljax.sharding.program import trace_steps
 from helpers import TOL, assert_trees_close, classification_batch, reference_run
 from helpers import linen_fns as linen_fns_of
+from pipeline_helpers import Stack
 from memory_models import (Deep, TaggedDeep, TwoGraphs, deep_batch, deep_fns, deep_optimizer,
                            deep_reference, deep_run, plain_mlp_fns)
 
@@ -123,6 +125,15 @@ def test_plain_jax_model_is_cut_about_every_sqrt_layers():
   assert any("segments cut where little is live (no module names)" in f
              for f in trainer.plan.features), trainer.plan.features
   assert acts["auto"] < 0.7 * acts["none"]
+
+
+def test_check_gradients_with_pipeline_stages_is_refused_with_the_way_out():
+  epl.init({"gradient_checkpoint.type": "auto", "gradient_checkpoint.check_gradients": True,
+            "pipeline.num_micro_batch": 2})
+  init_fn, loss_fn = linen_fns_of(Stack(stages=2))
+  trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))
+  with pytest.raises(PlanError, match=r"(?s)runs as 2 pipeline stages.*without pipeline stages"):
+    trainer.init(jax.random.key(0), classification_batch(16))
 
 
 def test_check_gradients_passes_on_a_pure_model_and_raises_on_an_impure_one():
@@ -254,7 +265,6 @@ def test_forward_hooks_wrap_any_stage_function():
 def test_auto_inside_pipeline_stages():
   """Each stage's forward is checkpointed per block: the stash keeps (almost) no residuals,
   and the numbers are those of the plain pipeline (itself tested against the reference)."""
-  from pipeline_helpers import Stack
   init_fn, loss_fn = linen_fns_of(Stack(stages=2, layers=4, width=32))
   batch = classification_batch(128)
   runs = {name: train({"pipeline.num_micro_batch": 4, **config}, init_fn, loss_fn, batch)

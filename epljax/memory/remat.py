@@ -26,10 +26,11 @@ from jax.ad_checkpoint import checkpoint_name
 
 from epljax import strategy as strategy_lib
 from epljax.config import GradientCheckpointConfig
-from epljax.errors import EPLError, StateError
+from epljax.errors import EPLError, PlanError, StateError
 from epljax.features import BuildContext, Feature, ForwardFn, GradientFn, UpdateFn
 from epljax.memory import blocks
 from epljax.memory.recompute import rematerialize
+from epljax.mesh import STAGE
 from epljax.sharding.program import (Steps, bind, finish, in_context, live_across, run_scan,
                                      run_steps, scan_body, start_env, trace_steps)
 
@@ -136,6 +137,9 @@ class GradientCheckpoint(Feature):
   def gradients(self, fn: GradientFn, ctx: BuildContext) -> GradientFn:
     if not self.config.check_gradients:
       return fn
+    stages = dict(ctx.mesh.shape).get(STAGE, 1)
+    if stages > 1:
+      raise PlanError(_CHECK_WITH_STAGES.format(s=stages))
 
     def checked(params, model_state, micro, fstate):
       out = fn(params, model_state, micro, fstate)
@@ -291,3 +295,11 @@ def _raise_if_different(diffs, paths):
 
 def features(config: GradientCheckpointConfig) -> list[Feature]:
   return [GradientCheckpoint(config)] if config.type else []
+
+
+_CHECK_WITH_STAGES = """\
+gradient_checkpoint.check_gradients compares the first step's gradients with and without
+checkpointing, but this model runs as {s} pipeline stages, whose forward functions are traced
+once, with checkpointing, when the plan is made: there is no reference to compare with. Check
+the same model without pipeline stages (the check does not depend on how the model is
+parallelized), or set gradient_checkpoint.check_gradients=False."""

@@ -3,8 +3,9 @@
 Every device runs the same loop (``schedules.py`` says what each tick holds). In a tick, a
 stage
 
-1. runs the forward of its micro batch (if any) with ``jax.vjp``, keeps the residuals the
-   backward needs in a stash slot, and hands its outgoing activations to the next stage;
+1. runs the forward of its micro batch (if any) with ``jax.vjp`` (replaying the program the
+   plan traced for it, ``Branch.forward``), keeps the residuals the backward needs in a stash
+   slot, and hands its outgoing activations to the next stage;
 2. runs the backward of its micro batch (if any) from the stashed residuals and the gradient
    received from the next stage (the loss scale on the last stage), adds the parameter
    gradient to its accumulator and hands the activation gradient to the previous stage;
@@ -254,7 +255,10 @@ def _forward_branch(branch: Branch, sizes: Buffers, aux_avals):
     expected = branch.residuals
     if branch.forward is not None:   # the trial trace's program, replayed
       closed, tree = branch.forward
-      flat = jcore.jaxpr_as_fun(closed)(*jax.tree.leaves((leaves, acts, batch, old)))
+      args = jax.tree.leaves((leaves, acts, batch, old))
+      if [(a.shape, a.dtype) for a in args] != [(v.shape, v.dtype) for v in closed.in_avals]:
+        raise AssertionError(f"stage '{branch.stage.name}' replays its forward on other inputs")
+      flat = jcore.jaxpr_as_fun(closed)(*args)
       outs, loss, aux, stash, new_state = jax.tree.unflatten(tree, flat)
     else:
       outs, loss, aux, pull, new_state = branch.pullback(leaves, acts, batch, old)
