@@ -83,24 +83,29 @@ def batch(rows: int) -> dict:
           "y": rng.integers(0, CLASSES, rows).astype(np.int32)}
 
 
-def epljax_cost(layers: int, variant: str = "loop") -> tuple[float, float, int, float]:
-  """Seconds (init + step, the step's lowering and compile alone), HLO characters and temp MiB
-  per device of the compiled step (``VARIANTS``)."""
-  if variant == "nn.scan":
-    epl.init({"pipeline.num_micro_batch": M, "auto.auto_parallel": True,
-              "pipeline.num_stages": S})
-    model = Scanned(layers)
-  else:
-    epl.init({"pipeline.num_micro_batch": M, "pipeline.roll_layers": variant != "loop"})
-    model = Deep(layers)
-  b = batch(2 * M * ROWS)
+def epljax_trainer(model: nn.Module, config: dict, rows: int) -> tuple[epl.Trainer, dict]:
+  """An epljax Trainer of ``model`` (cross-entropy, SGD) under ``config``, and a batch."""
+  epl.init(config)
 
   def loss_fn(variables, bt):
     logits = model.apply(variables, bt["x"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, bt["y"]).mean()
 
+  return (epl.Trainer(lambda k, bt: model.init(k, bt["x"]), loss_fn, optax.sgd(0.1)),
+          batch(rows))
+
+
+def epljax_cost(layers: int, variant: str = "loop") -> tuple[float, float, int, float]:
+  """Seconds (init + step, the step's lowering and compile alone), HLO characters and temp MiB
+  per device of the compiled step (``VARIANTS``)."""
+  if variant == "nn.scan":
+    config = {"pipeline.num_micro_batch": M, "auto.auto_parallel": True, "pipeline.num_stages": S}
+    model = Scanned(layers)
+  else:
+    config = {"pipeline.num_micro_batch": M, "pipeline.roll_layers": variant != "loop"}
+    model = Deep(layers)
+  trainer, b = epljax_trainer(model, config, 2 * M * ROWS)
   start = time.perf_counter()
-  trainer = epl.Trainer(lambda k, bt: model.init(k, bt["x"]), loss_fn, optax.sgd(0.1))
   state = trainer.init(jax.random.key(0), b)
   step_start = time.perf_counter()
   compiled = trainer.lower(state, b).compile()
@@ -199,16 +204,8 @@ def memory_rows(micros=(4, 8, 16), layers: int = 8) -> list[list]:
   rows = []
   for micro in micros:
     for strategy in ("PreferBackward", "PreferForward"):
-      epl.init({"pipeline.num_micro_batch": micro, "pipeline.strategy": strategy})
-      model = Deep(layers)
-      b = batch(2 * micro * ROWS)
-
-      def loss_fn(variables, bt, model=model):
-        logits = model.apply(variables, bt["x"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, bt["y"]).mean()
-
-      trainer = epl.Trainer(lambda k, bt, model=model: model.init(k, bt["x"]), loss_fn,
-                            optax.sgd(0.1))
+      config = {"pipeline.num_micro_batch": micro, "pipeline.strategy": strategy}
+      trainer, b = epljax_trainer(Deep(layers), config, 2 * micro * ROWS)
       trainer.init(jax.random.key(0), b)
       sched = trainer.plan.pipeline.schedule
       rows.append([micro, strategy, sched.num_ticks, str(sched.kept_per_stage),
@@ -285,16 +282,8 @@ def split_rows(layers: int = 48, reps: int = 5) -> list[list]:
     texts["hand-written"] = lowered.compile().as_text()
     times["hand-written"].append((mid - start, time.perf_counter() - mid))
 
-    epl.init({"pipeline.num_micro_batch": M, "auto.auto_parallel": True, "pipeline.num_stages": S})
-    model = Scanned(layers)
-    b = batch(2 * M * ROWS)
-
-    def loss_fn(variables, bt, model=model):
-      logits = model.apply(variables, bt["x"])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, bt["y"]).mean()
-
-    trainer = epl.Trainer(lambda k, bt, model=model: model.init(k, bt["x"]), loss_fn,
-                          optax.sgd(0.1))
+    config = {"pipeline.num_micro_batch": M, "auto.auto_parallel": True, "pipeline.num_stages": S}
+    trainer, b = epljax_trainer(Scanned(layers), config, 2 * M * ROWS)
     state = trainer.init(jax.random.key(rep), b)
     start = time.perf_counter()
     lowered = trainer.lower(state, b)
