@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import epljax as epl
+from epljax import hlo
 
 S, M, WIDTH, ROWS, FEATURES, CLASSES = 4, 8, 256, 16, 32, 10
 
@@ -215,23 +216,6 @@ def memory_rows(micros=(4, 8, 16), layers: int = 8) -> list[list]:
 
 # -- where the compile time goes (``--compile-split``) ------------------------------------------
 _KERNEL = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = .*? fusion\(.*calls=%?([\w.\-]+)")
-_CALLS = re.compile(r"(?:body|condition|branch_computations|true_computation|false_computation)="
-                    r"(\{[^}]*\}|%?[\w.\-]+)")
-
-
-def _computations(text: str) -> dict[str, list[str]]:
-  """Compiled HLO text -> {computation name: its instruction lines}."""
-  out, name = {}, None
-  for line in text.splitlines():
-    head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-    if head and not line.startswith(" "):
-      name = head.group(1)
-      out[name] = []
-    elif line.startswith("}"):
-      name = None
-    elif name is not None:
-      out[name].append(line)
-  return out
 
 
 def kernel_counts(text: str) -> tuple[int, int, int]:
@@ -239,27 +223,12 @@ def kernel_counts(text: str) -> tuple[int, int, int]:
   branches) of a compiled step. Two fusions whose fused computations are equal up to names and
   metadata are one kernel to generate; a conditional's branches are the pipeline's
   bubble-skipping switch."""
-  comps = _computations(text)
+  comps, inside = hlo.computations_in_branches(text)
   bodies = {}
   for name, lines in comps.items():
     body = "\n".join(re.sub(r"%[\w.\-]+|, metadata=\{[^}]*\}", "", ln) for ln in lines)
     bodies[name] = re.sub(r"\b(param|parameter)_?[\d.]*", "p", body)
   kernels = [m.group(1) for lines in comps.values() for ln in lines if (m := _KERNEL.match(ln))]
-  branches = set()
-  for lines in comps.values():
-    for ln in lines:
-      if " conditional(" in ln:
-        for group in re.findall(r"branch_computations=\{([^}]*)\}", ln):
-          branches.update(n.strip().lstrip("%") for n in group.split(","))
-  inside, todo = set(), list(branches)
-  while todo:            # the branches and every loop or branch inside them
-    name = todo.pop()
-    if name in inside or name not in comps:
-      continue
-    inside.add(name)
-    for ln in comps[name]:
-      for ref in _CALLS.findall(ln):
-        todo += [n.strip().lstrip("%") for n in ref.strip("{}").split(",")]
 
   def distinct(names):
     return {bodies[m.group(1)] for name in names for ln in comps[name]

@@ -168,9 +168,9 @@ def executed_collectives(hlo_text: str, include_trivial: bool = False) -> list[C
   return out
 
 
-def collectives_in_branches(hlo_text: str) -> list[Collective]:
-  """The collectives of ``hlo_text`` that run inside a branch of a conditional (or in what a
-  branch calls): only the devices that take that branch reach them."""
+def computations_in_branches(hlo_text: str) -> tuple[dict[str, list[str]], set[str]]:
+  """The lines of each computation of ``hlo_text``, and the names of those that run inside a
+  branch of a conditional (or in what a branch calls)."""
   bodies, _, callers = _computations(hlo_text)
   inside: dict[str, bool] = {}
 
@@ -180,7 +180,14 @@ def collectives_in_branches(hlo_text: str) -> list[Collective]:
       inside[name] = any(how == "branch" or in_branch(c) for c, _, how in callers.get(name, ()))
     return inside[name]
 
-  return [c for name, lines in bodies.items() if in_branch(name)
+  return bodies, {name for name in bodies if in_branch(name)}
+
+
+def collectives_in_branches(hlo_text: str) -> list[Collective]:
+  """The collectives of ``hlo_text`` that run inside a branch of a conditional (or in what a
+  branch calls): only the devices that take that branch reach them."""
+  bodies, inside = computations_in_branches(hlo_text)
+  return [c for name, lines in bodies.items() if name in inside
           for c in collectives("\n".join(lines))]
 
 
