@@ -66,12 +66,11 @@ class Branch:
   """One distinct stage function and the layouts of its buffers."""
 
   def __init__(self, stage: Stage, fn: StageFn, param_avals: Sequence[Any], stash: str,
-               param_space: Any = None, param_layout: Any = None,
+               param_layout: Any = None,
                state_avals: Sequence[Any] = (), state_layout: Any = None,
                loop: tuple[Mesh, frozenset[str]] | None = None):
     self.stage = stage
     self.loop = loop     # the loop's mesh and manual axes, for trial traces of collectives
-    self.param_space = param_space   # a jax.memory.Space other than device memory, or None
     self.fn = jax.checkpoint(fn) if stash == "inputs" else fn
     # Packed buffers, or whole arrays in slots (tensor-parallel stages: ``slots.py``).
     self.params = param_layout or packing.Layout.of([param_avals[i] for i in stage.params])
@@ -117,19 +116,17 @@ class Branch:
 
   def trace_residuals(self, param_avals, batch_avals) -> None:
     """A trial trace: which pullback leaves must be stashed, and their shapes. Where the
-    trace can be replayed as it is (no collectives of its own, parameters in device memory),
-    it is kept as the forward's program (``forward``), so the step does not trace the
-    ``jax.vjp`` again."""
+    trace can be replayed as it is (a stage without collectives of its own), it is kept as
+    the forward's program (``forward``), so the step does not trace the ``jax.vjp`` again."""
     found = {}
 
     def trial(params, acts, batch, state):
-      params = self._in_memory(params)
       outs, loss, aux, pull, new_state = self.pullback(params, acts, batch, state)
       found["treedef"], found["kinds"], stash = self.split(pull, params, acts, batch)
       return outs, loss, aux, stash, new_state
 
     args = self._abstract_args(param_avals, batch_avals)
-    if self.stage.averaged or self.param_space is not None:
+    if self.stage.averaged:
       _, loss, _, stash, _ = jax.eval_shape(self._bound(trial), *args)
     else:
       closed, shapes = jax.make_jaxpr(trial, return_shape=True)(*args)
@@ -142,13 +139,6 @@ class Branch:
                         "only. Pass PRNG keys as raw key data (jax.random.key_data).")
     self.loss_dtype = loss.dtype
     self.residuals = _Residuals(found["treedef"], found["kinds"], packing.Layout.of(stash))
-
-  def _in_memory(self, params):
-    """The parameters of a trial trace in the memory the step's parameters live in (host, with
-    offload): the pullback's static parts, which the step reuses, depend on it."""
-    if self.param_space is None:
-      return params
-    return [jax.device_put(p, self.param_space) for p in params]
 
   def _abstract_args(self, param_avals, batch_avals):
     sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
@@ -176,7 +166,7 @@ class Branch:
   def signature(self, param_avals, batch_avals) -> tuple:
     """Equal for stages that compute the same thing on buffers laid out the same way."""
     closed = jax.make_jaxpr(self._bound(
-        lambda p, a, b, st: self.fn(self._in_memory(p), a, b, tuple(st))))(
+        lambda p, a, b, st: self.fn(p, a, b, tuple(st))))(
             *self._abstract_args(param_avals, batch_avals))
     return (str(closed), self.params, self.incoming, self.outgoing, self.stage.last,
             self.state), closed.consts
@@ -194,13 +184,12 @@ class Buffers:
 
 
 def distinct_branches(stages: Sequence[Stage], fns: Sequence[StageFn], param_avals,
-                      batch_avals, stash: str, param_space: Any = None,
+                      batch_avals, stash: str,
                       param_layouts: Sequence[Any] | None = None, state_avals: Sequence[Any] = (),
                       state_layouts: Sequence[Any] | None = None,
                       loop: tuple[Mesh, frozenset[str]] | None = None
                       ) -> tuple[list[Branch], list[int]]:
   """One ``Branch`` per distinct stage function, and the branch of every stage.
-  ``param_space``: the parameters' ``jax.memory.Space`` when it is not device memory;
   ``param_layouts``: per stage, a ``slots.SlotLayout`` instead of packed buffers;
   ``state_avals`` / ``state_layouts``: the model state leaves, and per stage its state slots;
   ``loop``: the mesh and manual axes of ``pipelined_gradients``' loop, for stages with
@@ -211,7 +200,7 @@ def distinct_branches(stages: Sequence[Stage], fns: Sequence[StageFn], param_ava
   seen: list[tuple[tuple, list]] = []
   branch_of = []
   for i, (stage, fn) in enumerate(zip(stages, fns)):
-    branch = Branch(stage, fn, param_avals, stash, param_space,
+    branch = Branch(stage, fn, param_avals, stash,
                     None if param_layouts is None else param_layouts[i], state_avals,
                     None if state_layouts is None else state_layouts[i], loop)
     sig, consts = branch.signature(param_avals, batch_avals)
@@ -289,8 +278,6 @@ def _backward_branch(branch: Branch, sizes: Buffers):
     pull = jax.tree.unflatten(branch.residuals.treedef, pull_leaves)
     g_outs = branch.outgoing.unpack_cotangents(grad_out)
     g_params, g_acts = pull((tuple(g_outs), seed.astype(branch.loss_dtype)))
-    if branch.param_space is not None:   # accumulated in device memory, like the activations
-      g_params = [jax.device_put(g, jax.memory.Space.Device) for g in g_params]
     return (branch.params.pack(g_params, sizes.params),
             branch.incoming.pack(g_acts, sizes.grad_payload, skip_missing=True))
 
