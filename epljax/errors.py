@@ -36,10 +36,10 @@ class NonFiniteError(EPLError, FloatingPointError):
   """Training stopped: too many steps in a row had a non-finite loss or gradients."""
 
 
-
 class PipelineWarning(UserWarning):
   """A pipeline that runs, but not the way it should (too few micro batches, scanned layers
   every stage holds whole)."""
+
 
 def listing(names, limit: int = 3) -> str:
   """A few of ``names`` quoted for a message (``'a', 'b', 'c' ...``)."""

@@ -137,7 +137,7 @@ class GradientCheckpoint(Feature):
   def gradients(self, fn: GradientFn, ctx: BuildContext) -> GradientFn:
     if not self.config.check_gradients:
       return fn
-    stages = dict(ctx.mesh.shape).get(STAGE, 1)
+    stages = ctx.mesh.shape.get(STAGE, 1)
     if stages > 1:
       raise PlanError(_CHECK_WITH_STAGES.format(s=stages))
 

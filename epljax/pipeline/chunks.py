@@ -123,16 +123,17 @@ def feeds_scan(program: Program, node: Node) -> bool:
   return any("scan" in r.enclosing for r in program.node_consumers(node))
 
 
-def warn_whole_stacks(found: Sequence[tuple[str, Any, str]], num_chunks: int) -> None:
+def warn_whole_stacks(found: Sequence[tuple[str, Any, bool, str]], num_chunks: int) -> None:
   """Warns about scanned layers' stacked parameters the pipeline cannot store one chunk per
-  stage: (path, aval, why) each."""
-  nbytes = sum(math.prod(a.shape) * a.dtype.itemsize for _, a, _ in found)
-  path, aval, why = found[0]
-  which = (f"{len(found)} stacked parameters ({listing([p for p, _, _ in found])}) are"
+  stage: (path, aval, whether it is also read whole, why) each; the first one's reason and
+  advice are given."""
+  nbytes = sum(math.prod(a.shape) * a.dtype.itemsize for _, a, _, _ in found)
+  path, aval, read_whole, why = found[0]
+  which = (f"{len(found)} stacked parameters ({listing([p for p, _, _, _ in found])}) are"
            if len(found) > 1 else f"Stacked parameter '{path}' (shape {tuple(aval.shape)}) is")
   reason = (f"The first, '{path}' (shape {tuple(aval.shape)}): {why}." if len(found) > 1 else
             f"{why[0].upper()}{why[1:]}.")
-  advice = _WHOLE_READ if "other than as" in why else _MISPLACED
+  advice = _WHOLE_READ if read_whole else _MISPLACED
   one = len(found) == 1
   warnings.warn(_WHOLE_STACK.format(
       which=which, k=num_chunks, it="it" if one else "them", it_is="it is" if one else "they are",

@@ -177,7 +177,9 @@ class _Cutter:
     (node -> (leaf, chunk)), for the leaves read only that way; and those leaves. A stack of
     scanned layers that cannot be one (also read another way) warns: ``PipelineWarning``."""
     program, found, leaves, whole_stacks = self.cap.program, {}, [], []
-    for leaf in range(self.num_params if self.num_stages > 1 else 0):
+    if self.num_stages == 1:
+      return found, leaves
+    for leaf in range(self.num_params):
       shape = tuple(program.invars[leaf].aval.shape)
       mine: dict[int, int] = {}
       scanned = set()            # the chunks sliced for a scan over layers
@@ -202,8 +204,9 @@ class _Cutter:
         found.update((i, (leaf, c)) for i, c in mine.items())
         leaves.append(leaf)
       elif len(scanned) > 1:    # scanned layers the stages share out, held whole
+        kind = "read" if "read" in why else next(iter(why))
         whole_stacks.append((self.cap.input_paths[leaf], program.invars[leaf].aval,
-                             why.get("read") or next(iter(why.values()))))
+                             kind == "read", why[kind]))
     if whole_stacks:
       chunks.warn_whole_stacks(whole_stacks, self.num_stages)
     return found, leaves
