@@ -58,6 +58,9 @@ def test_state_lives_in_host_memory_with_the_reference_numbers(level, reference)
   assert plan.placement["parameters"] == "host (pinned_host)"
   assert plan.placement["optimizer state"] == ("host (pinned_host)" if level == "v1"
                                                else "device")
+  assert any(f.startswith(f"offload {level}: ") and f.endswith(", copied in at each use")
+             for f in plan.features), plan.features
+  assert "parameters at each use: copied from host memory" in plan.features
   # What the CPU backend reports: one physical memory, host bytes counted as device bytes.
   assert plan.memory.host_argument_size_in_bytes == 0
   assert "(this backend counts host buffers as device)" in str(plan)
@@ -84,8 +87,9 @@ def test_invalid_level_lists_the_valid_ones():
 
 @pytest.mark.parametrize("strategy", ["PreferBackward", "PreferForward"])
 def test_with_checkpointing_inside_pipeline_stages(strategy):
-  """Offloaded stage parameters under rematerialized blocks: the pipeline's trial trace sees
-  the parameters in host memory, as the step does, and the numbers are the reference's."""
+  """Offloaded stage parameters under rematerialized blocks: the numbers are the reference's,
+  parameters and optimizer state stay in host memory between steps, and the plan says that
+  the stages read packed device buffers (not a copy per use)."""
   from pipeline_helpers import Stack
   init_fn, loss_fn = linen_fns(Stack(stages=2, layers=2))
   batch = classification_batch(32, features=16)
@@ -102,6 +106,10 @@ def test_with_checkpointing_inside_pipeline_stages(strategy):
   assert kinds(state.params) == kinds(state.opt_state) == {"pinned_host"}
   assert trainer.plan.num_stages == 2
   assert any(f.startswith("gradient checkpointing (auto:") for f in trainer.plan.features)
+  assert "offload v1: parameters and optimizer state (updated on the host) in host memory " \
+      "(pinned_host) between steps; the 2 pipeline stages read theirs from device buffers " \
+      "packed once per step, not copied in at each use" in trainer.plan.features
+  assert not any("copied from host memory" in f for f in trainer.plan.features)
 
 
 @pytest.mark.parametrize("config", [{"offload.level": "v0"},

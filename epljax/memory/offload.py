@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding
 from epljax.config import OffloadConfig
 from epljax.features import BuildContext, Feature, StateShardings, UpdateFn
 from epljax.memory.zero import is_sharding
+from epljax.mesh import STAGE
 
 HOST = "pinned_host"
 
@@ -64,10 +65,12 @@ class Offload(Feature):
     self.level = config.level
     self.active = False
     self._backend = ""
+    self._stages = 1
 
   def shardings(self, shardings: StateShardings, ctx: BuildContext) -> StateShardings:
     device = ctx.mesh.devices.flat[0]
     self._backend = device.platform
+    self._stages = ctx.mesh.shape.get(STAGE, 1)
     if host_memory_kind(device) is None:
       warnings.warn(f"offload.level={self.level!r}: the {device.platform} backend has no "
                     f"'{HOST}' memory, so parameters and optimizer state stay in device "
@@ -111,6 +114,10 @@ class Offload(Feature):
               f"'{HOST}' memory")
     what = "parameters" if self.level == "v0" else "parameters and optimizer state " \
         "(updated on the host)"
+    if self._stages > 1:   # the pipeline packs its stages' parameters before its loop
+      return (f"offload {self.level}: {what} in host memory ({HOST}) between steps; the "
+              f"{self._stages} pipeline stages read theirs from device buffers packed once "
+              "per step, not copied in at each use")
     return f"offload {self.level}: {what} in host memory ({HOST}), copied in at each use"
 
 

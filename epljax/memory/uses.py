@@ -30,7 +30,7 @@ from epljax.memory import amp as amp_lib
 from epljax.memory.offload import HOST
 from epljax.memory.recompute import refetch
 from epljax.memory.zero import device_layout, is_sharding
-from epljax.mesh import DATA
+from epljax.mesh import DATA, STAGE
 from epljax.sharding.program import (REMAT, bind_here, finish, in_context, inner_eqns, read,
                                      run_scan, scan_counts, start_env, steps_of, trace_steps)
 
@@ -56,7 +56,8 @@ class ParamUses(Feature):
     stream = any(getattr(s, "memory_kind", None) == HOST for s in jax.tree.leaves(
         ctx.shardings.params, is_leaf=is_sharding)) if ctx.shardings is not None else False
     treedef = jax.tree.structure(ctx.params_shape)
-    self._active = {"stream": stream, "zero": zero, "explicit": explicit}
+    self._active = {"stream": stream, "zero": zero, "explicit": explicit,
+                    "stages": ctx.mesh.shape.get(STAGE, 1)}
 
     def rewritten(params, *args):
       # Inside a per-replica computation (communication.fp16, local clipping: a shard_map
@@ -83,7 +84,7 @@ class ParamUses(Feature):
     active = self._active
     zero = active.get("zero")
     parts = []
-    if active.get("stream"):
+    if active.get("stream") and active["stages"] == 1:   # stages: see Offload.describe
       parts.append("copied from host memory")
     if zero is not None and zero.gather:
       parts.append("all-gathered")
