@@ -43,6 +43,8 @@ ZOO_SHAPES = {
     "gemma": lambda m: (2 * m.gemma.LAYERS, True, 16, m.gemma.D_MODEL),
     "llama": lambda m: (2 * m.llama.LAYERS, True, 16, m.llama.D_MODEL),
     "gpt2": lambda m: (2 * m.gpt2.LAYERS, True, m.gpt2.LENGTH, m.gpt2.D_MODEL),
+    "gpt2_fused": lambda m: (2 * m.gpt2_fused.LAYERS, True, m.gpt2.LENGTH, m.gpt2.D_MODEL),
+    "gpt2_fused_t": lambda m: (2 * m.gpt2_fused.LAYERS, True, m.gpt2.LENGTH, m.gpt2.D_MODEL),
     "vit": lambda m: (2 * m.vit.LAYERS, False, m.vit.TOKENS, m.vit.D_MODEL),
     "mlp_loop": lambda m: (m.mlp_loop.DEPTH, False, 1, m.mlp_loop.WIDTH),
 }

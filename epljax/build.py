@@ -37,6 +37,7 @@ from epljax.plan import EVERY_STAGE, Leaf, Plan, leaf_bytes_per_device, tree_byt
 from epljax.sharding import annotations, reductions
 from epljax.sharding import specs as specs_lib
 from epljax.sharding.capture import Capture, capture, defining_frames
+from epljax.sharding.fused import FusedLayouts
 from epljax.step import TrainState
 from epljax.user_state import UserState
 from epljax.variables import Model
@@ -110,6 +111,7 @@ class Placement:
   trained_shape: Any                      # what the optimizer updates (pipeline: packed)
   opt_shape: Any
   shardings: StateShardings
+  fused: FusedLayouts    # fused parameters held part by part (``sharding.fused``)
 
 
 # The mesh is not known before the capture; a provisional one with the same axis names lets
@@ -159,7 +161,8 @@ def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
   plan = make_plan(var, cap, where, [*features, sums], fstate, jits, batch, rows)
   state_shardings = jits.pop("state_shardings")
   user = UserState(state_shardings=state_shardings, params_shape=var.params_shape,
-                   state_shape=var.state_shape, optimizer=fns.optimizer, feature_state=fstate)
+                   state_shape=var.state_shape, optimizer=fns.optimizer, feature_state=fstate,
+                   fused=where.fused)
   return Built(var.model, cap, where.layout, where.batch_plan, state_shardings, plan=plan,
                user_params=user_params, state_treedef=jax.tree.structure(state_shardings),
                first_step_checks=[f.after_first_step for f in features], user_state=user,
@@ -225,16 +228,19 @@ def place(fns: UserFns, var: Variables, cap: Capture, micro_shapes: Any, rows: i
   bplan = batch_lib.BatchPlan(layout.num_replicas, config.pipeline.num_micro_batch,
                               layout.devices_per_stage if MODEL in axes else 1, axes)
   bplan.check(rows)
+  shapes = [tuple(x.shape) for x in var.leaves]
+  user = annotations.user_specs(list(var.paths), shapes, var.model.metadata, dict(mesh.shape))
+  leaf_specs = specs_lib.variable_specs(cap, layout, shapes, user)
+  fused = FusedLayouts.of([(s.dim, s.parts) for s in leaf_specs], var.paths, shapes,
+                          layout.devices_per_stage, var.num_params)
   # Pipeline stages: parameters packed per stage, a shard_map gradient (epljax.pipeline).
   pipe = None if layout.num_stages == 1 else pipeline_lib.plan_pipeline(
-      loss_call=var.loss_call, has_aux=fns.has_aux, params_shape=var.params_shape,
+      loss_call=fused.loss_call(var.loss_call), has_aux=fns.has_aux,
+      params_shape=var.params_shape,
       state_shape=var.state_shape, param_paths=list(var.paths[:var.num_params]),
       state_paths=list(var.paths[var.num_params:]), micro_shapes=micro_shapes,
       global_capture=cap, layout=layout, batch_axes=axes, config=config.pipeline,
       num_devices=len(cluster.devices), capture_options=options)
-  shapes = [tuple(x.shape) for x in var.leaves]
-  user = annotations.user_specs(list(var.paths), shapes, var.model.metadata, dict(mesh.shape))
-  leaf_specs = specs_lib.variable_specs(cap, layout, shapes, user)
   named = [NamedSharding(mesh, s.spec) for s in leaf_specs]
   n_p = var.num_params
   replicated = NamedSharding(mesh, P())
@@ -249,7 +255,7 @@ def place(fns: UserFns, var: Variables, cap: Capture, micro_shapes: Any, rows: i
           fns.optimizer, lambda _, s: s if pipe is None else pipe.state_sharding(_, s),
           opt_shape, param_sh, non_params=lambda _: replicated),
       model_state=jax.tree.unflatten(jax.tree.structure(var.state_shape), named[n_p:]))
-  return Placement(layout, bplan, leaf_specs, pipe, trained_shape, opt_shape, shardings)
+  return Placement(layout, bplan, leaf_specs, pipe, trained_shape, opt_shape, shardings, fused)
 
 
 def compile_functions(fns: UserFns, var: Variables, where: Placement,
@@ -263,8 +269,10 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
   state_sh = TrainState(step=replicated, params=base.params, opt_state=base.opt_state,
                         model_state=base.model_state,
                         feature_state=jax.tree.map(lambda _: replicated, fstate))
+  loss_call = where.fused.loss_call(var.loss_call)
+
   def forward(params, model_state, b, fs):
-    return var.loss_call(params, model_state, b)
+    return loss_call(params, model_state, b)
 
   per_replica = communication.replica_gradients(features, ctx)
   forward, sums = _shared_reductions(forward, var, where, features, per_replica is not None)
@@ -275,7 +283,7 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
     make_gradients = lambda _: pipe.gradients(features, ctx)  # noqa: E731
   forward, gradients, update = step_lib.build(forward, make_gradients, fns.optimizer,
                                               features, ctx)
-  user_params = lambda p: p  # noqa: E731   (pipeline stages keep the user's tree too)
+  user_params = where.fused.to_user   # (pipeline stages keep the user's tree too)
 
   def prepare(global_batch):
     return batch_lib.micro_batches(global_batch, where.batch_plan, mesh)
@@ -283,6 +291,7 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
   def init_state(r, global_batch):
     first = jax.tree.map(lambda x: x[:rows // num_micro], global_batch)
     _, params, model_state = Model.split(fns.init_fn(r, first))
+    params = where.fused.to_internal(params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=fns.optimizer.init(params), model_state=model_state,
                       feature_state=fstate)
@@ -290,7 +299,7 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
   def loss_and_grads(state, global_batch):
     loss, _, grads, _ = gradients(state.params, state.model_state, prepare(global_batch),
                                   state.feature_state)
-    return loss, grads
+    return loss, where.fused.to_user(grads)
 
   def first_loss(state, global_batch):
     micro = jax.tree.map(lambda x: x[0], prepare(global_batch))

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
+from epljax.sharding.fused import FusedLayouts
 from epljax.step import TrainState
 
 PARTS = ("step", "params", "opt_state", "model_state", "feature_state")
@@ -38,8 +39,10 @@ class UserState:
   """Conversions between ``TrainState`` and the user's structure (module doc)."""
 
   def __init__(self, *, state_shardings: TrainState, params_shape: Any, state_shape: Any,
-               optimizer: Any, feature_state: dict):
+               optimizer: Any, feature_state: dict, fused: FusedLayouts | None = None):
     self.state_shardings = state_shardings
+    self.optimizer, self.params_shape = optimizer, params_shape
+    self.fused = fused or FusedLayouts({}, 0)   # stored part by part: the user's order here
     self.feature_state = feature_state     # the features' initial state (concrete)
     shapes = {"step": jax.ShapeDtypeStruct((), "int32"), "params": params_shape,
               "opt_state": jax.eval_shape(optimizer.init, params_shape),
@@ -53,7 +56,21 @@ class UserState:
     return self._abstract
 
   def to_user(self, state: TrainState) -> dict:
-    return {k: getattr(state, k) for k in PARTS}
+    tree = {k: getattr(state, k) for k in PARTS}
+    return self._reorder(tree, to_internal=False)
 
   def from_user(self, tree: dict) -> TrainState:
+    tree = self._reorder(dict(tree), to_internal=True)
     return jax.device_put(TrainState(**tree), self.state_shardings)
+
+  def _reorder(self, tree: dict, to_internal: bool) -> dict:
+    """Fused parameters (and their optimizer state) between the stored order and the user's
+    (``sharding.fused``)."""
+    if not self.fused:
+      return tree
+    fused = self.fused
+    tree["params"] = fused.to_internal(tree["params"]) if to_internal else fused.to_user(
+        tree["params"])
+    tree["opt_state"] = fused.opt_state(self.optimizer, tree["opt_state"], self.params_shape,
+                                        to_internal)
+    return tree

@@ -33,6 +33,8 @@ class LeafSpec:
   """A variable leaf's spec and why it has it (shown in the plan)."""
   spec: P
   rule: str = ""
+  parts: int = 1          # > 1: a fusion of equal parts on the split dim, held part by part
+  dim: int | None = None  # the split dim (``fused.py``)
 
 
 def variable_specs(capture: Capture, layout: Layout, shapes: Sequence[tuple[int, ...]],
@@ -52,7 +54,9 @@ def variable_specs(capture: Capture, layout: Layout, shapes: Sequence[tuple[int,
     if i in user:
       out.append(LeafSpec(user[i].spec, f"user: {user[i].source}"))
     elif i in decisions:
-      out.append(LeafSpec(spec_for(len(shape), decisions[i].dim, MODEL), decisions[i].rule))
+      d = decisions[i]
+      rule = d.rule if d.parts == 1 else f"{d.rule}, {d.parts} fused parts"
+      out.append(LeafSpec(spec_for(len(shape), d.dim, MODEL), rule, d.parts, d.dim))
     else:
       out.append(LeafSpec(P()))
   return out

@@ -52,16 +52,20 @@ _MIXED = "it is mixed into an unsplit activation"
 class _Fate:
   """What following one candidate split dimension found."""
   good: int = 0                  # paths that end contracted against a weight
+  parts: int = 1                 # equal parts the split dimension is cut into (fused q/k/v: 3)
   bad: list[str] = dataclasses.field(default_factory=list)   # places that need communication
   whole: int = 0                 # activation products holding their other operand whole
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-  """Parameter leaf ``leaf`` is split on ``dim`` because of ``rule``."""
+  """Parameter leaf ``leaf`` is split on ``dim`` because of ``rule``; with ``parts`` > 1 the
+  dimension is a fusion of that many equal parts (fused q/k/v: 3), each split on its own, so
+  device d holds the d-th shard of every part (``fused.py``)."""
   leaf: int
   dim: int
   rule: str
+  parts: int = 1
 
 
 def split_decisions(program: Program, candidates: Iterable[int], leaf_shapes: Sequence[tuple],
@@ -144,6 +148,7 @@ class _State:
     self.program = program
     self.decisions: dict[int, Decision] = {}
     self.split: dict[object, int] = {}             # value -> split dim
+    self.parts: dict[object, int] = {}             # value -> fused parts of its split dim
     self.follow_indices = False                    # a gather's output follows its indices
     self.views: dict[object, D.View] = {}          # value -> parameter view
     self.candidates = candidates
@@ -173,16 +178,27 @@ class _State:
       return v.dims.index(dim) if dim in v.dims else None
     return None
 
-  def decide(self, v: D.View, view_dim: int, rule: str) -> None:
+  def decide(self, v: D.View, view_dim: int, rule: str, parts: int = 1) -> None:
     if v.leaf in self.decisions or v.leaf not in self.candidates:
       return
     param_dim = v.dims[view_dim]
     if param_dim is not None:
-      self.decisions[v.leaf] = Decision(v.leaf, param_dim, rule)
+      self.decisions[v.leaf] = Decision(v.leaf, param_dim, rule, parts)
 
-  def set_out(self, node: Node, dim: int | None, idx: int = 0) -> None:
+  def set_out(self, node: Node, dim: int | None, idx: int = 0, parts: int = 1) -> None:
     if dim is not None and idx < len(node.eqn.outvars):
       self.split[node.eqn.outvars[idx]] = dim
+      if parts > 1:
+        self.parts[node.eqn.outvars[idx]] = parts
+
+  def parts_of(self, node: Node, pos: int) -> int:
+    """The fused parts of operand ``pos``'s split dim (a fused parameter's own, or its
+    activation's): 1 when it is not a fusion."""
+    for b in node.inputs[pos]:
+      if b in self.split:
+        return self.parts.get(b, 1)
+    v = self.view(node, pos)
+    return self.decisions[v.leaf].parts if v is not None and v.leaf in self.decisions else 1
 
   def _where(self, leaf: int) -> str:
     return (f"Parameter '{self.leaf_paths[leaf]}' (shape {tuple(self.leaf_shapes[leaf])}) "
@@ -202,7 +218,10 @@ class _State:
       dim = self.split_dim(node, 0)
       if dim is not None and dim != eqn.params.get("axis"):
         for idx in range(len(eqn.outvars)):
-          self.set_out(node, D.pieces_dim(eqn, dim), idx)
+          self.set_out(node, D.pieces_dim(eqn, dim), idx, self.parts_of(node, 0))
+      elif dim is not None and self.parts_of(node, 0) == len(eqn.outvars) > 1:
+        for idx in range(len(eqn.outvars)):   # a fusion cut into its parts, each split
+          self.set_out(node, dim, idx)
     elif prim == "slice" and self.view(node, 0) is not None and D.rows_only(eqn):
       # Rows of a parameter (a stage's chunk of stacked layers, ``pipeline/chunks.py``): still
       # that parameter, dimension for dimension.
@@ -241,14 +260,14 @@ class _State:
       elif act is not None and act in contract[other]:
         self.decide(w, contract[side][contract[other].index(act)], ROW)
       else:
-        d = self._column(node, side, w, free[side])
-        if d is not None:
-          self.decide(w, d, COLUMN)
+        found = self._column(node, side, w, free[side])
+        if found is not None:
+          self.decide(w, found[0], COLUMN, found[1])
     # Where the output is split: the first split operand dim that survives.
     for side in (0, 1):
       dim = self.split_dim(node, side)
       if dim is not None and dim not in contract[side]:
-        self.set_out(node, D.dot_out_dim(eqn, side, dim))
+        self.set_out(node, D.dot_out_dim(eqn, side, dim), parts=self.parts_of(node, side))
         return
 
   def _check_agrees(self, w: D.View, node: Node, side: int, act: int | None, contract) -> None:
@@ -267,16 +286,21 @@ class _State:
           "an explicit PartitionSpec with epl.annotate({'" + self.leaf_paths[w.leaf]
           + "': P(...)}), or keep the two uses in different task graphs.")
 
-  def _column(self, node: Node, side: int, w: D.View, free: tuple[int, ...]) -> int | None:
-    """The free weight dimension whose split flows to a row-split weight (module doc); a
-    weight with one free dimension is split on it unless its output would be mixed into
-    unsplit activations (a stem or head feeding a residual stream stays replicated)."""
+  def _column(self, node: Node, side: int, w: D.View,
+              free: tuple[int, ...]) -> tuple[int, int] | None:
+    """(the free weight dimension whose split flows to a row-split weight, its fused parts)
+    (module doc); a weight with one free dimension is split on it unless its output would be
+    mixed into unsplit activations (a stem or head feeding a residual stream stays
+    replicated)."""
     dims = [d for d in free if w.dims[d] is not None]
     if not dims:
       return None
     fates = {d: self._follow(node, D.dot_out_dim(node.eqn, side, d)) for d in dims}
     if len(dims) == 1:
-      return None if any(r.startswith(_MIXED) for r in fates[dims[0]].bad) else dims[0]
+      fate = fates[dims[0]]
+      if any(r.startswith(_MIXED) for r in fate.bad):
+        return None
+      return dims[0], 1 if fate.bad else fate.parts   # a fusion only when it splits cleanly
     clean = [d for d, f in fates.items() if f.good and not f.bad]
     # Among clean dimensions, the one that never makes a device hold the other operand of an
     # activation product whole (attention's value kernel: heads, a batch dimension of the
@@ -284,7 +308,7 @@ class _State:
     least = min((fates[d].whole for d in clean), default=0)
     best = [d for d in clean if fates[d].whole == least]
     if len(best) == 1:
-      return best[0]
+      return best[0], fates[best[0]].parts
     shape = self.leaf_shapes[w.leaf]
     lines = "\n".join(
         f"  dimension {w.dims[d]} (size {shape[w.dims[d]]}): "
@@ -360,6 +384,12 @@ class _State:
       return [(eqn.outvars[0], D.dot_out_dim(eqn, pos, dim))]
     if prim in ("split", "unstack"):
       if dim == eqn.params.get("axis"):
+        k = len(eqn.outvars)
+        sizes = eqn.params.get("sizes", ())
+        if (prim == "split" and k > 1 and fate.parts in (1, k) and len(set(sizes)) == 1
+            and sizes[0] % self.device_count == 0):
+          fate.parts = k   # a fusion of k equal parts (q/k/v): each part split on its own
+          return [(out, dim) for out in eqn.outvars]
         fate.bad.append(f"it is cut into pieces at {where}")
         return []
       return [(out, D.pieces_dim(eqn, dim)) for out in eqn.outvars]
@@ -426,7 +456,8 @@ class _State:
       return
     dim = self.split_dim(node, 0)
     if dim is not None and mapping.get(dim) is not None:
-      self.set_out(node, mapping[dim])
+      same = in_shape[dim] == out_shape[mapping[dim]]   # a fusion stays one when kept whole
+      self.set_out(node, mapping[dim], parts=self.parts_of(node, 0) if same else 1)
     v = self.view(node, 0)
     if v is not None:
       inverse = {o: i for i, o in mapping.items() if o is not None}
@@ -445,12 +476,13 @@ class _State:
         break
     if dim is None:
       return
-    self.set_out(node, dim)
+    parts = self.parts_of(node, pos)
+    self.set_out(node, dim, parts=parts)
     for pos in range(len(eqn.invars)):
       v = self.view(node, pos)
       shape = D.shape(eqn.invars[pos])
       if v is not None and len(shape) == len(out_shape) and shape[dim] == out_shape[dim]:
-        self.decide(v, dim, FOLLOWS)
+        self.decide(v, dim, FOLLOWS, parts)
 
 
 def spec_for(ndim: int, dim: int | None, axis: str) -> P:

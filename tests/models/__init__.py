@@ -6,6 +6,9 @@ code): what a new user brings to epljax. Each entry is a ``ZooModel``; ``ZOO`` m
 - ``llama``: layers under ``nn.scan``, Flax logical axis names on every parameter, separate
   q/k/v/o, SwiGLU, untied head.
 - ``gpt2``: Dense q/k/v, LayerNorm, GELU MLP, learned positions, tied embedding.
+- ``gpt2_fused``: GPT-2 as Hugging Face writes it, one fused ``c_attn`` ``(C, 3C)`` Conv1D
+  split in three; ``gpt2_fused_t`` the same with every kernel stored ``(out, in)`` and read
+  transposed (``FlaxConv1D``, nanoGPT's ``nn.Linear``).
 - ``vit``: convolutional patch embedding, class token, encoder blocks, classification head.
 - ``mlp_loop``: a residual MLP stack built in a Python loop inside one module.
 
@@ -28,7 +31,7 @@ from flax.core import meta
 from jax.sharding import PartitionSpec as P
 
 import epljax as epl
-from models import common, gemma, gpt2, llama, mlp_loop, vit
+from models import common, gemma, gpt2, gpt2_fused, llama, mlp_loop, vit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +90,13 @@ ZOO: dict[str, ZooModel] = {
         "gpt2", gpt2.init_fn, gpt2.loss_fn,
         lambda rows: common.token_batch(rows, gpt2.LENGTH, gpt2.VOCAB),
         gpt2.ANNOTATE, gpt2.MEGATRON, stage_splits=("GPT2/(wpe|h_0)", "GPT2/(h_1|ln_f)")),
+    **{name: ZooModel(
+        name, gpt2_fused.init_fn_of(model), gpt2_fused.loss_fn_of(model),
+        lambda rows: common.token_batch(rows, gpt2.LENGTH, gpt2.VOCAB),
+        gpt2_fused.ANNOTATE, gpt2_fused.megatron(model.transposed),
+        stage_splits=("GPT2/(wpe|h_0)", "GPT2/(h_1|ln_f)"))
+       for name, model in (("gpt2_fused", gpt2_fused.GPT2(transposed=False)),
+                           ("gpt2_fused_t", gpt2_fused.GPT2(transposed=True)))},
     "vit": ZooModel(
         "vit", vit.init_fn, vit.loss_fn,
         lambda rows: common.image_batch(rows, vit.SIZE, vit.CHANNELS, vit.CLASSES),
