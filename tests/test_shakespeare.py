@@ -1,0 +1,91 @@
+"""nanoGPT's baby GPT on tiny Shakespeare (``examples/shakespeare_char.py``): the shared copy of
+the text, the Grain windows, and 300 data-parallel iterations against a recorded single-device
+run of the same model on the same batches."""
+
+import hashlib
+import importlib.util
+import os
+import urllib.request
+
+import numpy as np
+import pytest
+
+import epljax as epl
+from epljax.data import CharVocab, split_train_val, windows
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+# Beside the checkout on these machines; a missing file fails the tests (it is always there).
+DATA = os.path.join(ROOT, "..", "shared", "data", "tinyshakespeare.txt")
+
+# `examples/shakespeare_char.py --layout single --steps 300 --eval_interval 0 --eval_iters 20`
+# (plain jax.jit on one device, jax 0.10.2, 2-core CPU VM): the step losses at 1, 51, ..., 251
+# and 300, and the train and val estimates on 20 batches after step 300.
+SINGLE_LOSSES = [4.177191, 2.843349, 2.580949, 2.57925, 2.456938, 2.469963, 2.428052]
+SINGLE_TRAIN, SINGLE_VAL = 2.404453, 2.396789
+
+
+def load_example():
+  path = os.path.join(ROOT, "examples", "shakespeare_char.py")
+  spec = importlib.util.spec_from_file_location("shakespeare_char", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.fixture(scope="module")
+def example():
+  return load_example()
+
+
+@pytest.fixture(scope="module")
+def text():
+  with open(DATA, encoding="utf-8") as f:
+    return f.read()
+
+
+def test_shared_copy_is_tiny_shakespeare(example, text):
+  assert len(text) == example.CHARS == 1_115_394
+  with open(DATA, "rb") as f:
+    assert hashlib.md5(f.read()).hexdigest() == example.MD5
+  vocab = CharVocab.of(text)
+  assert len(vocab) == 65 and vocab.decode(vocab.encode(text[:200])) == text[:200]
+  train, val = split_train_val(vocab.encode(text))
+  assert (len(train), len(val)) == (1_003_854, 111_540)          # nanoGPT's prepare.py
+
+
+def test_windows_are_seeded_and_each_process_reads_its_own_shard():
+  tokens = np.arange(1000, dtype=np.int32)
+  batches = lambda index, count, seed=0: iter(windows(  # noqa: E731
+      tokens, 8, 4, seed=seed, process_index=index, process_count=count))
+  first = next(batches(0, 1))["tokens"]
+  assert first.shape == (4, 9) and first.dtype == np.int32
+  np.testing.assert_array_equal(first[:, 1:] - first[:, :-1], 1)  # contiguous windows
+  np.testing.assert_array_equal(next(batches(0, 1))["tokens"], first)
+  assert not np.array_equal(next(batches(0, 1, seed=1))["tokens"], first)
+  starts = [{int(b["tokens"][r, 0]) for it in [batches(i, 2)] for b in [next(it) for _ in range(50)]
+             for r in range(4)} for i in range(2)]
+  assert len(starts[0]) == len(starts[1]) == 200 and not starts[0] & starts[1]
+
+
+def test_windows_too_short_a_text_says_so():
+  with pytest.raises(epl.ConfigError, match="fewer than one batch of 12 rows"):
+    windows(np.zeros(20, np.int32), 64, 12, seed=0)
+
+
+def test_offline_without_data_says_what_to_pass(example, tmp_path, monkeypatch):
+  def offline(*args, **kwargs):
+    raise OSError("network is unreachable")
+  monkeypatch.setattr(urllib.request, "urlopen", offline)
+  with pytest.raises(epl.EPLError, match=r"pass --data PATH .*1,115,394 characters, md5 "
+                                         "6fb458f1232090904fb40fe944165e91"):
+    example.read_text(None, cache_dir=str(tmp_path))
+
+
+def test_dp_trains_as_the_recorded_single_device_run(example, text):
+  result = example.train("dp", text, steps=300, eval_interval=0, eval_iters=20)
+  losses = result["losses"][::50] + result["losses"][-1:]
+  # 300 Adam steps; dp differs from single-device jax.jit by 6e-7 here (jax 0.10.2).
+  np.testing.assert_allclose(losses, SINGLE_LOSSES, rtol=1e-5)
+  np.testing.assert_allclose([result["train_loss"], result["val_loss"]],
+                             [SINGLE_TRAIN, SINGLE_VAL], rtol=1e-5)
+  assert result["val_loss"] < 2.45                                 # from 4.17 at step 0
