@@ -368,7 +368,7 @@ class _State:
           fate.bad.append(f"both operands are split, not on one batch dimension, at {where}")
           return []
         return [(eqn.outvars[0], batch[0].index(split[0]))]
-      other = self.view(node, 1 - pos)
+      other = self.view(node, 1 - pos) or self._weight_ahead(node, 1 - pos)
       other_split = self.split_dim(node, 1 - pos)
       if dim in contract[pos]:
         if other is not None:
@@ -416,6 +416,19 @@ class _State:
           return []
       out = dim
     return [(eqn.outvars[0], out)]
+
+  def _weight_ahead(self, node: Node, pos: int) -> bool:
+    """Whether operand ``pos`` is a parameter seen through shape-only ops the pass has not
+    reached yet (a kernel stored ``(out, in)`` and transposed at its use)."""
+    bases = list(node.inputs[pos])
+    while len(bases) == 1:
+      if bases[0] in self.views:
+        return True
+      producer = self.program.producer.get(bases[0])
+      if producer is None or producer.primitive not in D.SHAPE_OPS:
+        return False
+      bases = list(producer.inputs[0])
+    return False
 
   def _unsplit_activation(self, node: Node, pos: int, dim: int) -> bool:
     """Whether operand ``pos`` is data (computed from the batch), whole along ``dim`` and not
