@@ -3,7 +3,8 @@
     python bench/overhead.py            # print the table
     python bench/overhead.py --record   # and append it to bench/RESULTS.md
 
-Both steps train the same MLP with the same optax optimizer on the same pre-sharded global
+Both steps train the same model (an MLP of two sizes, and a GPT of 4 layers) with the same optax
+optimizer on the same pre-sharded global
 batch (parameters replicated, batch split over the 'data' axis, state donated). They are timed
 alternately in one process; the figure of merit is the median of the per-pair time ratios.
 Per-device bytes come from ``compiled.memory_analysis()``.
@@ -18,19 +19,37 @@ sys.path.insert(0, os.path.dirname(__file__))
 import argparse  # noqa: E402
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import epljax as epl  # noqa: E402
+from epljax import hlo  # noqa: E402
 from common import machine, mlp_problem, paired_ratio, record, table  # noqa: E402
 
 
-def measure(width: int, depth: int, rows: int, pairs: int) -> list[str]:
-  """One table row: step times, paired ratio and per-device bytes for one model size."""
+def gpt_problem(rows: int):
+  """bench/memory.py's GPT (4 layers of width 128, 128 tokens, vocabulary 512)."""
+  from memory import SEQ, VOCAB, Transformer
+  model = Transformer()
+  rng = np.random.default_rng(0)
+  ids = rng.integers(0, VOCAB, (rows, SEQ + 1)).astype(np.int32)
+  batch = {"x": ids[:, :-1], "y": ids[:, 1:]}
+
+  def loss_fn(variables, b):
+    logits = model.apply(variables, b["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  return model, batch, loss_fn
+
+
+def measure(name: str) -> list[str]:
+  """One table row: step times, paired ratio and per-device bytes and cost for one model."""
   epl.init()
   epl.set_default_strategy(epl.replicate(1))
-  model, batch, loss_fn = mlp_problem(width, depth, rows)
+  kind, *shape, pairs = SIZES[name]
+  model, batch, loss_fn = mlp_problem(*shape) if kind == "mlp" else gpt_problem(*shape)
   optimizer = optax.adamw(1e-3)
 
   # epljax
@@ -65,17 +84,32 @@ def measure(width: int, depth: int, rows: int, pairs: int) -> list[str]:
     return loss
 
   timing = paired_ratio(run_epl, run_hand, pairs=pairs)
-  epl_mem = trainer.lower(box["epl"], epl_batch).compile().memory_analysis()
-  hand_mem = hand_jit.lower(box["hand"], hand_batch).compile().memory_analysis()
+  epl_c = trainer.lower(box["epl"], epl_batch).compile()
+  hand_c = hand_jit.lower(box["hand"], hand_batch).compile()
   mib = lambda m: (f"{m.argument_size_in_bytes / 2**20:.2f} / "  # noqa: E731
                    f"{m.temp_size_in_bytes / 2**20:.2f}")
-  return [f"{depth}x{width}, batch {rows}", f"{timing['first_s'] * 1e3:.2f}",
+  rows = jax.tree.leaves(batch)[0].shape[0]
+  what = f"MLP {shape[1]}x{shape[0]}" if kind == "mlp" else "GPT 4x128, 128 tokens"
+  return [f"{what}, batch {rows}", f"{timing['first_s'] * 1e3:.2f}",
           f"{timing['second_s'] * 1e3:.2f}",
           f"**{timing['ratio']:.3f}** ({timing['ratio_q1']:.3f}-{timing['ratio_q3']:.3f})",
-          str(pairs), mib(epl_mem), mib(hand_mem)]
+          str(pairs), mib(epl_c.memory_analysis()), mib(hand_c.memory_analysis()),
+          f"{_cost(epl_c, 'bytes accessed') / _cost(hand_c, 'bytes accessed'):.3f} / "
+          f"{_cost(epl_c, 'flops') / _cost(hand_c, 'flops'):.3f}"]
 
 
-SIZES = {"small": (256, 2, 256, 200), "medium": (512, 4, 512, 60)}
+def _cost(compiled, key: str) -> float:
+  """``cost_analysis()[key]``, each conditional's buffers counted once (epljax.hlo)."""
+  costs = compiled.cost_analysis()
+  costs = costs[0] if isinstance(costs, list) else costs
+  if key == "bytes accessed":
+    return costs[key] - hlo.conditional_io_bytes(compiled.as_text())
+  return costs[key]
+
+
+# name: (kind, *problem arguments, timed pairs)
+SIZES = {"small": ("mlp", 256, 2, 256, 200), "medium": ("mlp", 512, 4, 512, 60),
+         "gpt": ("gpt", 64, 30)}
 
 
 def main(argv=None):
@@ -83,11 +117,14 @@ def main(argv=None):
   parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
   parser.add_argument("--record", action="store_true")
   args = parser.parse_args(argv)
-  rows = [measure(*SIZES[name]) for name in args.sizes]
-  body = (table(["MLP, global batch", "epljax ms", "hand ms", "ratio (quartiles)", "pairs",
-                 "epljax args / temp MiB/dev", "hand args / temp MiB/dev"], rows)
-          + "\n\nadamw, 8 replicas, data parallel. Ratio: median over pairs of epljax step "
-          "time / hand-written step time, timed alternately in one process. Target: <= 1.03.")
+  rows = [measure(name) for name in args.sizes]
+  body = (table(["model, global batch", "epljax ms", "hand ms", "ratio (quartiles)", "pairs",
+                 "epljax args / temp MiB/dev", "hand args / temp MiB/dev",
+                 "bytes accessed / FLOPs ratio"], rows)
+          + "\n\nadamw, 8 replicas, data parallel; epljax with its global norm, non-finite "
+          "check and skip. Ratio: median over pairs of epljax step time / hand-written step "
+          "time, timed alternately in one process. Target: <= 1.03. Bytes accessed and FLOPs "
+          "from cost_analysis(), each conditional's buffers counted once.")
   print(f"{machine()}\n\n{body}")
   if args.record:
     record("Data-parallel step overhead (bench/overhead.py)", body, argv)

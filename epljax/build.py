@@ -158,7 +158,8 @@ def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
   fstate = {f.name: f.init_state(ctx) for f in features}
   jits, user_params = compile_functions(fns, var, where, features, fstate, ctx, rows)
   sums = jits.pop("gradient_sums")
-  plan = make_plan(var, cap, where, [*features, sums], fstate, jits, batch, rows)
+  skip = step_lib.describe_skip(step_lib.skips_by_cond(mesh))
+  plan = make_plan(var, cap, where, [*features, sums, skip], fstate, jits, batch, rows)
   state_shardings = jits.pop("state_shardings")
   user = UserState(state_shardings=state_shardings, params_shape=var.params_shape,
                    state_shape=var.state_shape, optimizer=fns.optimizer, feature_state=fstate,
@@ -309,7 +310,8 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
     # (pipeline stages keep the user's tree too: the forward runs unpipelined, under GSPMD)
     return step_lib.eval_step(forward, prepare, fns.has_aux)(state, global_batch)
 
-  step = step_lib.train_step(gradients, update, features, prepare, fns.has_aux)
+  step = step_lib.train_step(gradients, update, features, prepare, fns.has_aux,
+                             step_lib.skips_by_cond(mesh))
   traced = functools.partial(_traced_in_session, mesh=mesh)
   options = communication.compiler_options(features, var.params_shape) or None
   batch_sh = NamedSharding(mesh, P(axes))   # every batch leaf: rows over the batch axes
@@ -444,7 +446,7 @@ def make_plan(var: Variables, cap: Capture, where: Placement, features: Sequence
       optimizer_bytes=tree_bytes_per_device(where.opt_shape, base.opt_state),
       schedule=(pipe.schedule.strategy if pipe is not None else
                 "gradient accumulation" if num_micro > 1 else "-"),
-      features=[f.describe for f in features], pipeline=pipe,
+      features=[f if isinstance(f, str) else f.describe for f in features], pipeline=pipe,
       compile_step=lambda: step_jit.lower(abstract_state, abstract_batch).compile(),
       grads_bytes=tree_bytes_per_device(where.trained_shape, grads_sh),
       placement={"parameters": _where(base.params), "gradients": _where(grads_sh),

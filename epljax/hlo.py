@@ -209,3 +209,28 @@ def float32_matmuls(stablehlo_text: str) -> int:
   (``jitted.lower(...).as_text()``): what mixed precision O1 should leave at 0."""
   return sum(any(t.endswith("xf32>") or t == "tensor<f32>" for t in m.groups())
              for m in _MATMUL.finditer(stablehlo_text))
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\(.*?\)|\S+)\s+"
+                          r"(?P<op>[\w\-]+)\((?P<operands>[^)]*)\)", re.M)
+
+
+def conditional_io_bytes(hlo_text: str) -> int:
+  """Bytes of the operands and results of every ``conditional`` of a compiled program.
+
+  ``cost_analysis()["bytes accessed"]`` counts a conditional's operands and results on top of
+  the branch it takes as the most expensive, which reads and writes them itself: the buffers
+  are handed to the branch, not copied. Subtracting this counts each byte once.
+  """
+  types = {m["name"]: m["type"] for m in _INSTRUCTION.finditer(hlo_text)}
+
+  def size(type_text: str) -> int:
+    return sum(_nbytes(a["dtype"], a["dims"]) for a in _ARRAY.finditer(type_text))
+
+  total = 0
+  for m in _INSTRUCTION.finditer(hlo_text):
+    if m["op"] != "conditional":
+      continue
+    operands = [o.strip().lstrip("%") for o in m["operands"].split(",") if o.strip()]
+    total += size(m["type"]) + sum(size(types.get(o, "")) for o in operands)
+  return total

@@ -19,10 +19,16 @@ finite the update is not applied (parameters and optimizer state come back bit f
 innermost, inside what features do around the update (ZeRO's layouts, offload's memory
 spaces), and features that react to overflow themselves (the dynamic loss scale) still see the
 non-finite gradients.
+
+How the check and the skip are compiled depends on the platform (``SkipMode``): on GPU and TPU
+a select fused into each update kernel and one masked reduction per gradient; on XLA:CPU,
+whose fusion cannot do either for free, a ``lax.cond`` over the update and a plain sum of
+squares (bench/overhead.py: 1.49x -> 1.0x a hand-written step). Both give the same bits.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -82,6 +88,11 @@ def accumulate_gradients(forward: ForwardFn, num_micro_batch: int) -> GradientFn
   return gradients
 
 
+def all_in_device_memory(tree: Any) -> bool:
+  return all(getattr(jax.typeof(x), "memory_space", jax.memory.Space.Device)
+             == jax.memory.Space.Device for x in jax.tree.leaves(tree))
+
+
 def in_device_memory(tree: Any) -> Any:
   """The gradients of offloaded (host) parameters are host values; the sum over micro batches
   is kept in device memory, where the update reads it."""
@@ -107,15 +118,42 @@ def map_optimizer_state(optimizer: optax.GradientTransformation, fn: Callable[[A
       is_leaf=lambda x: masked(x) or (is_leaf is not None and is_leaf(x)))
 
 
-def apply_optimizer(optimizer: optax.GradientTransformation) -> UpdateFn:
-  def update(params, opt_state, grads, fstate):
+SKIP_BY_COND = ("cpu",)   # platforms whose step skips by lax.cond (module doc)
+
+
+def skips_by_cond(mesh: jax.sharding.Mesh) -> bool:
+  """Whether the step over ``mesh`` checks and skips the XLA:CPU way (module doc)."""
+  return mesh.devices.flat[0].platform in SKIP_BY_COND
+
+
+def describe_skip(by_cond: bool) -> str:
+  """The plan's line on how a non-finite step is skipped."""
+  if by_cond:
+    return ("non-finite steps: skipped by a lax.cond over the update (XLA:CPU; on GPU/TPU a "
+            "select fused into the update)")
+  return "non-finite steps: skipped by a select fused into the update"
+
+
+def apply_optimizer(optimizer: optax.GradientTransformation, by_cond: bool = False) -> UpdateFn:
+  def apply(params, opt_state, grads):
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
+    return optax.apply_updates(params, updates), new_opt_state
+
+  def update(params, opt_state, grads, fstate):
     finite = fstate.get(STEP_FINITE)
     if finite is None:
+      return (*apply(params, opt_state, grads), fstate)
+    if by_cond and all_in_device_memory((params, opt_state)):
+      # XLA:CPU keeps the old and new state live across a select, with a copy of each
+      # optimizer leaf; a cond runs the update in place or not at all. (Offloaded state keeps
+      # the select: a value's memory space is part of its type, which a cond's branches
+      # must agree on.)
+      new_params, new_opt_state = jax.lax.cond(
+          finite, apply, lambda p, o, _: (p, o), params, opt_state, grads)
       return new_params, new_opt_state, fstate
-    # A select, not a cond: elementwise, it fuses into the update and runs wherever the
-    # update runs (on the host under offload v1), and a skipped step keeps the old bits.
+    # A select fuses into the update and runs wherever the update runs (on the host under
+    # offload v1), and a skipped step keeps the old bits.
+    new_params, new_opt_state = apply(params, opt_state, grads)
     keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
     return (jax.tree.map(keep, new_params, params),
             jax.tree.map(keep, new_opt_state, opt_state), fstate)
@@ -127,26 +165,27 @@ def build(forward: ForwardFn, make_gradients: Callable[[ForwardFn], GradientFn],
           optimizer: optax.GradientTransformation, features: Sequence[Feature],
           ctx: BuildContext) -> tuple[ForwardFn, GradientFn, UpdateFn]:
   """Chains the features around forward, gradients and update."""
+  by_cond = skips_by_cond(ctx.mesh)
   for f in features:
     forward = f.forward(forward, ctx)
   gradients = make_gradients(forward)
   for f in features:
     gradients = f.gradients(gradients, ctx)
-  update = apply_optimizer(optimizer)
+  update = apply_optimizer(optimizer, by_cond)
   for f in features:
     update = f.update(update, ctx)
   return forward, gradients, update
 
 
 def train_step(gradients: GradientFn, update: UpdateFn, features: Sequence[Feature],
-               prepare_batch: Callable[[Any], Any], has_aux: bool):
+               prepare_batch: Callable[[Any], Any], has_aux: bool, by_cond: bool = False):
   """``(state, batch) -> (state, metrics)`` from its pieces."""
 
   def step(state: TrainState, batch: Any):
     fstate = state.feature_state
     loss, aux, grads, model_state = gradients(state.params, state.model_state,
                                               prepare_batch(batch), fstate)
-    grad_norm, finite = norm_and_finite(loss, grads)
+    grad_norm, finite = norm_and_finite(loss, grads, by_cond)
     params, opt_state, fstate = update(state.params, state.opt_state, grads,
                                        {**fstate, STEP_FINITE: finite})
     fstate = {k: v for k, v in fstate.items() if k != STEP_FINITE}
@@ -165,22 +204,35 @@ def train_step(gradients: GradientFn, update: UpdateFn, features: Sequence[Featu
   return step
 
 
-def norm_and_finite(loss: jax.Array, grads: Any) -> tuple[jax.Array, jax.Array]:
+def norm_and_finite(loss: jax.Array, grads: Any,
+                    by_cond: bool = False) -> tuple[jax.Array, jax.Array]:
   """The global norm of the gradients (float32), and whether the loss and every gradient are
   finite, from one reduction per leaf.
 
-  Each leaf sums its squares in float32 with NaN in place of any element that is not finite
-  (checked in the leaf's own dtype: a float64 1e300 is finite, its float32 cast is not). The
-  sum is NaN iff some element is not finite, while finite elements whose squares overflow
-  give ``+inf``, never NaN (the terms are >= 0). So the flag is per element, as a separate
-  ``all(isfinite(g))`` would be, at half the reductions (each a compiled kernel).
+  Each leaf sums its squares in float32. A sum is NaN iff some element is NaN or infinite
+  (checked in the leaf's own dtype: a float64 1e300 is finite, its float32 cast is not), while
+  finite elements whose squares overflow give ``+inf``, never NaN (the terms are >= 0). So the
+  flag is per element, as a separate ``all(isfinite(g))`` would be, at half the reductions.
+
+  GPU/TPU: NaN stands in for each non-finite element inside the reduction (one fused kernel).
+  XLA:CPU (``by_cond``): that select splits the reduction in two kernels there, so the plain
+  squares are summed (an infinite element then gives ``+inf`` too), and only a sum of ``+inf``
+  is told apart, by an elementwise check under a ``lax.cond`` that runs for such steps alone.
   """
   leaves = jax.tree.leaves(in_device_memory(grads))
   if not leaves:
     return jnp.zeros((), jnp.float32), jnp.isfinite(loss)
-  squares = sum(jnp.sum(jnp.where(jnp.isfinite(g), jnp.square(g.astype(jnp.float32)), jnp.nan))
-                for g in leaves)
-  return jnp.sqrt(squares), jnp.logical_and(jnp.isfinite(loss), ~jnp.isnan(squares))
+  if not by_cond:
+    squares = sum(jnp.sum(jnp.where(jnp.isfinite(g), jnp.square(g.astype(jnp.float32)), jnp.nan))
+                  for g in leaves)
+    return jnp.sqrt(squares), jnp.logical_and(jnp.isfinite(loss), ~jnp.isnan(squares))
+  squares = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves)
+
+  def elementwise():
+    return functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(g)) for g in leaves])
+
+  finite = jax.lax.cond(jnp.isinf(squares), elementwise, lambda: ~jnp.isnan(squares))
+  return jnp.sqrt(squares), jnp.logical_and(jnp.isfinite(loss), finite)
 
 
 def eval_step(forward: ForwardFn, prepare_batch: Callable[[Any], Any], has_aux: bool):
