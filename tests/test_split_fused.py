@@ -156,26 +156,49 @@ def test_3d_is_exact_against_the_reference(name):
   assert_trees_close(meta.unbox(trainer.variables(state)), expected, TOL)
 
 
-class ReluOnFused(nn.Module):
-  """A fused projection whose output goes through ``jax.nn.relu`` (a ``custom_jvp``) before
-  it is cut into its two parts."""
+def test_blocks_under_nn_remat_keep_the_fused_layout():
+  """Hugging Face's gradient checkpointing (each block under ``nn.remat``): the fused kernel is
+  read inside the rematerialized body, exact and at Megatron's minimum all the same."""
+  model = gpt2_fused.GPT2(remat=True)
+  init_fn, loss_fn = gpt2_fused.init_fn_of(model), gpt2_fused.loss_fn_of(model)
+  zoo = ZOO["gpt2_fused"]
+  batch = zoo_batch(zoo)
+  optimizer = optax.sgd(0.1)
+  history, expected = reference_run(init_fn, loss_fn, optimizer, jax.random.key(0), batch, 1)
+  epl.init()
+  epl.annotate(zoo.annotate_rules(2))
+  trainer = epl.Trainer(init_fn, loss_fn, optimizer)
+  state = trainer.init(jax.random.key(0), batch)
+  assert trainer.plan.leaves[[leaf.path for leaf in trainer.plan.leaves].index(
+      "params/h_0/attn/c_attn/kernel")].rule == "column, 3 fused parts"
+  found = hlo.executed_collectives(trainer.lower(state, batch).compile().as_text())
+  assert {c.kind for c in found} == {"all-reduce"}, hlo.summarize(found)
+  state, metrics = trainer.train_step(state, batch)
+  np.testing.assert_allclose(metrics["loss"], history[0][0], **TOL)
+  assert_trees_close(trainer.variables(state), expected, TOL)
+
+
+class FlippedFused(nn.Module):
+  """A fused gate/up projection (through ``jax.nn.relu``, a ``custom_jvp``, which the stored
+  order follows) whose features are reversed before they are cut into their two parts."""
 
   @nn.compact
   def __call__(self, x):
     with epl.split(2, name="mlp"):
-      h = jax.nn.relu(gpt2_fused.Conv1D(4 * C, name="c_fc")(x))
+      h = jnp.flip(jax.nn.relu(gpt2_fused.Conv1D(4 * C, name="c_fc")(x)), axis=-1)
       gate, up = jnp.split(h, 2, axis=-1)
       return gpt2_fused.Conv1D(C, name="c_proj")(gate * up)
 
 
 def test_a_fused_value_the_stored_order_cannot_follow_is_an_error():
-  model = ReluOnFused()
+  model = FlippedFused()
   batch = common.regression_batch(8, C, C)
   epl.init()
   trainer = epl.Trainer(lambda r, b: model.init(r, b["x"]),
                         lambda v, b: jnp.mean((model.apply(v, b["x"]) - b["y"]) ** 2),
                         optax.sgd(0.1))
   with pytest.raises(FusedLayoutError, match=r"(?s)Parameter 'params/c_fc/kernel' \(shape "
-                     r"\(32, 128\)\) is a fusion of 2 equal parts.*custom_jvp_call.*"
+                     r"\(32, 128\)\) is a fusion of 2 equal parts.*rev in FlippedFused.*"
                      r"jnp.split right after the matmul.*epl.annotate"):
-    trainer.init(jax.random.key(0), batch)
+    state = trainer.init(jax.random.key(0), batch)
+    trainer.train_step(state, batch)

@@ -84,6 +84,8 @@ def cells():
         continue   # Llama's layers are one nn.scan, mlp_loop's one module: no path boundary
       if strategy == "pipeline_roll" and name != "mlp_loop":
         continue
+      if name == "gpt2_fused_t" and strategy != "split_annotate":
+        continue   # gpt2_fused with its kernels transposed: only the split differs (and CI time)
       yield pytest.param(name, strategy, id=f"{name}-{strategy}")
 
 

@@ -39,7 +39,8 @@ from jax.extend import core as jcore
 
 from epljax.errors import PlanError
 from epljax.sharding import dims as D
-from epljax.sharding.program import Step, bind, finish, in_context, run_steps, start_env, trace_steps
+from epljax.sharding.program import (REMAT, Step, bind, finish, in_context, inner_eqns, read,
+                                     run_steps, start_env, steps_of, trace_steps)
 
 
 class FusedLayoutError(PlanError):
@@ -177,6 +178,8 @@ def _run(step: Step, invals: list, stored: dict) -> list:
 
   if any((m.fused.parts, m.fused.devices) != (f.parts, f.devices) for m in marked.values()):
     fail("mixes it with a fusion of other parts")
+  if prim in REMAT:   # nn.remat / jax.checkpoint written in the model: its body, rematerialized
+    return in_context(step, _remat, step, invals, marked, stored)
   if prim == "split" and eqn.params["axis"] == s.dim and len(marked) == 1:
     sizes = eqn.params["sizes"]
     if len(sizes) != f.parts or len(set(sizes)) != 1:
@@ -198,14 +201,44 @@ def _run(step: Step, invals: list, stored: dict) -> list:
         and contract[1][contract[0].index(marked[0].dim)] == marked[1].dim):
       return bind(step, invals)   # a sum over the dimension: any order gives it
     fail("contracts it against a value in the user's order")
-  if D.is_elementwise(eqn):
+  if _pointwise(eqn):
     for p, v in enumerate(eqn.invars):
       shape = D.shape(v)
       if shape and shape[s.dim] == out_shape[s.dim] > 1 and (
           p not in marked or marked[p].dim != s.dim):
         fail("combines it with a value in the user's order")
     return mark([s.dim], bind(step, invals))
-  fail("is not a transpose, reshape, cast, elementwise op, matmul or split")
+  fail("is not a transpose, reshape, cast, elementwise op, matmul, split or checkpoint (a "
+       "scan, loop, branch or custom derivative cannot hold it yet)")
+
+
+def _pointwise(eqn) -> bool:
+  """Elementwise in fact, not only in shape: no axis to run along (a cumulative sum, a
+  reverse, a sort keep the shape but mix positions), and so is every equation inside."""
+  if any(k in eqn.params for k in ("axis", "axes", "dimension", "dimensions")):
+    return False
+  return D.is_elementwise(eqn) and all(_pointwise(e) for e in inner_eqns(eqn))
+
+
+def _remat(step: Step, invals: list, marked: dict, stored: dict) -> list:
+  """A ``checkpoint`` equation re-bound as ``jax.checkpoint`` of its body, run by ``_run``."""
+  p = step.eqn.params
+  body = steps_of(p["jaxpr"])
+  found: dict[int, _Stored] = {}
+
+  def inner(*args):
+    inside = {body.inputs[pos]: m for pos, m in marked.items()}
+    env = start_env(body, args)
+    run_steps(body.steps, env, lambda s, vals: _run(s, vals, inside))
+    found.update((i, inside[a]) for i, a in enumerate(body.outputs)
+                 if not isinstance(a, jcore.Literal) and a in inside)
+    return [read(env, a) for a in body.outputs]
+
+  outs = jax.checkpoint(inner, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
+  for i, m in found.items():
+    if step.outputs[i] is not None:
+      stored[step.outputs[i]] = m
+  return list(outs)
 
 
 def _parts(x, f: Fused, dim: int) -> list:

@@ -72,14 +72,16 @@ class Block(nn.Module):
 
 class GPT2(nn.Module):
   transposed: bool = False
+  remat: bool = False      # each block under nn.remat (Hugging Face's gradient_checkpointing)
 
   @nn.compact
   def __call__(self, ids):
     wte = nn.Embed(VOCAB, D_MODEL, embedding_init=nn.initializers.normal(0.1), name="wte")
     wpe = nn.Embed(LENGTH, D_MODEL, embedding_init=nn.initializers.normal(0.1), name="wpe")
     x = wte(ids) + wpe(jnp.arange(ids.shape[1]))[None]
+    block = nn.remat(Block) if self.remat else Block
     for i in range(LAYERS):
-      x = Block(self.transposed, name=f"h_{i}")(x)
+      x = block(self.transposed, name=f"h_{i}")(x)
     return wte.attend(nn.LayerNorm(name="ln_f")(x))
 
 
