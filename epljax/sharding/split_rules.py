@@ -368,10 +368,10 @@ class _State:
           fate.bad.append(f"both operands are split, not on one batch dimension, at {where}")
           return []
         return [(eqn.outvars[0], batch[0].index(split[0]))]
-      other = self.view(node, 1 - pos) or self._weight_ahead(node, 1 - pos)
+      other = self.view(node, 1 - pos) is not None or self._weight_ahead(node, 1 - pos)
       other_split = self.split_dim(node, 1 - pos)
       if dim in contract[pos]:
-        if other is not None:
+        if other:
           fate.good += 1
         else:
           fate.bad.append(f"it is contracted between two activations at {where}")
@@ -380,7 +380,7 @@ class _State:
       if other_split is not None and other_split != matching:
         fate.bad.append(f"it meets an operand split on another dimension at {where}")
         return []
-      fate.whole += other is None and matching is None
+      fate.whole += not other and matching is None
       return [(eqn.outvars[0], D.dot_out_dim(eqn, pos, dim))]
     if prim in ("split", "unstack"):
       if dim == eqn.params.get("axis"):
@@ -420,12 +420,13 @@ class _State:
   def _weight_ahead(self, node: Node, pos: int) -> bool:
     """Whether operand ``pos`` is a parameter seen through shape-only ops the pass has not
     reached yet (a kernel stored ``(out, in)`` and transposed at its use)."""
+    leaves = set(self.program.invars[:len(self.leaf_shapes)])
     bases = list(node.inputs[pos])
     while len(bases) == 1:
-      if bases[0] in self.views:
+      if bases[0] in leaves:
         return True
       producer = self.program.producer.get(bases[0])
-      if producer is None or producer.primitive not in D.SHAPE_OPS:
+      if producer is None or producer.primitive not in ("transpose", "convert_element_type"):
         return False
       bases = list(producer.inputs[0])
     return False
