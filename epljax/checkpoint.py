@@ -26,6 +26,11 @@
   trainer's current shardings. A checkpoint of another model is refused, naming the first
   parameter whose path or shape differs. Feature state is restored for the features both
   runs have; a feature the checkpoint lacks starts from its initial state.
+- **The data too**: ``save(step, state, data=iterator)`` also stores a Grain
+  ``DatasetIterator``'s position (each process its own, ``process_<i>-of-<n>.json`` beside the
+  arrays, taken when ``save`` is called), and ``restore(trainer, data=iterator)`` moves a fresh
+  iterator of the same pipeline there: the resumed run reads the batches the uninterrupted run
+  would have read, no batch repeated and none skipped.
 - **Preemption**: ``reached_preemption(step)`` is True on every process at the same step once
   any process got SIGTERM (``epljax.launch.stop_requested``: JAX's preemption sync service
   across processes, started by ``jax.distributed.initialize``; a SIGTERM flag in a single
@@ -36,6 +41,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from typing import Any
@@ -66,22 +72,34 @@ class Checkpointer:
     self.directory = path if "://" in path else os.path.abspath(path)
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
                                            enable_async_checkpointing=True)
+    # The state is Orbax's single item "default" (checkpoints without data read as before);
+    # a data iterator's position is the item "data", in Grain's own handler.
+    handlers = {"default": ocp.StandardCheckpointHandler()}
+    grain_checkpoint = _grain_checkpoint()
+    if grain_checkpoint is not None:
+      handlers["data"] = grain_checkpoint.CheckpointHandler()
     self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                          item_handlers=ocp.StandardCheckpointHandler())
+                                          item_handlers=handlers)
     self._watching = False
 
   # -- saving ------------------------------------------------------------------------------
-  def save(self, step: int, state: TrainState, trainer: Any = None) -> None:
+  def save(self, step: int, state: TrainState, trainer: Any = None, data: Any = None) -> None:
     """Starts saving ``state`` as step ``step``; returns once the arrays are off the devices.
 
-    ``trainer``: the Trainer ``state`` belongs to; found by itself when omitted.
+    ``trainer``: the Trainer ``state`` belongs to; found by itself when omitted. ``data``: a
+    Grain ``DatasetIterator`` whose position is saved with the state (taken now: the
+    iterator may go on while the save completes).
     """
     step = int(step)
     tree = _built_for(state, trainer).user_state.to_user(state)
     if step in self._manager.all_steps():
       raise CheckpointError(f"Step {step} is already saved in {self.directory}; save each "
                             "step once (or remove that step's directory).")
-    self._manager.save(step, args=ocp.args.StandardSave(tree))
+    items = {"default": ocp.args.StandardSave(tree)}
+    if data is not None:
+      items["data"] = _grain_checkpoint(required=True).CheckpointSave(
+          _Position(_iterator_state(data, "save")))
+    self._manager.save(step, args=ocp.args.Composite(**items))
 
   def wait(self) -> None:
     """Blocks until every pending save is committed."""
@@ -98,9 +116,10 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
 
-  def restore(self, trainer: Any, step: int | None = None) -> TrainState:
+  def restore(self, trainer: Any, step: int | None = None, data: Any = None) -> TrainState:
     """Step ``step`` (default: the latest) as a state of ``trainer`` (after ``trainer.init``),
-    in the trainer's current shardings."""
+    in the trainer's current shardings. ``data``: a Grain ``DatasetIterator`` of the same
+    pipeline, moved to the position saved with the step."""
     built = trainer._require()
     if step is None:
       step = self.latest_step()
@@ -111,7 +130,8 @@ class Checkpointer:
       raise CheckpointError(f"No checkpoint of step {step} in {self.directory}; it holds "
                             f"steps {self.all_steps()}.")
     step = int(step)
-    saved = self._manager.item_metadata(step)
+    items = self._manager.item_metadata(step)
+    saved = items["default"] if "default" in items else None
     saved = getattr(saved, "tree", saved)
     if not isinstance(saved, dict) or "params" not in saved:
       raise CheckpointError(f"Step {step} in {self.directory} is not an epl.Checkpointer "
@@ -124,8 +144,16 @@ class Checkpointer:
     target["feature_state"] = jax.tree.map(
         lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=replicated),
         saved.get("feature_state", {}))
-    tree = self._manager.restore(step, args=ocp.args.StandardRestore(target))
-    tree = dict(tree)
+    args = {"default": ocp.args.StandardRestore(target)}
+    if data is not None:
+      _iterator_state(data, "restore")
+      if not os.path.isdir(os.path.join(self.directory, str(step), "data")):
+        raise CheckpointError(
+            f"Step {step} in {self.directory} holds no data iterator: it was saved with "
+            f"ckpt.save(step, state), not ckpt.save(step, state, data=iterator). Restore it "
+            "without data=, and position the iterator yourself.")
+      args["data"] = _grain_checkpoint(required=True).CheckpointRestore(data)
+    tree = dict(self._manager.restore(step, args=ocp.args.Composite(**args))["default"])
     tree["feature_state"] = _match_features(tree["feature_state"], user.feature_state)
     return user.from_user(tree)
 
@@ -140,6 +168,39 @@ class Checkpointer:
       if jax.process_count() == 1 and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         launch_worker.watch_stop_signals()
     return bool(launch_worker.stop_requested(int(step)))
+
+
+def _grain_checkpoint(required: bool = False):
+  """``grain.checkpoint``, or None (``required``: an error) when Grain is not installed."""
+  try:
+    import grain
+  except ImportError:
+    if required:
+      raise CheckpointError("data=: saving a data iterator needs Grain "
+                            "(pip install 'epljax[grain]').") from None
+    return None
+  return grain.checkpoint
+
+
+def _iterator_state(data: Any, what: str) -> Any:
+  """The position of a Grain ``DatasetIterator``; other objects are refused."""
+  if not (hasattr(data, "get_state") and hasattr(data, "set_state")):
+    raise CheckpointError(
+        f"ckpt.{what}(..., data={type(data).__name__}): data must be a Grain DatasetIterator "
+        "(iter(dataset) of a grain.MapDataset / IterDataset), whose get_state() / "
+        "set_state() give and take its position.")
+  return data.get_state()
+
+
+class _Position:
+  """A position taken at ``save``, written by Grain's handler (as a non-dataset iterator's
+  bytes) whenever the asynchronous save gets to it."""
+
+  def __init__(self, state: Any):
+    self._json = json.dumps(state, indent=4).encode()
+
+  def get_state(self) -> bytes:
+    return self._json
 
 
 def _built_for(state: Any, trainer: Any):

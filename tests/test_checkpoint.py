@@ -139,7 +139,7 @@ def test_restored_state_has_the_trainer_shardings(runs):
       built.state_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))):
     assert x.sharding.is_equivalent_to(s, x.ndim)
   # A pipeline's checkpoint holds the user's tree, not the packed buffers.
-  meta = runs["sources"]["pipe"][0]._manager.item_metadata(SAVED).tree
+  meta = runs["sources"]["pipe"][0]._manager.item_metadata(SAVED)["default"].tree
   assert set(meta["params"]) == {"Dense_0", "Dense_1"}
   assert tuple(meta["params"]["Dense_0"]["kernel"].shape) == (20, 32)
   assert tuple(meta["opt_state"][0]["mu"]["Dense_1"]["kernel"].shape) == (32, 10)

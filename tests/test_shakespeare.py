@@ -1,10 +1,14 @@
 """nanoGPT's baby GPT on tiny Shakespeare (``examples/shakespeare_char.py``): the shared copy of
-the text, the Grain windows, and 300 data-parallel iterations against a recorded single-device
-run of the same model on the same batches."""
+the text, the Grain windows, 300 data-parallel iterations against a recorded single-device
+run of the same model on the same batches, and a resume after ``kill -9`` that repeats the
+uninterrupted run's losses and batches (the Grain iterator saved with the state)."""
 
 import hashlib
 import importlib.util
 import os
+import signal
+import subprocess
+import sys
 import urllib.request
 
 import numpy as np
@@ -89,3 +93,75 @@ def test_dp_trains_as_the_recorded_single_device_run(example, text):
   np.testing.assert_allclose([result["train_loss"], result["val_loss"]],
                              [SINGLE_TRAIN, SINGLE_VAL], rtol=1e-5)
   assert result["val_loss"] < 2.45                                 # from 4.17 at step 0
+
+
+# -- the data iterator saved with the state: kill -9, resume, same batches and losses ------------
+
+WORKER = os.path.join(os.path.dirname(__file__), "launch_scripts", "shakespeare_resume.py")
+
+
+def _env():
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return env
+
+
+def _lines(text: str, kind: str) -> dict[int, str]:
+  return {int(line.split()[1]): line.split(maxsplit=2)[2] for line in text.splitlines()
+          if line.startswith(kind + " ")}
+
+
+@pytest.mark.slow
+def test_resume_after_kill_9_reads_the_same_batches_and_gives_the_same_losses(tmp_path):
+  steps = 8
+  cmd = [sys.executable, WORKER, "--steps", str(steps), "--every", "2"]
+  reference = subprocess.run([*cmd, "--dir", str(tmp_path / "ref")], env=_env(),
+                             capture_output=True, text=True, timeout=300)
+  assert reference.returncode == 0, reference.stderr[-3000:]
+  expected = {kind: _lines(reference.stdout, kind) for kind in ("LOSS", "DATA")}
+  assert sorted(expected["LOSS"]) == sorted(expected["DATA"]) == list(range(1, steps + 1))
+  assert len(set(expected["DATA"].values())) == steps       # a different batch each step
+
+  run_dir = str(tmp_path / "run")
+  victim = subprocess.Popen([*cmd, "--dir", run_dir, "--sleep", "0.3"], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  seen = []
+  for line in victim.stdout:
+    seen.append(line)
+    if line.startswith("LOSS 5 "):    # it saved step 4 (committed or in flight) and goes on
+      victim.send_signal(signal.SIGKILL)
+      break
+  victim.wait(timeout=60)
+  assert victim.returncode == -signal.SIGKILL
+  resumed = subprocess.run([*cmd, "--dir", run_dir], env=_env(), capture_output=True,
+                           text=True, timeout=300)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  start = int(resumed.stdout.split("RESUMED ")[1].split()[0])
+  assert start in (2, 4)   # the last committed save: 4, or 2 if 4 was still being written
+  for kind in ("LOSS", "DATA"):
+    first, second = _lines("".join(seen), kind), _lines(resumed.stdout, kind)
+    assert sorted(second) == list(range(start + 1, steps + 1))
+    for step, value in {**first, **second}.items():
+      assert value == expected[kind][step], f"{kind} of step {step}: {value} != " \
+                                            f"{expected[kind][step]}"
+
+
+def test_checkpoint_data_refusals(example, text, tmp_path):
+  epl.init()
+  epl.set_default_strategy(epl.replicate(1))
+  model = example.GPT(example.GPTConfig(n_layer=1, n_embd=32))
+  trainer = epl.Trainer(lambda key, b: model.init(key, b["tokens"][:1, :-1]),
+                        lambda v, b: example.loss_fn(model, v, b), example.optimizer())
+  tokens = CharVocab.of(text).encode(text[:20000])
+  data = iter(windows(tokens, 64, 8, seed=0))
+  state = trainer.init(0, next(data))
+  ckpt = epl.Checkpointer(tmp_path / "ckpt")
+  with pytest.raises(epl.CheckpointError, match="data must be a Grain DatasetIterator"):
+    ckpt.save(1, state, data=[1, 2, 3])
+  ckpt.save(1, state)
+  ckpt.wait()
+  with pytest.raises(epl.CheckpointError, match="holds no data iterator: it was saved with "
+                                                r"ckpt.save\(step, state\)"):
+    ckpt.restore(trainer, data=data)
