@@ -99,11 +99,11 @@ def measure(name: str) -> list[str]:
 
 
 def _cost(compiled, key: str) -> float:
-  """``cost_analysis()[key]``, each conditional's buffers counted once (epljax.hlo)."""
+  """``cost_analysis()[key]``, each conditional's results counted once (epljax.hlo)."""
   costs = compiled.cost_analysis()
   costs = costs[0] if isinstance(costs, list) else costs
   if key == "bytes accessed":
-    return costs[key] - hlo.conditional_io_bytes(compiled.as_text())
+    return costs[key] - hlo.conditional_result_bytes(compiled.as_text())
   return costs[key]
 
 
@@ -124,7 +124,7 @@ def main(argv=None):
           + "\n\nadamw, 8 replicas, data parallel; epljax with its global norm, non-finite "
           "check and skip. Ratio: median over pairs of epljax step time / hand-written step "
           "time, timed alternately in one process. Target: <= 1.03. Bytes accessed and FLOPs "
-          "from cost_analysis(), each conditional's buffers counted once.")
+          "from cost_analysis(), each conditional's results counted once.")
   print(f"{machine()}\n\n{body}")
   if args.record:
     record("Data-parallel step overhead (bench/overhead.py)", body, argv)

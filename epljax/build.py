@@ -158,7 +158,7 @@ def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
   fstate = {f.name: f.init_state(ctx) for f in features}
   jits, user_params = compile_functions(fns, var, where, features, fstate, ctx, rows)
   sums = jits.pop("gradient_sums")
-  skip = step_lib.describe_skip(step_lib.skips_by_cond(mesh))
+  skip = step_lib.describe_skip(_skips_by_cond(where))
   plan = make_plan(var, cap, where, [*features, sums, skip], fstate, jits, batch, rows)
   state_shardings = jits.pop("state_shardings")
   user = UserState(state_shardings=state_shardings, params_shape=var.params_shape,
@@ -282,8 +282,9 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
   make_gradients = (per_replica or (lambda fwd: step_lib.accumulate_gradients(fwd, num_micro)))
   if pipe is not None:
     make_gradients = lambda _: pipe.gradients(features, ctx)  # noqa: E731
+  by_cond = _skips_by_cond(where)
   forward, gradients, update = step_lib.build(forward, make_gradients, fns.optimizer,
-                                              features, ctx)
+                                              features, ctx, by_cond)
   user_params = where.fused.to_user   # (pipeline stages keep the user's tree too)
 
   def prepare(global_batch):
@@ -310,8 +311,7 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
     # (pipeline stages keep the user's tree too: the forward runs unpipelined, under GSPMD)
     return step_lib.eval_step(forward, prepare, fns.has_aux)(state, global_batch)
 
-  step = step_lib.train_step(gradients, update, features, prepare, fns.has_aux,
-                             step_lib.skips_by_cond(mesh))
+  step = step_lib.train_step(gradients, update, features, prepare, fns.has_aux, by_cond)
   traced = functools.partial(_traced_in_session, mesh=mesh)
   options = communication.compiler_options(features, var.params_shape) or None
   batch_sh = NamedSharding(mesh, P(axes))   # every batch leaf: rows over the batch axes
@@ -361,14 +361,17 @@ class _Sums:
 def _shared_reductions(forward, var: Variables, where: Placement, features: Sequence[Feature],
                        per_replica: bool):
   """The forward with gradient partial sums added before their one all-reduce
-  (``sharding.reductions``), and its plan line: only the plain step (no pipeline stages, no
-  feature that rewrites each parameter use or computes per-replica gradients) runs the fused
-  form; a split model says why not."""
+  (``sharding.reductions``), and its plan line: only the plain step on XLA:CPU (no pipeline
+  stages, no feature that rewrites each parameter use or computes per-replica gradients) runs
+  the fused form; a split model says why not. On GPU and TPU the step is what GSPMD makes."""
   mesh = where.layout.mesh
   split = mesh.shape.get(MODEL, 1) > 1
   if not split and mesh.shape.get(DATA, 1) == 1:
     return forward, _Sums()
   why = ""
+  if mesh.devices.flat[0].platform not in reductions.PLATFORMS:
+    return forward, _Sums(why=f"on {mesh.devices.flat[0].platform}, XLA's all-reduce "
+                          "reassociation merges them; epljax's rewrite runs on XLA:CPU only")
   if where.pipe is not None:
     why = "pipeline stages compute their own gradients"
   elif per_replica:
@@ -453,6 +456,13 @@ def make_plan(var: Variables, cap: Capture, where: Placement, features: Sequence
                  "optimizer state": _where(base.opt_state),
                  "model state": _where(base.model_state)},
       compile_grads=lambda: grads_jit.lower(abstract_state, abstract_batch).compile())
+
+
+def _skips_by_cond(where: Placement) -> bool:
+  on_device = all(_where(t) == "device" for t in (where.shardings.params,
+                                                  where.shardings.opt_state))
+  return step_lib.skips_by_cond(where.layout.mesh, state_on_device=on_device,
+                                stages=where.layout.num_stages)
 
 
 def _where(shardings: Any) -> str:

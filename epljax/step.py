@@ -20,7 +20,7 @@ innermost, inside what features do around the update (ZeRO's layouts, offload's 
 spaces), and features that react to overflow themselves (the dynamic loss scale) still see the
 non-finite gradients.
 
-How the check and the skip are compiled depends on the platform (``SkipMode``): on GPU and TPU
+How the check and the skip are compiled depends on the platform (``SKIP_BY_COND``): on GPU and TPU
 a select fused into each update kernel and one masked reduction per gradient; on XLA:CPU,
 whose fusion cannot do either for free, a ``lax.cond`` over the update and a plain sum of
 squares (bench/overhead.py: 1.49x -> 1.0x a hand-written step). Both give the same bits.
@@ -88,11 +88,6 @@ def accumulate_gradients(forward: ForwardFn, num_micro_batch: int) -> GradientFn
   return gradients
 
 
-def all_in_device_memory(tree: Any) -> bool:
-  return all(getattr(jax.typeof(x), "memory_space", jax.memory.Space.Device)
-             == jax.memory.Space.Device for x in jax.tree.leaves(tree))
-
-
 def in_device_memory(tree: Any) -> Any:
   """The gradients of offloaded (host) parameters are host values; the sum over micro batches
   is kept in device memory, where the update reads it."""
@@ -121,9 +116,12 @@ def map_optimizer_state(optimizer: optax.GradientTransformation, fn: Callable[[A
 SKIP_BY_COND = ("cpu",)   # platforms whose step skips by lax.cond (module doc)
 
 
-def skips_by_cond(mesh: jax.sharding.Mesh) -> bool:
-  """Whether the step over ``mesh`` checks and skips the XLA:CPU way (module doc)."""
-  return mesh.devices.flat[0].platform in SKIP_BY_COND
+def skips_by_cond(mesh: jax.sharding.Mesh, *, state_on_device: bool, stages: int) -> bool:
+  """Whether the step over ``mesh`` checks and skips the XLA:CPU way (module doc): not for
+  state in host memory (a value's memory space is part of its type, which a cond's branches
+  must agree on) nor with pipeline stages (whose step is refused when a collective sits in a
+  branch, and a sharded update's would)."""
+  return mesh.devices.flat[0].platform in SKIP_BY_COND and state_on_device and stages == 1
 
 
 def describe_skip(by_cond: bool) -> str:
@@ -143,11 +141,9 @@ def apply_optimizer(optimizer: optax.GradientTransformation, by_cond: bool = Fal
     finite = fstate.get(STEP_FINITE)
     if finite is None:
       return (*apply(params, opt_state, grads), fstate)
-    if by_cond and all_in_device_memory((params, opt_state)):
+    if by_cond:
       # XLA:CPU keeps the old and new state live across a select, with a copy of each
-      # optimizer leaf; a cond runs the update in place or not at all. (Offloaded state keeps
-      # the select: a value's memory space is part of its type, which a cond's branches
-      # must agree on.)
+      # optimizer leaf; a cond runs the update in place or not at all.
       new_params, new_opt_state = jax.lax.cond(
           finite, apply, lambda p, o, _: (p, o), params, opt_state, grads)
       return new_params, new_opt_state, fstate
@@ -163,9 +159,8 @@ def apply_optimizer(optimizer: optax.GradientTransformation, by_cond: bool = Fal
 
 def build(forward: ForwardFn, make_gradients: Callable[[ForwardFn], GradientFn],
           optimizer: optax.GradientTransformation, features: Sequence[Feature],
-          ctx: BuildContext) -> tuple[ForwardFn, GradientFn, UpdateFn]:
-  """Chains the features around forward, gradients and update."""
-  by_cond = skips_by_cond(ctx.mesh)
+          ctx: BuildContext, by_cond: bool = False) -> tuple[ForwardFn, GradientFn, UpdateFn]:
+  """Chains the features around forward, gradients and update (``by_cond``: module doc)."""
   for f in features:
     forward = f.forward(forward, ctx)
   gradients = make_gradients(forward)
@@ -232,7 +227,8 @@ def norm_and_finite(loss: jax.Array, grads: Any,
     return functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(g)) for g in leaves])
 
   finite = jax.lax.cond(jnp.isinf(squares), elementwise, lambda: ~jnp.isnan(squares))
-  return jnp.sqrt(squares), jnp.logical_and(jnp.isfinite(loss), finite)
+  norm = jnp.where(finite, jnp.sqrt(squares), jnp.nan)   # NaN for a non-finite one, as above
+  return norm, jnp.logical_and(jnp.isfinite(loss), finite)
 
 
 def eval_step(forward: ForwardFn, prepare_batch: Callable[[Any], Any], has_aux: bool):

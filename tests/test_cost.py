@@ -3,14 +3,16 @@
 For data parallelism, Megatron ``split``, gradient checkpointing and ZeRO v1/v3, the hand-written
 step is what a JAX user writes for the same layout: ``value_and_grad`` and the optax update,
 jitted with the shardings epljax chose (``trainer.plan`` / the state's shardings), and
-``jax.checkpoint`` on each block for checkpointing. epljax's step does more (the global norm,
+``jax.checkpoint`` on each block for checkpointing. For pipeline stages it is the hand-written
+``shard_map`` GPipe over stacked blocks of ``bench/pipeline_compile.py``, against epljax's
+default 1F1B of the same blocks under ``nn.scan`` cut by ``auto.auto_parallel``. epljax's step does more (the global norm,
 the non-finite check and skip, the step metrics); these tests bound what that costs, from the
 compiled programs alone (deterministic, no timing):
 
 - FLOPs (``cost_analysis``) within 5%;
 - temp bytes per device (``memory_analysis``) within 5%;
-- bytes accessed (``cost_analysis``, each conditional's buffers counted once:
-  ``hlo.conditional_io_bytes``) within 5%;
+- bytes accessed (``cost_analysis``, each conditional's results counted once:
+  ``hlo.conditional_result_bytes``) within 5%;
 - the same collectives with the same bytes (HLO).
 
 The step time behind these figures is measured side by side in ``bench/overhead.py``.
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import sys
 
 import flax.linen as nn
 import jax
@@ -91,7 +95,7 @@ class Cost:
     costs = costs[0] if isinstance(costs, list) else costs
     text = compiled.as_text()
     return cls(flops=costs["flops"],
-               bytes_accessed=costs["bytes accessed"] - hlo.conditional_io_bytes(text),
+               bytes_accessed=costs["bytes accessed"] - hlo.conditional_result_bytes(text),
                temp=compiled.memory_analysis().temp_size_in_bytes,
                collectives=hlo.summarize(hlo.collectives(text)))
 
@@ -140,11 +144,13 @@ def costs(case: str) -> tuple[Cost, Cost]:
 
 CASES = ["none", "split", "gc", "zero_v1", "zero_v3"]
 
-# Bytes accessed: ZeRO's steps reduce-scatter the gradients and all-gather the updated
-# parameters (v3 also gathers each parameter again for its backward use, FSDP's trade of
-# traffic for memory): more, smaller kernels than GSPMD's one all-reduce (2026-11-25, jax
-# 0.10.2: v1 1.07x, v3 1.10x).
-BYTES_TOLERANCE = {"zero_v1": 0.10, "zero_v3": 0.10}
+# Bytes accessed above 5%, measured 2026-11-25 (jax 0.10.2 / 0.11.2), bounds just above:
+# - ZeRO reduce-scatters the gradients and all-gathers the updated parameters (v3 also gathers
+#   each parameter again for its backward use, FSDP's trade of traffic for memory): more,
+#   smaller kernels than GSPMD's one all-reduce (v1 1.08x / ~1.1x, v3 1.10x / 1.12x);
+# - gradient checkpointing "auto" saves less than nn.remat on each block (temp 0.23x) and
+#   reads more to recompute (1.045x / 1.061x).
+BYTES_TOLERANCE = {"gc": 0.08, "zero_v1": 0.15, "zero_v3": 0.15}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -188,3 +194,32 @@ def test_zero_v3_gathers_each_parameter_again_for_its_backward_use_and_no_more()
   ours, theirs = costs("zero_v3")
   param_bytes = costs("none")[1].collectives["all-reduce"][1]   # one all-reduce of the grads
   assert total(ours.collectives) <= total(theirs.collectives) + param_bytes
+
+
+@functools.cache
+def pipeline_costs(layers: int = 8) -> tuple[Cost, Cost]:
+  """(epljax 1F1B, hand-written GPipe) costs: 4 stages x 2 replicas, 8 micro batches."""
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "bench"))
+  import pipeline_compile as hand
+  trainer, b = hand.epljax_trainer(
+      hand.Scanned(layers), {"pipeline.num_micro_batch": hand.M, "auto.auto_parallel": True,
+                             "pipeline.num_stages": hand.S}, 2 * hand.M * hand.ROWS)
+  state = trainer.init(jax.random.key(0), b)
+  step, args = hand.handwritten_step(layers)
+  return Cost.of(trainer.lower(state, b).compile()), Cost.of(step.lower(*args).compile())
+
+
+@pytest.mark.parametrize("figure", ["flops", "temp", "bytes_accessed"])
+def test_pipeline_step_costs_no_more_than_a_hand_written_gpipe(figure):
+  # 2026-11-25, jax 0.10.2: FLOPs 0.77x (the bubble's ticks are skipped), temp 0.84x (1F1B
+  # keeps S micro batches' activations, GPipe M), bytes accessed 1.02x.
+  ours, theirs = pipeline_costs()
+  ratio = getattr(ours, figure) / getattr(theirs, figure)
+  assert ratio <= 1 + TOLERANCE, f"pipeline: {figure} {ratio:.3f}x the hand-written GPipe's"
+
+
+def test_pipeline_sends_what_a_hand_written_gpipe_sends_and_reduces_no_more():
+  ours, theirs = pipeline_costs()
+  assert ours.collectives["collective-permute"] == theirs.collectives["collective-permute"]
+  assert total(ours.collectives) <= total(theirs.collectives), (ours.collectives,
+                                                                theirs.collectives)

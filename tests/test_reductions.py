@@ -102,3 +102,20 @@ def test_with_gradient_checkpointing_the_tied_table_is_not_fused():
   assert sums == []
   assert bool(metrics["finite"])
   assert len(table_reductions(step)) == 2, step
+
+
+def test_off_xla_cpu_the_step_is_what_gspmd_makes_and_the_plan_says_so(monkeypatch):
+  """The rewrite makes up for a pass XLA:CPU lacks; on other platforms (simulated here by
+  taking cpu out of ``reductions.PLATFORMS``) the traced forward runs as it is: the table's two
+  gradients are reduced where GSPMD makes them, with the same numbers."""
+  from epljax.sharding import reductions
+  monkeypatch.setattr(reductions, "PLATFORMS", ())
+  trainer, state, metrics, step, sums, batch = train("attend")
+  assert sums == ["gradient sums: each partial sum all-reduced where made (on cpu, XLA's "
+                  "all-reduce reassociation merges them; epljax's rewrite runs on XLA:CPU only)"]
+  assert len(table_reductions(step)) == 2, step
+  init_fn, loss_fn = fns("attend")
+  history, expected = reference_run(init_fn, loss_fn, optax.sgd(0.1), jax.random.key(0),
+                                    batch, 1)
+  np.testing.assert_allclose(metrics["loss"], history[0][0], **TOL)
+  assert_trees_close(trainer.variables(state), expected, TOL)

@@ -58,9 +58,24 @@ CASES = {
 }
 
 
+# How the step skips: by a lax.cond on XLA:CPU, by a select on GPU/TPU (``step.SKIP_BY_COND``),
+# both tested here (the select path by taking cpu out of ``step.SKIP_BY_COND``).
+SKIPS = ["cond", "select"]
+
+
+@pytest.fixture(params=SKIPS)
+def skip(request, monkeypatch):
+  if request.param == "select":
+    monkeypatch.setattr(epl_step, "SKIP_BY_COND", ())
+  return request.param
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_nan_batch_leaves_the_state_bit_identical(case):
+def test_a_nan_batch_leaves_the_state_bit_identical(case, skip):
   trainer, state = make(**CASES[case], max_nonfinite_steps=3)
+  # (pipeline stages keep the select: step.skips_by_cond)
+  expected_line = "lax.cond" if skip == "cond" and case != "pipeline" else "select fused"
+  assert any(expected_line in f for f in trainer.plan.features if f.startswith("non-finite"))
   state, metrics = trainer.train_step(state, classification_batch(32))   # one good step
   assert bool(metrics["finite"]) and int(metrics["step"]) == 1
   before = host(state)
@@ -97,19 +112,22 @@ def test_fp16_allreduce_overflow_is_caught_and_skipped():
     (np.inf, False, np.nan), (-np.inf, False, np.nan), (np.nan, False, np.nan),
     (3e20, True, np.inf),     # finite gradients whose squares overflow float32: still finite
     (3.0, True, np.sqrt(9.0 + 2 * 4.0 + 3 * 1.0))])
-def test_the_finite_flag_is_per_element_and_the_norm_float32(bad, finite, norm):
+@pytest.mark.parametrize("by_cond", [True, False], ids=["cond", "select"])
+def test_the_finite_flag_is_per_element_and_the_norm_float32(bad, finite, norm, by_cond):
   grads = {"a": np.array([bad, 2.0], np.float32), "b": np.array([2.0], np.float16),
            "c": np.ones(3, jax.numpy.bfloat16)}
-  got_norm, got_finite = jax.jit(epl_step.norm_and_finite)(np.float32(1.0), grads)
+  check = jax.jit(lambda loss, g: epl_step.norm_and_finite(loss, g, by_cond))
+  got_norm, got_finite = check(np.float32(1.0), grads)
   assert bool(got_finite) is finite
   np.testing.assert_allclose(float(got_norm), norm, rtol=1e-6)
-  assert not bool(jax.jit(epl_step.norm_and_finite)(np.float32(np.nan), grads)[1])
+  assert not bool(check(np.float32(np.nan), grads)[1])
 
 
-def test_a_finite_float64_gradient_beyond_float32_is_finite():
+@pytest.mark.parametrize("by_cond", [True, False], ids=["cond", "select"])
+def test_a_finite_float64_gradient_beyond_float32_is_finite(by_cond):
   with jax.enable_x64(True):   # 1e300 is finite in float64; its float32 cast is not
-    norm, finite = jax.jit(epl_step.norm_and_finite)(np.float32(1.0),
-                                                     {"a": np.array([1e300, 1.0])})
+    norm, finite = jax.jit(lambda loss, g: epl_step.norm_and_finite(loss, g, by_cond))(
+        np.float32(1.0), {"a": np.array([1e300, 1.0])})
   assert bool(finite) and float(norm) == np.inf
 
 

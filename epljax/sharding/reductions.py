@@ -2,7 +2,8 @@
 
 GSPMD all-reduces a partial sum where it is produced. When two partials of one gradient are
 added afterwards, that is two all-reduces where one would do; XLA's GPU pipeline can merge them
-(``AllReduceReassociate``), its CPU pipeline cannot. Two places in a split model make them:
+(``AllReduceReassociate``), its CPU pipeline cannot. So the rewrite runs on ``PLATFORMS``
+alone (the build says why not elsewhere, in the plan). Two places in a split model make them:
 
 - **Sibling column matmuls** (``model`` axis). Megatron's first matmuls of a split region
   (attention's q, k and v projections, a gated MLP's gate and up) read one unsplit activation
@@ -47,6 +48,9 @@ from epljax.sharding import split_rules
 from epljax.sharding.program import (CALLS, Program, Step, bind, bind_here, in_context, inlinable,
                                      inner_eqns, read, run_scan, start_env, steps_of, sub_calls,
                                      walk)
+
+
+PLATFORMS = ("cpu",)   # where XLA lacks all-reduce reassociation (module doc)
 
 
 @dataclasses.dataclass(frozen=True)
