@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Sequence
+from html import escape
 from typing import Any
 
 import jax
@@ -132,54 +134,62 @@ class Plan:
   def micro_batch_per_replica(self) -> int:
     return self.global_rows // (self.num_replicas * self.num_micro_batch)
 
-  def __str__(self) -> str:
+  def sections(self) -> list[tuple[str, list[Any]]]:
+    """The plan as ``(title, blocks)`` pairs, what ``str()`` and ``_repr_html_`` render: a
+    block is a line of text or a table ``(headers, rows)``."""
     _ = self.compiled   # compile first: some features describe what they found while tracing
     axes = " x ".join(f"{n}={s}" for n, s in self.mesh.shape.items())
     devices = self.mesh.devices.flat
     first = next(iter(devices))
-    lines = [
-        "epljax plan",
-        f"  mesh      {axes} over {self.mesh.size} {first.platform} devices",
-        f"  replicas  {self.num_replicas}    stages {self.num_stages}    "
+    head = [
+        f"mesh      {axes} over {self.mesh.size} {first.platform} devices",
+        f"replicas  {self.num_replicas}    stages {self.num_stages}    "
         f"micro batches {self.num_micro_batch}    schedule {self.schedule}",
-        f"  batch     {self.global_rows} rows per step = {self.num_replicas} replicas x "
+        f"batch     {self.global_rows} rows per step = {self.num_replicas} replicas x "
         f"{self.micro_batch_per_replica} rows x {self.num_micro_batch} micro batches, "
         f"split over ({', '.join(self.batch_axes)})",
-        *[f"  feature   {f}" for f in self.features],
-        "",
-        "task graphs",
+        *[f"feature   {f}" for f in self.features],
     ]
     # A stacked leaf split by layer over the stages (``EVERY_STAGE``) counts in each of them.
     every = [leaf for leaf in self.leaves if leaf.taskgraph == EVERY_STAGE]
     per_tg = {tg.name: [leaf for leaf in self.leaves if leaf.taskgraph == tg.name] + every
               for tg in self.taskgraphs}
-    lines += _table(
+    out = [("epljax plan", head), ("task graphs", [(
         ["index", "name", "strategy", "devices", "params", "bytes/device"],
         [[tg.index, tg.name, tg.strategy, tg.device_count, len(per_tg[tg.name]),
-          size(sum(x.bytes_per_device for x in per_tg[tg.name]))] for tg in self.taskgraphs])
+          size(sum(x.bytes_per_device for x in per_tg[tg.name]))] for tg in self.taskgraphs])])]
     if self.pipeline is not None:
-      lines += ["", "pipeline stages"]
-      lines += _table(
+      out.append(("pipeline stages", [(
           ["stage", "task graph", "params", "bytes/device", "activations in", "kept/micro batch",
            "loop"],
           [[i.index, i.name, i.num_params, size(i.param_bytes), size(i.incoming_bytes),
-            size(i.kept_bytes), i.loop] for i in self.pipeline.stage_info()])
-      lines += [f"  {line}" for line in self.pipeline.describe()]
-    lines += ["", "variables"]
-    lines += _table(
+            size(i.kept_bytes), i.loop] for i in self.pipeline.stage_info()]),
+          *self.pipeline.describe()]))
+    out.append(("variables", [(
         ["path", "shape", "dtype", "spec", "bytes/device", "task graph", "why"],
         [[leaf.path + ("" if leaf.trainable else "  (state)"), leaf.shape, leaf.dtype,
           _spec(leaf.spec), size(leaf.bytes_per_device), leaf.taskgraph, leaf.rule]
-         for leaf in self.leaves])
-    lines += ["", "memory per device"] + self._memory_lines() + [
-        "", "collectives per step (compiled HLO)"]
+         for leaf in self.leaves])]))
+    out.append(("memory per device", self._memory_blocks()))
     summary = hlo.summarize(self.collectives)
-    lines += _table(["kind", "count", "bytes"],
-                    [[k, n, size(b)] for k, (n, b) in summary.items()]) if summary else [
-                        "  none"]
+    out.append(("collectives per step (compiled HLO)", [
+        (["kind", "count", "bytes"], [[k, n, size(b)] for k, (n, b) in summary.items()])
+    ] if summary else ["none"]))
+    return out
+
+  def __str__(self) -> str:
+    lines = []
+    for i, (title, blocks) in enumerate(self.sections()):
+      lines += ([""] if i else []) + [title]
+      for block in blocks:
+        lines += [f"  {block}"] if isinstance(block, str) else _table(*block)
     return "\n".join(lines)
 
-  def _memory_lines(self) -> list[str]:
+  def _repr_html_(self) -> str:
+    """The plan as HTML tables, for Jupyter (``trainer.plan`` as a cell's last line)."""
+    return html_plan(self.sections())
+
+  def _memory_blocks(self) -> list[Any]:
     mem = self.memory
     where = lambda part: self.placement.get(part, "device")  # noqa: E731
     grads = self.param_bytes if self.grads_bytes is None else self.grads_bytes
@@ -191,18 +201,18 @@ class Plan:
     if activations is not None:
       rows.append(["activations", size(activations),
                    "device (temp of the compiled forward + backward)"])
-    lines = _table(["part", "bytes", "lives in"], rows)
-    lines.append(
-        f"  compiled step: arguments {size(mem.argument_size_in_bytes)}    outputs "
+    blocks: list[Any] = [(["part", "bytes", "lives in"], rows)]
+    blocks.append(
+        f"compiled step: arguments {size(mem.argument_size_in_bytes)}    outputs "
         f"{size(mem.output_size_in_bytes)}    temp {size(mem.temp_size_in_bytes)}    "
         f"aliased {size(mem.alias_size_in_bytes)}")
     host = (mem.host_argument_size_in_bytes, mem.host_output_size_in_bytes,
             mem.host_temp_size_in_bytes)
     if any(host) or any(v != "device" for v in self.placement.values()):
-      lines.append(f"  compiled step, host memory: arguments {size(host[0])}    outputs "
-                   f"{size(host[1])}    temp {size(host[2])}"
-                   + ("" if any(host) else "  (this backend counts host buffers as device)"))
-    return lines
+      blocks.append(f"compiled step, host memory: arguments {size(host[0])}    outputs "
+                    f"{size(host[1])}    temp {size(host[2])}"
+                    + ("" if any(host) else "  (this backend counts host buffers as device)"))
+    return blocks
 
   def __repr__(self) -> str:
     return (f"Plan(mesh={dict(self.mesh.shape)}, num_replicas={self.num_replicas}, "
@@ -211,6 +221,39 @@ class Plan:
 
 def _spec(spec: P) -> str:
   return "P(" + ", ".join(repr(a) for a in spec) + ")"
+
+
+def html_plan(sections: Sequence[tuple[str, Sequence[Any]]]) -> str:
+  """``Plan.sections()`` as HTML: a heading per section, its tables as tables, and its lines
+  as a two-column table of label (``mesh``, ``schedule`` ...) and text."""
+  out = ['<div class="epljax-plan">']
+  for title, blocks in sections:
+    out.append(f"<h4>{escape(title)}</h4>")
+    lines: list[str] = []
+    for block in [*blocks, None]:
+      if isinstance(block, str):
+        label, text = _label(block)
+        lines.append(f"<tr><th style=\"text-align:left\">{escape(label)}</th>"
+                     f"<td style=\"text-align:left\">{escape(text)}</td></tr>")
+        continue
+      if lines:
+        out.append("<table>" + "".join(lines) + "</table>")
+        lines = []
+      if block is not None:
+        headers, rows = block
+        out.append("<table><thead><tr>" + "".join(
+            f"<th style=\"text-align:left\">{escape(str(h))}</th>" for h in headers)
+            + "</tr></thead><tbody>" + "".join(
+            "<tr>" + "".join(f"<td style=\"text-align:left\"><code>{escape(str(c))}</code></td>"
+                             for c in row) + "</tr>" for row in rows) + "</tbody></table>")
+  return "\n".join(out + ["</div>"])
+
+
+def _label(line: str) -> tuple[str, str]:
+  """``"schedule  PreferBackward ..."`` -> ``("schedule", "PreferBackward ...")``; a line
+  without a short label first comes back whole."""
+  match = re.match(r"([a-z][a-z ]{0,9}?)  +(\S.*)", line)
+  return (match.group(1), match.group(2)) if match else ("", line)
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:

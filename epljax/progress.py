@@ -21,6 +21,7 @@ MFU (model FLOPs utilization) = FLOPs per step per device x steps/s / the device
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -82,8 +83,14 @@ class Progress:
     self._clock = clock
     if disable is None:
       disable = jax.process_index() != 0
+    # Where the bar cannot redraw in place (not a terminal, not a Jupyter widget), its stream
+    # is watched for a partial line, which ``write`` ends before printing.
+    stream = tqdm_kwargs.pop("file", None) or sys.stderr
+    self._in_place = tqdm.__module__.startswith("tqdm.notebook") or _isatty(stream)
+    self._bar_stream = stream if self._in_place else _LineTracker(stream)
     self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step", disable=disable,
-                    mininterval=mininterval, dynamic_ncols=True, **tqdm_kwargs)
+                    mininterval=mininterval, dynamic_ncols=True, file=self._bar_stream,
+                    **tqdm_kwargs)
     self.mininterval = mininterval
     self._since = clock()
     self._steps = 0
@@ -137,8 +144,17 @@ class Progress:
     return self._flops * steps_per_second / (peak * 1e12)
 
   def write(self, line: str) -> None:
-    """Prints ``line`` (to stdout) above the bar, without breaking it."""
-    self.bar.write(line)
+    """Prints ``line`` (to stdout) above the bar, never inside it. On a terminal or in Jupyter
+    the bar is cleared and drawn again below the line (``tqdm.write``). In a log (a pipe, a
+    file, the launcher's ``[worker i]`` lines) ``\\r`` cannot clear it, so the bar's partial line
+    is ended first: the printed line stands on a line of its own, with no bar text on it."""
+    if self.bar.disable or self._in_place:
+      self.bar.write(line)
+      return
+    if self._bar_stream.open:
+      self._bar_stream.write("\n")
+    self._bar_stream.flush()
+    print(line, flush=True)
 
   def close(self) -> None:
     if self._steps:
@@ -155,6 +171,33 @@ class Progress:
 def progress(total: int | None = None, **kwargs) -> Progress:
   """A progress bar for a training loop (module doc); arguments as ``Progress``."""
   return Progress(total, **kwargs)
+
+
+def _isatty(stream) -> bool:
+  try:
+    return bool(stream.isatty())
+  except (AttributeError, ValueError):   # no isatty, or a closed stream
+    return False
+
+
+class _LineTracker:
+  """A stream that remembers whether its last write left a line open (a bar drawn with ``\\r``
+  and no newline)."""
+
+  def __init__(self, stream):
+    self.stream = stream
+    self.open = False
+
+  def write(self, text: str) -> int:
+    if text:
+      self.open = not text.endswith("\n")
+    return self.stream.write(text)
+
+  def flush(self) -> None:
+    self.stream.flush()
+
+  def __getattr__(self, name):
+    return getattr(self.stream, name)
 
 
 def _si(x: float) -> str:
