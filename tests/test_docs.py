@@ -1,0 +1,117 @@
+"""The documentation site: it builds with ``mkdocs build --strict``, every Python block of its
+pages (and of the README) runs or says why it cannot, the configuration reference holds every
+key of the schema, and the troubleshooting page every ``EPLError``."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib
+import importlib.util
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+
+import pytest
+
+import epljax as epl
+from epljax.config.schema import SECTIONS
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(REPO, "docs")
+PAGES = sorted(glob.glob(os.path.join(DOCS, "*.md"))) + [os.path.join(REPO, "README.md")]
+# A fenced Python block, and the HTML comment that may stand right before it (blank lines
+# allowed in between): <!-- not run: the reason -->.
+BLOCK = re.compile(r"(?:<!--\s*not run:(?P<reason>[^>]*)-->\s*\n)?(?P<indent>[ \t]*)```python\n"
+                   r"(?P<code>.*?)\n(?P=indent)```", re.S)
+
+
+def python_blocks(path):
+  """(line, code, reason) of each ```python block; reason is None for a block to run."""
+  text = open(path).read()
+  out = []
+  for m in BLOCK.finditer(text):
+    indent = m.group("indent")
+    code = "\n".join(line[len(indent):] for line in m.group("code").split("\n"))
+    reason = m.group("reason")
+    out.append((text.count("\n", 0, m.start("indent")) + 1, code,
+                None if reason is None else reason.strip()))
+  return out
+
+
+def load_hooks():
+  spec = importlib.util.spec_from_file_location(
+      "epljax_docs", os.path.join(DOCS, "hooks", "epljax_docs.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_the_site_builds_strict(tmp_path):
+  done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+                         "-f", os.path.join(REPO, "mkdocs.yml"), "-d", str(tmp_path / "site")],
+                        cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stdout + done.stderr
+  config = open(tmp_path / "site" / "config" / "index.html").read()
+  assert "pipeline.num_micro_batch" in config and "gradients_reduce_method" in config
+  api = open(tmp_path / "site" / "api" / "index.html").read()
+  assert "Trainer" in api and "train_step" in api      # rendered from the docstrings
+
+
+def test_the_config_reference_is_generated_from_every_key_of_the_schema():
+  text = load_hooks().config_reference()
+  for section, cls in SECTIONS.items():
+    for field in dataclasses.fields(cls):
+      row = next((line for line in text.split("\n")
+                  if line.startswith(f"| `{section}.{field.name}` |")), None)
+      assert row is not None, f"{section}.{field.name} is missing"
+      assert f"`{field.default!r}`" in row and field.metadata["doc"][:30] in row.replace(
+          "\\|", "|"), row
+
+
+def _error_classes():
+  """Every EPLError subclass of the package (every module imported, but no ``__main__``)."""
+  for info in pkgutil.walk_packages(epl.__path__, "epljax."):
+    if not info.name.endswith("__main__"):
+      importlib.import_module(info.name)
+  found, todo = set(), [epl.EPLError]
+  while todo:
+    cls = todo.pop()
+    found.add(cls)
+    todo += cls.__subclasses__()
+  return sorted(c.__name__ for c in found if c.__module__.startswith("epljax"))
+
+
+def test_the_troubleshooting_page_lists_every_eplerror():
+  text = open(os.path.join(DOCS, "troubleshooting.md")).read()
+  headings = set(re.findall(r"^## (\w+)$", text, re.M))
+  names = _error_classes()
+  assert {"ConfigError", "PlanError", "LaunchError", "FusedLayoutError"} <= set(names)
+  missing = [n for n in names if n not in headings]
+  assert not missing, f"docs/troubleshooting.md has no '## Name' section for {missing}"
+
+
+def test_every_python_block_is_run_or_says_why_not():
+  for path in PAGES:
+    for line, _, reason in python_blocks(path):
+      assert reason is None or reason, (
+          f"{os.path.relpath(path, REPO)}:{line}: '<!-- not run: -->' needs a reason")
+
+
+@pytest.mark.parametrize("path", [p for p in PAGES if any(
+    r is None for _, _, r in python_blocks(p))], ids=lambda p: os.path.relpath(p, REPO))
+def test_the_python_blocks_of_a_page_run(path, tmp_path, monkeypatch):
+  """A page's runnable blocks run in order in one namespace (as a reader would paste them), in
+  a temporary directory (checkpoints, event files), on the 8 test devices."""
+  monkeypatch.chdir(tmp_path)
+  namespace = {"__name__": "__docs__"}
+  for line, code, reason in python_blocks(path):
+    if reason is not None:
+      continue
+    try:
+      exec(compile(code, f"{os.path.relpath(path, REPO)}:{line}", "exec"), namespace)
+    except Exception as error:
+      raise AssertionError(f"{os.path.relpath(path, REPO)}, the block at line {line} "
+                           f"failed: {type(error).__name__}: {error}") from error
