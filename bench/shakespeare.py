@@ -99,7 +99,8 @@ def main(argv=None) -> None:
   parser.add_argument("--steps", type=int, default=2000)
   parser.add_argument("--eval_interval", type=int, default=250)
   parser.add_argument("--pairs", type=int, default=40)
-  parser.add_argument("--plot", default=os.path.join(HERE, "..", "docs", "shakespeare_loss.png"))
+  parser.add_argument("--plot", default=os.path.join(HERE, "..", "docs", "shakespeare_loss.png"),
+                      help="where the loss plot goes ('': no plot)")
   parser.add_argument("--record", action="store_true", help="append to bench/RESULTS.md")
   args = parser.parse_args(argv)
 
@@ -137,10 +138,10 @@ def main(argv=None) -> None:
              f"({timing['ratio_q1']:.3f}-{timing['ratio_q3']:.3f})")
   body += (f"\n\n{args.steps} iterations, losses from 200 batches of 12 windows of 64 "
            "characters (train and val), tokens/s over the training steps without compile and "
-           "evaluation. Plot: `docs/shakespeare_loss.png`.")
+           "evaluation." + (" Plot: `docs/shakespeare_loss.png`." if args.plot else ""))
   print(machine())
   print(body)
-  if results:
+  if results and args.plot:
     plot(results, args.plot)
     print(f"wrote {os.path.normpath(args.plot)}")
   if args.record:
