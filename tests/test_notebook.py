@@ -4,10 +4,9 @@ plan as HTML tables, and the progress bar never writes into a printed line."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import sys
-
-import pytest
 
 import epljax as epl
 
@@ -15,13 +14,20 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(REPO, "examples", "notebook.ipynb")
 
 
-def test_the_notebook_runs_and_shows_the_plan_as_tables():
-  nbformat = pytest.importorskip("nbformat")
+def test_the_notebook_runs_and_shows_the_plan_as_tables(tmp_path, monkeypatch):
+  import nbformat
   from nbclient import NotebookClient
 
   notebook = nbformat.read(NOTEBOOK, as_version=4)
-  # The kernel inherits this environment (XLA_FLAGS with 8 devices, JAX_PLATFORMS=cpu) and
-  # this interpreter (the kernel is started with sys.executable).
+  # The kernel runs this interpreter (a kernelspec of its own, first on JUPYTER_PATH, so no
+  # user's or system's "python3" kernel is picked) and inherits this environment (XLA_FLAGS
+  # with 8 devices, JAX_PLATFORMS=cpu).
+  spec = tmp_path / "kernels" / "python3"
+  spec.mkdir(parents=True)
+  (spec / "kernel.json").write_text(json.dumps({
+      "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+      "display_name": "Python 3 (epljax tests)", "language": "python"}))
+  monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
   client = NotebookClient(notebook, timeout=300, kernel_name="python3",
                           resources={"metadata": {"path": os.path.dirname(NOTEBOOK)}})
   client.execute()
