@@ -52,7 +52,7 @@ def test_plan_html_is_the_text_plan_as_tables():
   trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))
   trainer.init(jax.random.key(0), classification_batch(32))
   html, text = trainer.plan._repr_html_(), str(trainer.plan)
-  for title, blocks in trainer.plan.sections():
+  for title, _blocks in trainer.plan.sections():
     assert title in text and f"<h4>{title}</h4>" in html.replace("&#x27;", "'")
   for leaf in trainer.plan.leaves:
     assert f"<code>{leaf.path}</code>" in html and leaf.path in text
