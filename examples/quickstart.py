@@ -72,7 +72,7 @@ def main(argv=None) -> list[float]:
       state, metrics = trainer.train_step(state, mine)
       losses.append(float(metrics["loss"]))
       bar.update(metrics)     # loss, steps/s, tokens/s, MFU (where the peak is known)
-      bar.write(f"Iteration {step + 1} , Loss: {losses[-1]:.6f} .")
+      bar.write(f"Iteration {step + 1} , Loss: {losses[-1]:.6f} .")   # above the bar, never in it
   print("Train Finished.")
   return losses
 

@@ -22,6 +22,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MARKER = "<!-- config-reference -->"
 # Repository files the site carries, as globs relative to the repository root.
 CARRIED = ("examples/*.py", "examples/*.ipynb", "bench/*.py", "bench/RESULTS.md")
+# The page that explains each section (a section missing here just gets no link).
+EXPLAINED = {
+    "pipeline": ("Pipeline parallelism", "pipeline.md"),
+    "gradient_checkpoint": ("Memory features", "memory.md"),
+    "zero": ("Memory features", "memory.md"),
+    "offload": ("Memory features", "memory.md"),
+    "amp": ("Memory features", "memory.md"),
+    "optimizer": ("Memory features", "memory.md"),
+    "cluster": ("Devices and placement", "concepts.md#devices-and-placement"),
+    "communication": ("Communication options", "data-parallel.md#communication-options"),
+    "io": ("Input files", "launching.md#input-files-io"),
+    "auto": ("Automatic stages", "pipeline.md#automatic-stages-autoauto_parallel"),
+}
 
 
 def on_files(files, config):
@@ -49,9 +62,12 @@ def config_reference() -> str:
   out = []
   for section, cls in SECTIONS.items():
     hints = typing.get_type_hints(cls)
-    out += [f"### `{section}`", "", (cls.__doc__ or "").strip() if _own_doc(cls) else "",
-            "", "| key | type / allowed values | default | what it does |",
-            "|---|---|---|---|"]
+    out += [f"### `{section}`", ""]
+    if _own_doc(cls):
+      out += [cls.__doc__.strip(), ""]
+    if section in EXPLAINED:
+      out += [f"Explained in [{EXPLAINED[section][0]}]({EXPLAINED[section][1]}).", ""]
+    out += ["| key | type / allowed values | default | what it does |", "|---|---|---|---|"]
     for field in dataclasses.fields(cls):
       allowed = field.metadata["allowed"]
       kind = (" / ".join(f"`{a!r}`" for a in allowed) if allowed
