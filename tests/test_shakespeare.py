@@ -85,9 +85,15 @@ def test_offline_without_data_says_what_to_pass(example, tmp_path, monkeypatch):
     example.read_text(None, cache_dir=str(tmp_path))
 
 
-def test_dp_trains_as_the_recorded_single_device_run(example, text):
-  result = example.train("dp", text, steps=300, eval_interval=0, eval_iters=20)
+def test_dp_trains_as_the_recorded_single_device_run(example, text, tmp_path):
+  result = example.train("dp", text, steps=300, eval_interval=0, eval_iters=20,
+                         log_interval=100, logdir=str(tmp_path))
   losses = result["losses"][::50] + result["losses"][-1:]
+  from test_progress import read_scalars
+  scalars = read_scalars(tmp_path)                     # the TensorBoard series it wrote
+  assert [step for step, _ in scalars["loss"]] == [100, 200, 300]
+  np.testing.assert_allclose(scalars["loss"][-1][1], result["losses"][-1], rtol=1e-6)
+  assert scalars["eval/val_loss"] == [(300, pytest.approx(result["val_loss"], rel=1e-6))]
   # 300 Adam steps; dp differs from single-device jax.jit by 6e-7 here (jax 0.10.2).
   np.testing.assert_allclose(losses, SINGLE_LOSSES, rtol=1e-5)
   np.testing.assert_allclose([result["train_loss"], result["val_loss"]],
