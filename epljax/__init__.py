@@ -19,6 +19,7 @@ from epljax.metrics import MetricsWriter
 from epljax.plan import Plan
 from epljax.progress import Progress, progress
 from epljax.sharding.annotations import annotate
+from epljax.sharding.constraints import mesh_axis_rules
 from epljax.step import TrainState
 from epljax.strategy import TaskGraph, replicate, set_default_strategy, split
 from epljax.train import Trainer
@@ -49,6 +50,7 @@ __all__ = [
     "hlo",
     "init",
     "io",
+    "mesh_axis_rules",
     "nn",
     "progress",
     "replicate",

@@ -40,6 +40,7 @@ from epljax.env import Env
 from epljax.errors import EPLError, NonFiniteError, PlanError, StateError
 from epljax.launch import worker as launch_worker
 from epljax.plan import Plan
+from epljax.sharding import constraints
 from epljax.step import TrainState
 
 
@@ -246,7 +247,8 @@ class Trainer:
   def _build(self, rng: jax.Array, batch: Any) -> Built:
     fns = UserFns(self.init_fn, self.loss_fn, self.optimizer, self.has_aux, self.mutable,
                   self.clip_norm)
-    self._built = build(fns, self._config, self._cluster, rng, batch)
+    with constraints.explained():   # a model's constraints on its own mesh
+      self._built = build(fns, self._config, self._cluster, rng, batch)
     self._pending, self._nonfinite_run, self._last_return = None, 0, None
     _TRAINERS.add(self)
     return self._built

@@ -39,6 +39,7 @@ from epljax.pipeline.auto import check_balance
 from epljax.pipeline.describe import StageInfo
 from epljax.pipeline.partition import Stage, cut_stages, shared_params
 from epljax.pipeline.schedules import Schedule, make_schedule
+from epljax.sharding import constraints
 from epljax.sharding.capture import Capture, capture
 from epljax.step import in_device_memory
 from epljax.strategy import SPLIT
@@ -85,6 +86,7 @@ class Pipeline:
     self._stored: list[NamedSharding] | None = None
     self.param_paths: list[str] = [f"leaf {i}" for i in range(len(self.param_avals))]
     self.balance: list[str] = []   # per stage: estimated FLOPs and parameter bytes
+    self.constraints: list[str] = []   # what became of the model's own sharding constraints
     # Tensor-parallel stages (``split[s]`` > 1: epl.split(k)) keep their parameters whole, in
     # slots (``slots.py``), and leave the ``model`` axis to GSPMD inside the loop.
     self.split = tuple(split) or (1,) * len(self.stages)
@@ -367,6 +369,13 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
   outvars = cap.program.closed_jaxpr.jaxpr.outvars
   aux_avals = [v.aval for v in outvars[1:len(outvars) - n_s]]
   stages = cut_stages(cap, layout.stage_of, n_p, n_s, roll=config.roll_layers)
+  # The model's own sharding constraints, onto the loop's mesh (``sharding.constraints``):
+  # inside the stages only ``model`` of split stages is left to GSPMD.
+  auto = frozenset({MODEL}) if any(k > 1 for k in split) else frozenset()
+  notes: dict = {}
+  stages = tuple(dataclasses.replace(s, jaxpr=constraints.fit(s.jaxpr, layout.mesh, auto,
+                                                               s.name, notes))
+                 for s in stages)
   if s_leaves and shards > 1:    # batch statistics over several replicas' rows
     means = stats.batch_means(stages, state_paths, shards)
     stages = tuple(dataclasses.replace(s, averaged=m, row_axes=batch_axes)
@@ -381,6 +390,7 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
                   found["aux_def"] if has_aux else None, schedule, layout, batch_axes,
                   split=split, state_avals=s_leaves, state_def=s_def)
   pipe.param_paths = list(param_paths)
+  pipe.constraints = constraints.plan_lines(notes)
   pipe.balance = check_balance(global_capture, layout.stage_of, len(stages),
                                [s.name for s in stages])
   return pipe

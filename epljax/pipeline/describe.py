@@ -147,6 +147,7 @@ def describe(pipe: Pipeline) -> list[str]:
                    f"state leaves ({size(nbytes)}), updated by each micro batch's forward in "
                    f"order{means}")
   lines += [f"balance   {row}" for row in pipe.balance]
+  lines += pipe.constraints
   for i, holders in pipe.shared.items():
     names = ", ".join(f"'{pipe.stages[h].name}'" for h in holders)
     lines.append(f"tied      '{pipe.param_paths[i]}' held by stages {names}; their gradients "

@@ -37,6 +37,7 @@ from jax.extend import source_info_util
 from epljax.errors import PlanError
 from epljax.pipeline import chunks
 from epljax.pipeline.roll import Run, roll_repeats
+from epljax.sharding import constraints
 from epljax.sharding.capture import Capture
 from epljax.sharding.program import (CALLS, DERIVATIVE_CALLS, _sub_calls, bind, in_context,
                                      inner_eqns, read, run_scan, run_steps, start_env, steps_of)
@@ -91,8 +92,9 @@ class Stage:
   def __call__(self, params: Sequence[Any], incoming: Sequence[Any], batch: Sequence[Any],
                state: Sequence[Any] = ()):
     args = (*params, *state, *incoming, *batch)
-    outs = (_averaging(self.jaxpr, self.averaged, self.row_axes, args) if self.averaged else
-            jcore.jaxpr_as_fun(self.jaxpr)(*args))
+    with constraints.explained(f"pipeline stage '{self.name}'"):
+      outs = (_averaging(self.jaxpr, self.averaged, self.row_axes, args) if self.averaged else
+              jcore.jaxpr_as_fun(self.jaxpr)(*args))
     new_state = tuple(outs[len(outs) - len(self.state):])
     outs = outs[:len(outs) - len(self.state)]
     n = len(self.outgoing)

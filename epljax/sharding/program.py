@@ -163,6 +163,74 @@ def sub_calls(eqn: jcore.JaxprEqn) -> list[Call] | None:
 _sub_calls = sub_calls   # the name pipeline.partition imports
 
 
+def rewrite_eqns(closed: jcore.ClosedJaxpr,
+                 fn: Callable[[jcore.JaxprEqn], jcore.JaxprEqn | None],
+                 aval_fn: Callable[[Any], Any] | None = None) -> jcore.ClosedJaxpr:
+  """``closed`` with every innermost equation, in every nested body (calls, loops, branches,
+  remat), replaced by ``fn(eqn)``: an equation with the same outputs, or None to drop one whose
+  outputs are its inputs (a sharding constraint). ``aval_fn`` retypes every variable (a call
+  returns its body's output types as they were traced). What is left alone keeps its
+  identity: without changes ``closed`` itself comes back."""
+  jaxpr = _rewrite(closed.jaxpr, fn, aval_fn)
+  return closed if jaxpr is closed.jaxpr else jcore.ClosedJaxpr(jaxpr, closed.consts)
+
+
+def _rewrite(jaxpr: jcore.Jaxpr, fn, aval_fn) -> jcore.Jaxpr:
+  subst: dict[Any, Any] = {}
+  changed = False
+
+  def sub(v):
+    return v if isinstance(v, jcore.Literal) else subst.get(v, v)
+
+  def binder(v):
+    nonlocal changed
+    if aval_fn is None or isinstance(v, jcore.DropVar):
+      return v
+    aval = aval_fn(v.aval)
+    if aval is v.aval:
+      return v
+    changed = True
+    subst[v] = jcore.Var(aval)
+    return subst[v]
+
+  constvars = [binder(v) for v in jaxpr.constvars]
+  invars = [binder(v) for v in jaxpr.invars]
+  eqns = []
+  for eqn in jaxpr.eqns:
+    traced_outs = list(eqn.outvars)
+    ins = [sub(v) for v in eqn.invars]
+    params = {k: _rewrite_param(v, fn, aval_fn) for k, v in eqn.params.items()}
+    outs = [binder(v) for v in eqn.outvars]
+    if (ins != list(eqn.invars) or outs != list(eqn.outvars)
+        or any(params[k] is not v for k, v in eqn.params.items())):
+      eqn = eqn.replace(invars=ins, outvars=outs, params=params)
+      changed = True
+    if not any(True for _ in jcore.jaxprs_in_params(eqn.params)):
+      new = fn(eqn)
+      if new is None:
+        subst.update(zip(traced_outs, ins))
+        changed = True
+        continue
+      changed |= new is not eqn
+      eqn = new
+    eqns.append(eqn)
+  if not changed:
+    return jaxpr
+  return jaxpr.replace(constvars=constvars, invars=invars, eqns=eqns,
+                       outvars=[sub(v) for v in jaxpr.outvars])
+
+
+def _rewrite_param(v: Any, fn, aval_fn) -> Any:
+  if isinstance(v, jcore.ClosedJaxpr):
+    return rewrite_eqns(v, fn, aval_fn)
+  if isinstance(v, jcore.Jaxpr):
+    return _rewrite(v, fn, aval_fn)
+  if isinstance(v, tuple) and any(isinstance(b, (jcore.ClosedJaxpr, jcore.Jaxpr)) for b in v):
+    new = tuple(_rewrite_param(b, fn, aval_fn) for b in v)
+    return v if all(a is b for a, b in zip(new, v)) else new
+  return v
+
+
 def inner_eqns(eqn: jcore.JaxprEqn) -> Iterator[jcore.JaxprEqn]:
   """Every equation nested in ``eqn``'s bodies, at any depth."""
   for sub in jcore.jaxprs_in_params(eqn.params):
