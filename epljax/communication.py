@@ -46,6 +46,7 @@ from epljax.config import CommunicationConfig
 from epljax.errors import PlanError
 from epljax.features import BuildContext, Feature, ForwardFn, GradientFn, loss_scale
 from epljax.mesh import DATA, STAGE
+from epljax.sharding import constraints
 
 # XLA's options for the two EPL keys (xla/debug_options_flags.cc).
 OVERLAP_LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
@@ -247,6 +248,9 @@ def replica_gradients(feats: Sequence[Feature], ctx: BuildContext
   reducer = next((f for f in local if isinstance(f, HalfPrecisionReduce)), None)
 
   def make(forward: ForwardFn) -> GradientFn:
+    # The model's constraints on a mesh of its own cannot enter the shard_map: say so.
+    forward = constraints.refused_inside(
+        forward, ctx.mesh, "communication.fp16 and clipping before the all-reduce")
     local_grads = step_lib.accumulate_gradients(forward, ctx.num_micro_batch)
     stacked = ctx.num_micro_batch > 1
 

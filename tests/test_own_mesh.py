@@ -30,11 +30,11 @@ PIPE = {"auto.auto_parallel": True, "pipeline.num_stages": 2, "pipeline.num_micr
 LAYOUTS = {
     "dp": ({}, False, None),
     "split": ({}, True, None),
-    "pipeline_2": (PIPE, False, r"constraint stage_0: 3 x P\(\('data', 'fsdp'\), None, "
+    "pipeline_2": (PIPE, False, r"constraint stage 'stage_0': 3 x P\(\('data', 'fsdp'\), None, "
                    r"'tensor'\) on mesh \(data=2, fsdp=2, tensor=2\) at own_mesh.py:\d+.*: "
                    r"removed \('data', 'fsdp' -> data, manual in the stage"),
-    "pipeline_split": (PIPE, True, r"constraint stage_1: .* kept as P\(None, None, 'model'\) "
-                       r"on epljax's mesh"),
+    "pipeline_split": (PIPE, True, r"constraint stage 'stage_1': .* kept as "
+                       r"P\(None, None, 'model'\) on epljax's mesh"),
 }
 
 
@@ -93,7 +93,7 @@ def test_an_axis_no_rule_maps_is_refused_in_a_stage_unless_mapped():
   with pytest.raises(epl.PlanError, match=(
       r"with_sharding_constraint P\('data', 'sequence', None\) on mesh \(data=2, sequence=2, "
       r"tensor=2\) on a value of shape \(2, 8, 16\), called at own_mesh.py:\d+:\d+ "
-      r"\(Block.constrain\) in OwnMeshGPT/h_0/h_0.constrain,\nin pipeline stage 'stage_0': its "
+      r"\(Block.constrain\) in OwnMeshGPT/h_0/h_0.constrain,\nin stage 'stage_0': its "
       r"mesh axis 'sequence' \(size 2\) has no counterpart(.|\n)*"
       r"with epl.mesh_axis_rules\(\{'sequence': 'data'\}\)")):
     train(model, PIPE, False)
@@ -114,3 +114,11 @@ def test_mesh_axis_rules_take_epljax_axes_only():
   with pytest.raises(epl.PlanError, match=r"mesh_axis_rules maps \{'sequence': 'seq'\}"):
     with epl.mesh_axis_rules({"sequence": "seq"}):
       pass
+
+
+def test_the_per_replica_gradients_of_fp16_refuse_it_by_name():
+  # communication.fp16 runs the model in a shard_map manual over data: no other mesh there.
+  with pytest.raises(epl.PlanError, match=(
+      r"with_sharding_constraint NamedSharding\(mesh=Mesh\('data': 2, 'fsdp': 2, 'tensor': 2"
+      r"(.|\n)*called at own_mesh.py:\d+:\d+ \(Block.constrain\)(.|\n)*communication.fp16")):
+    train(own_mesh.OwnMeshGPT(), {"communication.fp16": True}, False)

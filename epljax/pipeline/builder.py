@@ -374,7 +374,7 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
   auto = frozenset({MODEL}) if any(k > 1 for k in split) else frozenset()
   notes: dict = {}
   stages = tuple(dataclasses.replace(s, jaxpr=constraints.fit(s.jaxpr, layout.mesh, auto,
-                                                               s.name, notes))
+                                                               f"stage '{s.name}'", notes))
                  for s in stages)
   if s_leaves and shards > 1:    # batch statistics over several replicas' rows
     means = stats.batch_means(stages, state_paths, shards)

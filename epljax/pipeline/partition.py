@@ -92,7 +92,7 @@ class Stage:
   def __call__(self, params: Sequence[Any], incoming: Sequence[Any], batch: Sequence[Any],
                state: Sequence[Any] = ()):
     args = (*params, *state, *incoming, *batch)
-    with constraints.explained(f"pipeline stage '{self.name}'"):
+    with constraints.explained(f"stage '{self.name}'"):
       outs = (_averaging(self.jaxpr, self.averaged, self.row_axes, args) if self.averaged else
               jcore.jaxpr_as_fun(self.jaxpr)(*args))
     new_state = tuple(outs[len(outs) - len(self.state):])

@@ -25,17 +25,18 @@ import contextlib
 import dataclasses
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import jax
 from jax.extend import core as jcore
 from jax.extend import source_info_util
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from epljax.errors import PlanError
 from epljax.mesh import DATA, MODEL, STAGE
-from epljax.sharding.program import rewrite_eqns
+from epljax.sharding.program import rewrite_eqns, walk
 
 # Mesh axis names of common codebases (MaxText, t5x, Megatron, praxis) -> epljax's axis.
 MESH_AXIS_RULES: Mapping[str, str | None] = {
@@ -149,6 +150,33 @@ def _rehome(eqn: jcore.JaxprEqn, inside, place: str) -> jcore.JaxprEqn:
   return eqn.replace(params={**eqn.params, **moved}) if moved else eqn
 
 
+def refused_inside(fn: Callable, mesh, place: str) -> Callable:
+  """``fn`` for a ``shard_map`` that calls the model itself (the per-replica gradients of
+  ``communication``): a constraint on another mesh than ``mesh`` is refused by name there,
+  before JAX fails on it; ``fn`` runs as is otherwise."""
+
+  def wrapped(*args):
+    leaves, tree = jax.tree.flatten(args)
+    sds = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), ())):
+      closed = jax.make_jaxpr(lambda *flat: fn(*jax.tree.unflatten(tree, flat)))(*sds)
+    for v in walk(closed).visits:
+      sharding = v.eqn.params.get("sharding") if v.eqn.primitive.name == \
+          "sharding_constraint" else None
+      if sharding is not None and _foreign(sharding, mesh):
+        raise PlanError(_INSIDE.format(
+            sharding=sharding, where=_source(v.eqn), place=place, ours=_show_mesh(
+                dict(mesh.shape))))
+    return fn(*args)
+
+  return wrapped
+
+
+def _foreign(sharding, mesh) -> bool:
+  return not isinstance(sharding, NamedSharding) or (
+      not sharding.mesh.empty and dict(sharding.mesh.shape) != dict(mesh.shape))
+
+
 def plan_lines(notes: dict[tuple, list[Fitted]]) -> list[str]:
   """One plan line per kind of constraint and stage: how many, from where, what it became
   and why."""
@@ -231,7 +259,7 @@ def _source(eqn) -> str:
 
 _UNMAPPED = """\
 with_sharding_constraint {before} on a value of shape {shape}, called at {where},
-in pipeline stage '{place}': its mesh axis '{name}' (size {size}) has no counterpart on
+in {place}: its mesh axis '{name}' (size {size}) has no counterpart on
 epljax's mesh {ours}, so the split the model asks for cannot be carried into the stage. Map
 the axis onto one of epljax's axes, or to None to drop the constraint on it:
     with epl.mesh_axis_rules({{'{name}': 'data'}}):   # or 'model', or None
@@ -240,17 +268,17 @@ Known axis names: {known}."""
 
 _TWICE = """\
 with_sharding_constraint {before} on a value of shape {shape}, called at {where},
-in pipeline stage '{place}': dimensions {dims} both map to epljax's axis '{axis}', and one
+in {place}: dimensions {dims} both map to epljax's axis '{axis}', and one
 mesh axis can split only one dimension. Map one of the model's axes elsewhere (or to None)
 with epl.mesh_axis_rules({{...}}) around trainer.init."""
 
 _NOT_NAMED = """\
 with_sharding_constraint with {sharding}, called at {where},
-in pipeline stage '{place}': only a NamedSharding can be carried onto epljax's mesh. Write
+in {place}: only a NamedSharding can be carried onto epljax's mesh. Write
 the constraint as NamedSharding(mesh, PartitionSpec(...))."""
 
 _EXPLICIT = """\
-{prim} with output sharding {sharding}, at {where}, in pipeline stage '{place}': the model
+{prim} with output sharding {sharding}, at {where}, in {place}: the model
 traces with Explicit mesh axes (shardings in the types), which epljax's pipeline cannot carry
 onto its own mesh. Use Auto axes (the default) in the model's mesh."""
 
@@ -266,3 +294,10 @@ _UNREACHED = """\
 A with_sharding_constraint on another mesh than epljax's reached {place} where epljax could not
 rewrite it (inside a custom_vjp backward or a custom_jvp rule?); JAX says: {jax}
 Move the constraint out of the custom derivative rule, or write it on epljax's mesh."""
+
+_INSIDE = """\
+with_sharding_constraint {sharding}, called at {where}: {place} run the model in a shard_map
+manual over 'data' of epljax's mesh {ours}, where JAX accepts no constraint on another mesh.
+Leave communication.fp16 off and clip after the all-reduce (the defaults), which run the
+model in epljax's jit where the constraint is kept as written, or constrain on epljax's mesh
+(trainer.plan.mesh)."""
