@@ -158,7 +158,7 @@ def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
   fstate = {f.name: f.init_state(ctx) for f in features}
   jits, user_params = compile_functions(fns, var, where, features, fstate, ctx, rows)
   sums = jits.pop("gradient_sums")
-  skip = step_lib.describe_skip(_skips_by_cond(where))
+  skip = step_lib.describe_skip(_skips_by_cond(where, features))
   plan = make_plan(var, cap, where, [*features, sums, skip], fstate, jits, batch, rows)
   state_shardings = jits.pop("state_shardings")
   user = UserState(state_shardings=state_shardings, params_shape=var.params_shape,
@@ -282,7 +282,7 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
   make_gradients = (per_replica or (lambda fwd: step_lib.accumulate_gradients(fwd, num_micro)))
   if pipe is not None:
     make_gradients = lambda _: pipe.gradients(features, ctx)  # noqa: E731
-  by_cond = _skips_by_cond(where)
+  by_cond = _skips_by_cond(where, features)
   forward, gradients, update = step_lib.build(forward, make_gradients, fns.optimizer,
                                               features, ctx, by_cond)
   user_params = where.fused.to_user   # (pipeline stages keep the user's tree too)
@@ -458,10 +458,10 @@ def make_plan(var: Variables, cap: Capture, where: Placement, features: Sequence
       compile_grads=lambda: grads_jit.lower(abstract_state, abstract_batch).compile())
 
 
-def _skips_by_cond(where: Placement) -> bool:
+def _skips_by_cond(where: Placement, features: Sequence[Feature]) -> bool:
   on_device = all(_where(t) == "device" for t in (where.shardings.params,
                                                   where.shardings.opt_state))
-  return step_lib.skips_by_cond(where.layout.mesh, state_on_device=on_device,
+  return step_lib.skips_by_cond(where.layout.mesh, features, state_on_device=on_device,
                                 stages=where.layout.num_stages)
 
 

@@ -88,6 +88,10 @@ class Feature:
   """Base class: every hook leaves things as they are."""
 
   name: str = "feature"
+  # The update hook re-runs the traced update equation by equation (grouped apply): the step
+  # skips a non-finite update by a select then, which such a rewrite sees through, not by a
+  # cond, one opaque equation (step.skips_by_cond).
+  rewrites_update: bool = False
 
   def shardings(self, shardings: StateShardings, ctx: BuildContext) -> StateShardings:
     return shardings

@@ -116,12 +116,14 @@ def map_optimizer_state(optimizer: optax.GradientTransformation, fn: Callable[[A
 SKIP_BY_COND = ("cpu",)   # platforms whose step skips by lax.cond (module doc)
 
 
-def skips_by_cond(mesh: jax.sharding.Mesh, *, state_on_device: bool, stages: int) -> bool:
+def skips_by_cond(mesh: jax.sharding.Mesh, features: Sequence[Feature], *,
+                  state_on_device: bool, stages: int) -> bool:
   """Whether the step over ``mesh`` checks and skips the XLA:CPU way (module doc): not for
   state in host memory (a value's memory space is part of its type, which a cond's branches
-  must agree on) nor with pipeline stages (whose step is refused when a collective sits in a
-  branch, and a sharded update's would)."""
-  return mesh.devices.flat[0].platform in SKIP_BY_COND and state_on_device and stages == 1
+  must agree on), nor with pipeline stages (whose step is refused when a collective sits in a
+  branch, and a sharded update's would), nor under a feature that rewrites the update."""
+  return (mesh.devices.flat[0].platform in SKIP_BY_COND and state_on_device and stages == 1
+          and not any(f.rewrites_update for f in features))
 
 
 def describe_skip(by_cond: bool) -> str:

