@@ -39,6 +39,23 @@ def paired_ratio(first: Callable[[], object], second: Callable[[], object], *, p
           "ratio_q3": statistics.quantiles(ratios, n=4)[2]}
 
 
+def time_against_hand(trainer, state, batch, hand_jit, hand_state, hand_batch, *,
+                      pairs: int) -> tuple[dict[str, float], Any, Any]:
+  """``paired_ratio`` of ``trainer.train_step`` against ``hand_jit(state, batch) -> (state,
+  loss)``, each stepping its own (donated) state; returns the timing and both final states."""
+  box = {"epl": state, "hand": hand_state}
+
+  def run_epl():
+    box["epl"], metrics = trainer.train_step(box["epl"], batch)
+    return metrics["loss"]
+
+  def run_hand():
+    box["hand"], loss = hand_jit(box["hand"], hand_batch)
+    return loss
+
+  return paired_ratio(run_epl, run_hand, pairs=pairs), box["epl"], box["hand"]
+
+
 def machine() -> str:
   devices = jax.devices()
   kind = devices[0].device_kind

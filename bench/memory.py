@@ -26,6 +26,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import argparse  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -73,17 +74,23 @@ CONFIGS = {
 }
 
 
-def measure(name: str, config: dict) -> dict:
-  epl.init(config)
+def gpt_problem(rows: int = BATCH) -> tuple[Transformer, dict, Callable]:
+  """The GPT, a batch of ``rows`` random token windows and the mean next-token loss."""
   model = Transformer()
   rng = np.random.default_rng(0)
-  tokens = rng.integers(0, VOCAB, (BATCH, SEQ + 1)).astype(np.int32)
+  tokens = rng.integers(0, VOCAB, (rows, SEQ + 1)).astype(np.int32)
   batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
 
   def loss_fn(variables, b):
     logits = model.apply(variables, b["x"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
+  return model, batch, loss_fn
+
+
+def measure(name: str, config: dict) -> dict:
+  epl.init(config)
+  model, batch, loss_fn = gpt_problem()
   trainer = epl.Trainer(lambda key, b: model.init(key, b["x"]), loss_fn, optax.adam(1e-3))
   state = trainer.init(jax.random.key(0), batch)
   state, metrics = trainer.train_step(state, batch)

@@ -19,29 +19,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 import argparse  # noqa: E402
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import epljax as epl  # noqa: E402
 from epljax import hlo  # noqa: E402
-from common import machine, mlp_problem, paired_ratio, record, table  # noqa: E402
-
-
-def gpt_problem(rows: int):
-  """bench/memory.py's GPT (4 layers of width 128, 128 tokens, vocabulary 512)."""
-  from memory import SEQ, VOCAB, Transformer
-  model = Transformer()
-  rng = np.random.default_rng(0)
-  ids = rng.integers(0, VOCAB, (rows, SEQ + 1)).astype(np.int32)
-  batch = {"x": ids[:, :-1], "y": ids[:, 1:]}
-
-  def loss_fn(variables, b):
-    logits = model.apply(variables, b["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
-
-  return model, batch, loss_fn
+from common import machine, mlp_problem, record, table, time_against_hand  # noqa: E402
+from memory import gpt_problem  # noqa: E402
 
 
 def measure(name: str) -> list[str]:
@@ -73,19 +58,10 @@ def measure(name: str) -> list[str]:
 
   hand_jit = jax.jit(hand_step, in_shardings=((replicated, replicated), split_rows),
                      out_shardings=((replicated, replicated), replicated), donate_argnums=0)
-  box = {"epl": epl_state, "hand": hand_state}
-
-  def run_epl():
-    box["epl"], metrics = trainer.train_step(box["epl"], epl_batch)
-    return metrics["loss"]
-
-  def run_hand():
-    box["hand"], loss = hand_jit(box["hand"], hand_batch)
-    return loss
-
-  timing = paired_ratio(run_epl, run_hand, pairs=pairs)
-  epl_c = trainer.lower(box["epl"], epl_batch).compile()
-  hand_c = hand_jit.lower(box["hand"], hand_batch).compile()
+  timing, epl_state, hand_state = time_against_hand(trainer, epl_state, epl_batch, hand_jit,
+                                                    hand_state, hand_batch, pairs=pairs)
+  epl_c = trainer.lower(epl_state, epl_batch).compile()
+  hand_c = hand_jit.lower(hand_state, hand_batch).compile()
   mib = lambda m: (f"{m.argument_size_in_bytes / 2**20:.2f} / "  # noqa: E731
                    f"{m.temp_size_in_bytes / 2**20:.2f}")
   rows = jax.tree.leaves(batch)[0].shape[0]

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import epljax as epl  # noqa: E402
 import shakespeare_char as sc  # noqa: E402
-from common import machine, paired_ratio, record, table  # noqa: E402
+from common import machine, record, table, time_against_hand  # noqa: E402
 
 DEFAULT_DATA = os.path.join(HERE, "..", "..", "shared", "data", "tinyshakespeare.txt")
 SHAPES = {"single": "1 device", "dp": "data 4", "split": "data 2 x model 2",
@@ -57,17 +57,8 @@ def dp_against_hand_jit(result: dict, pairs: int) -> dict:
 
   hand_jit = jax.jit(hand_step, in_shardings=((replicated, replicated), split_rows),
                      out_shardings=((replicated, replicated), replicated), donate_argnums=0)
-  box = {"epl": result["state"], "hand": hand_state}
-
-  def run_epl():
-    box["epl"], metrics = trainer.train_step(box["epl"], epl_batch)
-    return metrics["loss"]
-
-  def run_hand():
-    box["hand"], loss = hand_jit(box["hand"], hand_batch)
-    return loss
-
-  return paired_ratio(run_epl, run_hand, pairs=pairs)
+  return time_against_hand(trainer, result["state"], epl_batch, hand_jit, hand_state,
+                           hand_batch, pairs=pairs)[0]
 
 
 def plot(results: list[dict], path: str) -> None:

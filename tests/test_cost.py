@@ -5,9 +5,9 @@ step is what a JAX user writes for the same layout: ``value_and_grad`` and the o
 jitted with the shardings epljax chose (``trainer.plan`` / the state's shardings), and
 ``jax.checkpoint`` on each block for checkpointing. For pipeline stages it is the hand-written
 ``shard_map`` GPipe over stacked blocks of ``bench/pipeline_compile.py``, against epljax's
-default 1F1B of the same blocks under ``nn.scan`` cut by ``auto.auto_parallel``. epljax's step does more (the global norm,
-the non-finite check and skip, the step metrics); these tests bound what that costs, from the
-compiled programs alone (deterministic, no timing):
+default 1F1B of the same blocks under ``nn.scan`` cut by ``auto.auto_parallel``. epljax's step
+does more (the global norm, the non-finite check and skip, the step metrics); these tests bound
+what that costs, from the compiled programs alone (deterministic, no timing):
 
 - FLOPs (``cost_analysis``) within 5%;
 - temp bytes per device (``memory_analysis``) within 5%;

@@ -26,7 +26,6 @@ import dataclasses
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
 
 import jax
 from jax.extend import core as jcore

@@ -78,8 +78,9 @@ class OwnMeshGPT(nn.Module):
     return wte.attend(nn.LayerNorm(use_bias=False, name="ln_f")(x))
 
 
-def fns(model: OwnMeshGPT = OwnMeshGPT()):
-  """``(init_fn, loss_fn)`` of ``model`` for ``epl.Trainer``."""
+def fns(model: OwnMeshGPT | None = None):
+  """``(init_fn, loss_fn)`` of ``model`` (default: ``OwnMeshGPT()``) for ``epl.Trainer``."""
+  model = OwnMeshGPT() if model is None else model
   def init_fn(rng, batch):
     return model.init(rng, batch["x"])
 
