@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -82,3 +87,46 @@ def reference_run(init_fn, loss_fn, optimizer, rng, batch, steps, *, micro_batch
     loss, grads, params, opt_state = step(params, opt_state)
     history.append((loss, grads))
   return history, {**variables, "params": params}
+
+
+def worker_env() -> dict[str, str]:
+  """The environment of a training worker started by a test: 8 CPU devices, this checkout."""
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return env
+
+
+def printed(text: str, kind: str) -> dict[int, str]:
+  """``{step: rest of the line}`` of a worker's ``KIND step ...`` lines."""
+  return {int(line.split()[1]): line.split(maxsplit=2)[2] for line in text.splitlines()
+          if line.startswith(kind + " ")}
+
+
+def kill_9_and_resume(worker: str, tmp_path, steps: int) -> tuple[str, str, str, int]:
+  """Runs ``worker`` (``--steps --every 2 --dir [--sleep]``, printing ``LOSS step ...`` and
+  ``RESUMED step``) once through, then again killed with SIGKILL after its step 5 and
+  restarted in the same directory. Returns the uninterrupted run's output, what the killed
+  run printed, the resumed run's output and the step it resumed from."""
+  cmd = [sys.executable, worker, "--steps", str(steps), "--every", "2"]
+  reference = subprocess.run([*cmd, "--dir", str(tmp_path / "ref")], env=worker_env(),
+                             capture_output=True, text=True, timeout=300)
+  assert reference.returncode == 0, reference.stderr[-3000:]
+  run_dir = str(tmp_path / "run")
+  victim = subprocess.Popen([*cmd, "--dir", run_dir, "--sleep", "0.3"], env=worker_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  seen = []
+  for line in victim.stdout:
+    seen.append(line)
+    if line.startswith("LOSS 5 "):    # it saved step 4 (committed or in flight) and goes on
+      victim.send_signal(signal.SIGKILL)
+      break
+  victim.wait(timeout=60)
+  assert victim.returncode == -signal.SIGKILL
+  resumed = subprocess.run([*cmd, "--dir", run_dir], env=worker_env(), capture_output=True,
+                           text=True, timeout=300)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  start = int(resumed.stdout.split("RESUMED ")[1].split()[0])
+  assert start in (2, 4)   # the last committed save: 4, or 2 if 4 was still being written
+  return reference.stdout, "".join(seen), resumed.stdout, start

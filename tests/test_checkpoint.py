@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import subprocess
-import sys
 import warnings
 
 import flax.linen as nn
@@ -18,7 +15,8 @@ import optax
 import pytest
 
 import epljax as epl
-from helpers import TOL, assert_trees_close, classification_batch, cross_entropy
+from helpers import (TOL, assert_trees_close, classification_batch, cross_entropy,
+                     kill_9_and_resume, printed)
 
 ROWS, STEPS, SAVED = 64, 4, 2
 BATCHES = [classification_batch(ROWS, seed=i) for i in range(STEPS)]
@@ -176,47 +174,13 @@ def test_checkpoint_of_another_model_names_the_first_mismatch(runs):
 WORKER = os.path.join(os.path.dirname(__file__), "launch_scripts", "ckpt_worker.py")
 
 
-def _env():
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-  env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  return env
-
-
-def _losses(text: str) -> dict[int, str]:
-  return {int(line.split()[1]): line.split()[2] for line in text.splitlines()
-          if line.startswith("LOSS ")}
-
-
 @pytest.mark.slow
 def test_resume_after_kill_9_gives_the_uninterrupted_losses(tmp_path):
   steps = 8
-  cmd = [sys.executable, WORKER, "--steps", str(steps), "--every", "2"]
-  reference = subprocess.run([*cmd, "--dir", str(tmp_path / "ref")], env=_env(),
-                             capture_output=True, text=True, timeout=300)
-  assert reference.returncode == 0, reference.stderr[-3000:]
-  expected = _losses(reference.stdout)
+  reference, killed, resumed, start = kill_9_and_resume(WORKER, tmp_path, steps)
+  expected = printed(reference, "LOSS")
   assert sorted(expected) == list(range(1, steps + 1))
-
-  run_dir = str(tmp_path / "run")
-  victim = subprocess.Popen([*cmd, "--dir", run_dir, "--sleep", "0.3"], env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-  seen = []
-  for line in victim.stdout:
-    seen.append(line)
-    if line.startswith("LOSS 5 "):    # it saved step 4 (committed or in flight) and goes on
-      victim.send_signal(signal.SIGKILL)
-      break
-  victim.wait(timeout=60)
-  assert victim.returncode == -signal.SIGKILL
-  first = _losses("".join(seen))
-  resumed = subprocess.run([*cmd, "--dir", run_dir], env=_env(), capture_output=True,
-                           text=True, timeout=300)
-  assert resumed.returncode == 0, resumed.stderr[-3000:]
-  start = int(resumed.stdout.split("RESUMED ")[1].split()[0])
-  assert start in (2, 4)   # the last committed save: 4, or 2 if 4 was still being written
-  second = _losses(resumed.stdout)
+  first, second = printed(killed, "LOSS"), printed(resumed, "LOSS")
   assert sorted(second) == list(range(start + 1, steps + 1))
   for step, loss in {**first, **second}.items():
     assert loss == expected[step], f"step {step}: {loss} != {expected[step]}"

@@ -6,9 +6,6 @@ uninterrupted run's losses and batches (the Grain iterator saved with the state)
 import hashlib
 import importlib.util
 import os
-import signal
-import subprocess
-import sys
 import urllib.request
 
 import numpy as np
@@ -16,6 +13,7 @@ import pytest
 
 import epljax as epl
 from epljax.data import CharVocab, split_train_val, windows
+from helpers import kill_9_and_resume, printed
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 # Beside the checkout on these machines; a missing file fails the tests (it is always there).
@@ -106,48 +104,15 @@ def test_dp_trains_as_the_recorded_single_device_run(example, text, tmp_path):
 WORKER = os.path.join(os.path.dirname(__file__), "launch_scripts", "shakespeare_resume.py")
 
 
-def _env():
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-  env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  return env
-
-
-def _lines(text: str, kind: str) -> dict[int, str]:
-  return {int(line.split()[1]): line.split(maxsplit=2)[2] for line in text.splitlines()
-          if line.startswith(kind + " ")}
-
-
 @pytest.mark.slow
 def test_resume_after_kill_9_reads_the_same_batches_and_gives_the_same_losses(tmp_path):
   steps = 8
-  cmd = [sys.executable, WORKER, "--steps", str(steps), "--every", "2"]
-  reference = subprocess.run([*cmd, "--dir", str(tmp_path / "ref")], env=_env(),
-                             capture_output=True, text=True, timeout=300)
-  assert reference.returncode == 0, reference.stderr[-3000:]
-  expected = {kind: _lines(reference.stdout, kind) for kind in ("LOSS", "DATA")}
+  reference, killed, resumed, start = kill_9_and_resume(WORKER, tmp_path, steps)
+  expected = {kind: printed(reference, kind) for kind in ("LOSS", "DATA")}
   assert sorted(expected["LOSS"]) == sorted(expected["DATA"]) == list(range(1, steps + 1))
   assert len(set(expected["DATA"].values())) == steps       # a different batch each step
-
-  run_dir = str(tmp_path / "run")
-  victim = subprocess.Popen([*cmd, "--dir", run_dir, "--sleep", "0.3"], env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-  seen = []
-  for line in victim.stdout:
-    seen.append(line)
-    if line.startswith("LOSS 5 "):    # it saved step 4 (committed or in flight) and goes on
-      victim.send_signal(signal.SIGKILL)
-      break
-  victim.wait(timeout=60)
-  assert victim.returncode == -signal.SIGKILL
-  resumed = subprocess.run([*cmd, "--dir", run_dir], env=_env(), capture_output=True,
-                           text=True, timeout=300)
-  assert resumed.returncode == 0, resumed.stderr[-3000:]
-  start = int(resumed.stdout.split("RESUMED ")[1].split()[0])
-  assert start in (2, 4)   # the last committed save: 4, or 2 if 4 was still being written
   for kind in ("LOSS", "DATA"):
-    first, second = _lines("".join(seen), kind), _lines(resumed.stdout, kind)
+    first, second = printed(killed, kind), printed(resumed, kind)
     assert sorted(second) == list(range(start + 1, steps + 1))
     for step, value in {**first, **second}.items():
       assert value == expected[kind][step], f"{kind} of step {step}: {value} != " \
