@@ -156,9 +156,10 @@ def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
   where = dataclasses.replace(where, shardings=shardings)
   ctx = dataclasses.replace(ctx, shardings=shardings)
   fstate = {f.name: f.init_state(ctx) for f in features}
-  jits, user_params = compile_functions(fns, var, where, features, fstate, ctx, rows)
+  by_cond = _skips_by_cond(where, features)
+  jits, user_params = compile_functions(fns, var, where, features, fstate, ctx, rows, by_cond)
   sums = jits.pop("gradient_sums")
-  skip = step_lib.describe_skip(_skips_by_cond(where, features))
+  skip = step_lib.describe_skip(by_cond)
   plan = make_plan(var, cap, where, [*features, sums, skip], fstate, jits, batch, rows)
   state_shardings = jits.pop("state_shardings")
   user = UserState(state_shardings=state_shardings, params_shape=var.params_shape,
@@ -261,8 +262,9 @@ def place(fns: UserFns, var: Variables, cap: Capture, micro_shapes: Any, rows: i
 
 def compile_functions(fns: UserFns, var: Variables, where: Placement,
                       features: Sequence[Feature], fstate: dict, ctx: BuildContext,
-                      rows: int) -> tuple[dict[str, Any], Callable]:
-  """Step 5: the jitted functions (and how to show the trained params in the user's tree)."""
+                      rows: int, by_cond: bool) -> tuple[dict[str, Any], Callable]:
+  """Step 5: the jitted functions (and how to show the trained params in the user's tree);
+  ``by_cond``: how a non-finite step is skipped (``step.skips_by_cond``)."""
   mesh, pipe, base = where.layout.mesh, where.pipe, where.shardings
   num_micro = ctx.num_micro_batch
   replicated = NamedSharding(mesh, P())
@@ -282,7 +284,6 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
   make_gradients = (per_replica or (lambda fwd: step_lib.accumulate_gradients(fwd, num_micro)))
   if pipe is not None:
     make_gradients = lambda _: pipe.gradients(features, ctx)  # noqa: E731
-  by_cond = _skips_by_cond(where, features)
   forward, gradients, update = step_lib.build(forward, make_gradients, fns.optimizer,
                                               features, ctx, by_cond)
   user_params = where.fused.to_user   # (pipeline stages keep the user's tree too)
