@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from epljax import batch as batch_lib
 from epljax import communication, memory
 from epljax import pipeline as pipeline_lib
+from epljax import search
 from epljax import step as step_lib
 from epljax import strategy as strategy_lib
 from epljax.errors import PlanError
@@ -130,6 +131,8 @@ def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
   micro_shapes = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct((rows // num_micro, *jnp.shape(x)[1:]),
                                      batch_lib._dtype(x)), batch)
+  if config.auto.auto_parallel and config.pipeline.num_stages is None:
+    return search.search(fns, config, cluster, rng, batch, build)   # the plan, searched
   var = trace_variables(fns, rng, micro_shapes)
   options = capture_options(var)
   cap = capture_loss(var, micro_shapes, len(cluster.devices), **options)

@@ -82,6 +82,8 @@ class Plan:
     self.placement = dict(placement or {})   # part of the state -> "device" / "host (...)"
     self._compile_grads = compile_grads
     self._grads_compiled = None
+    self.search: list[Any] = []          # auto.auto_parallel's rows (``epljax.search``)
+    self.search_notes: list[str] = []    # what the search fixed, skipped and assumed
 
   @property
   def features(self) -> list[str]:
@@ -171,6 +173,8 @@ class Plan:
           _spec(leaf.spec), size(leaf.bytes_per_device), leaf.taskgraph, leaf.rule]
          for leaf in self.leaves])]))
     out.append(("memory per device", self._memory_blocks()))
+    if self.search:
+      out.append(("automatic plan (auto.auto_parallel)", self._search_blocks()))
     summary = hlo.summarize(self.collectives)
     out.append(("collectives per step (compiled HLO)", [
         (["kind", "count", "bytes"], [[k, n, size(b)] for k, (n, b) in summary.items()])
@@ -213,6 +217,28 @@ class Plan:
                     f"{size(host[1])}    temp {size(host[2])}"
                     + ("" if any(host) else "  (this backend counts host buffers as device)"))
     return blocks
+
+  def _search_blocks(self, limit: int = 16) -> list[Any]:
+    """The candidates weighed, best first (``epljax.search``)."""
+    def mesh(shape):
+      return " x ".join(f"{a}={n}" for a, n in shape.items() if n > 1 or a == "data")
+
+    def features(f):
+      out = [f"micro {f['num_micro_batch']}"]
+      out += [f"zero {f['zero_level']}"] if f["zero_level"] else []
+      out += ["gc auto"] if f["gradient_checkpoint"] else []
+      out += [f"offload {f['offload']}"] if f["offload"] else []
+      return ", ".join(out)
+
+    ms = lambda s: f"{s * 1e3:.3g}"  # noqa: E731
+    rows = [["*" if r.chosen else "", mesh(r.mesh_shape), features(r.features),
+             size(r.bytes_per_device) + ("" if r.compiled else " (est.)"), ms(r.compute_s),
+             ms(r.communication_s), ms(r.bubble_s), ms(r.predicted_step_s), r.reason]
+            for r in self.search[:limit]]
+    more = len(self.search) - limit
+    return [*self.search_notes, (["", "mesh", "features", "bytes/device", "compute ms",
+                                  "comm ms", "bubble ms", "step ms", "why not"], rows),
+            *([f"... {more} more candidates in trainer.plan.search"] if more > 0 else [])]
 
   def __repr__(self) -> str:
     return (f"Plan(mesh={dict(self.mesh.shape)}, num_replicas={self.num_replicas}, "

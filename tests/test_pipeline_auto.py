@@ -56,7 +56,6 @@ def test_cuts_balance_the_estimated_flops():
 
 
 @pytest.mark.parametrize("config, model, message", [
-    ({"auto.auto_parallel": True}, Plain(), r"auto.auto_parallel=True needs pipeline.num_stages"),
     ({**AUTO, "pipeline.num_stages": 2}, None,
      r"auto.auto_parallel cuts a model into stages by itself, but this model already has task "
      r"graphs \['stage_0', 'stage_1'\]"),

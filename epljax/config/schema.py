@@ -135,7 +135,24 @@ class IOConfig:
 @dataclasses.dataclass(frozen=True)
 class AutoConfig:
   auto_parallel: bool = key(
-      False, "Choose pipeline stages automatically (with pipeline.num_stages).")
+      False, "With pipeline.num_stages: cut the model into that many stages (EPL). Beyond "
+      "EPL, without it: search the plan (data x model mesh, micro batches, ZeRO, gradient "
+      "checkpointing, offload) by a cost model read from the compiled programs.")
+  memory_limit: int = key(
+      0, "Beyond EPL: bytes per device a searched plan may use (arguments + outputs - aliased "
+      "+ temp of the compiled step); 0: the device's own memory.", minimum=0)
+  peak_flops: int | float = key(
+      0.0, "Beyond EPL: the device's peak FLOP/s for the plan search's cost model; 0: the "
+      "chip table's (epljax.cost.CHIPS).")
+  efficiency: int | float = key(
+      0.0, "Beyond EPL: the share of peak FLOP/s a step reaches, for the cost model; 0: the "
+      "chip table's (0.5).")
+  intra_host_bandwidth: int | float = key(
+      0.0, "Beyond EPL: bytes/s of one device's links to devices of its host (NVLink, ICI), "
+      "for the cost model; 0: the chip table's.")
+  inter_host_bandwidth: int | float = key(
+      0.0, "Beyond EPL: bytes/s of one device's links to other hosts, for the cost model; 0: "
+      "the chip table's.")
 
 
 SECTIONS: dict[str, type] = {

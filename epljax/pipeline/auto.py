@@ -239,11 +239,9 @@ def _opaque(node: Node) -> tuple[int, ...]:
 
 
 def check_auto(capture: Capture, num_stages: int | None) -> None:
-  """``auto.auto_parallel`` cuts a model the user did not cut: refuse the other cases."""
-  if num_stages is None:
-    raise PlanError("auto.auto_parallel=True needs pipeline.num_stages: epljax's automatic "
-                    "parallelism is EPL's automatic pipeline partitioning. Set, for example, "
-                    "{'auto.auto_parallel': True, 'pipeline.num_stages': 4}.")
+  """``auto.auto_parallel`` with ``pipeline.num_stages`` cuts a model the user did not cut:
+  refuse a model with task graphs. (Without ``pipeline.num_stages`` it searches the whole
+  plan instead: ``epljax.search``.)"""
   if len(capture.taskgraphs) > 1:
     names = [t.name for t in capture.taskgraphs]
     raise PlanError(f"auto.auto_parallel cuts a model into stages by itself, but this model "

@@ -1,0 +1,381 @@
+"""``auto.auto_parallel`` without ``pipeline.num_stages``: search the plan.
+
+>>> epl.init({"auto.auto_parallel": True, "auto.memory_limit": 16 << 30})  # doctest: +SKIP
+>>> state = trainer.init(rng, batch)
+>>> print(trainer.plan)             # the chosen plan, and the candidates it was weighed against
+>>> trainer.plan.search[0].chosen
+True
+
+Candidates are config overrides on a mesh: every factorization of the devices into data x
+model (the whole model under ``epl.split(k)``, kept only where the split rules split some
+parameter), ``pipeline.num_micro_batch`` (1, 2, 4 where the batch divides), ``zero.level``,
+``gradient_checkpoint.type`` ("" or "auto") and, off CPU, ``offload.level``. A key the user set
+and a user's scope, default strategy or ``epl.annotate`` rule are fixed, not searched.
+
+1. One trace per mesh (no compile) gives every parameter's spec; parameter, gradient and
+   optimizer bytes per device follow from them and the features, exactly; activations, FLOPs
+   and collectives are estimated from the traced program (``_estimate``).
+2. Candidates estimated over ``auto.memory_limit`` are dropped; the others are compiled in the
+   order of their estimated step time, at most ``MAX_COMPILES``, until one compiled step's
+   ``memory_analysis()`` is within the limit: that one is chosen, its cost read from the
+   compiled program (``cost.compiled_cost``). A row that was only estimated says so.
+
+Pipeline stages are not searched: each stage plan compiles its pipeline before it can be
+measured, which is too slow for this search. Cut stages with ``pipeline.num_stages``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from epljax import cost as cost_lib
+from epljax import strategy as strategy_lib
+from epljax.errors import PlanError, size
+from epljax.mesh import DATA, MODEL
+from epljax.pipeline.auto import node_flops
+from epljax.sharding import annotations
+
+MAX_COMPILES = 5
+MICRO_BATCHES = (1, 2, 4)
+ZERO_LEVELS = ("", "v1", "v2", "v3")
+CHECKPOINTING = ("", "auto")
+OFFLOAD = ("", "v0", "v1")
+# Activations kept under gradient_checkpoint.type="auto": a rough share, for ranking only (the
+# compiled bytes decide).
+_CHECKPOINTED_SHARE = 1 / 3
+_KEPT = {"dot_general", "conv_general_dilated", "exp", "log", "tanh", "logistic", "erf", "div",
+         "integer_pow", "rsqrt", "sqrt", "max", "pow"}
+SEARCHED_KEYS = {"num_micro_batch": "pipeline.num_micro_batch", "zero_level": "zero.level",
+                 "gradient_checkpoint": "gradient_checkpoint.type", "offload": "offload.level"}
+STAGES_NOT_SEARCHED = ("stage candidates not searched: a pipeline plan compiles its pipeline "
+                       "before it can be measured (set pipeline.num_stages to cut stages)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One plan weighed by the search (a row of ``trainer.plan.search``)."""
+  mesh_shape: dict[str, int]
+  features: dict[str, Any]
+  bytes_per_device: int         # compiled: arguments + outputs - aliased + temp; else estimated
+  predicted_step_s: float
+  compute_s: float
+  communication_s: float
+  bubble_s: float
+  compiled: bool                # False: every number is the estimate of ``_estimate``
+  chosen: bool = False
+  reason: str = ""              # why it lost; "" for the chosen
+  estimate: Any = dataclasses.field(default=None, repr=False, compare=False)  # cost.StepCost
+  cost: Any = dataclasses.field(default=None, repr=False, compare=False)  # compiled, or None
+
+  @property
+  def overrides(self) -> dict[str, Any]:
+    return {SEARCHED_KEYS[k]: v for k, v in self.features.items()}
+
+
+def search(fns, config, cluster, rng, batch, build: Callable) -> Any:
+  """The ``Built`` of the chosen plan, its ``plan.search`` the rows weighed (module doc)."""
+  chip = cost_lib.chip_of(cluster.devices[0], config.auto)
+  limit = config.auto.memory_limit or chip.memory_bytes
+  fixed = {name: config.to_dict()[key] for name, key in SEARCHED_KEYS.items()
+           if key in config.changed()}
+  base_config = config.replace({"auto.auto_parallel": False})
+  user_mesh = _user_scoped()
+  notes = [STAGES_NOT_SEARCHED]
+  if cluster.platform == "cpu" and "offload" not in fixed:
+    fixed["offload"] = ""
+    notes.append("offload candidates not searched: on CPU host memory is the device's memory")
+  if user_mesh:
+    notes.append(f"mesh fixed by the user: {user_mesh}")
+  bases = {}
+  for k in ([None] if user_mesh else _divisors(len(cluster.devices))):
+    base_overrides = {SEARCHED_KEYS[n]: fixed.get(n, d) for n, d in
+                      (("num_micro_batch", 1), ("zero_level", ""),
+                       ("gradient_checkpoint", ""), ("offload", ""))}
+    try:
+      with _model_split(k):
+        built = build(fns, base_config.replace(base_overrides), cluster, rng, batch)
+    except PlanError as e:
+      notes.append(f"model={k} not searched: {str(e).splitlines()[0]}")
+      continue
+    if k == 1 and _scoped(built):   # the model's own scopes fix its mesh
+      user_mesh = "the model's scopes " + ", ".join(
+          f"{t.name}={t.strategy}({t.device_count})" for t in built.capture.taskgraphs)
+      notes.append(f"mesh fixed by the user: {user_mesh}")
+      bases = {None: (built, dict(built.plan.mesh.shape))}
+      break
+    mesh = dict(built.plan.mesh.shape)
+    if k and k > 1 and not any(MODEL in _axes(leaf.spec) for leaf in built.plan.leaves):
+      notes.append(f"model={k} not searched: the split rules split no parameter")
+      continue
+    bases[k] = (built, mesh)
+  batch_bytes = jax.process_count() * sum(
+      np.size(x) * np.asarray(x).dtype.itemsize for x in jax.tree.leaves(batch))
+  rows = [_estimate(built, features, chip, batch_bytes)
+          for k, (built, _) in bases.items()
+          for features in _feature_grid(fixed, built, cluster)]
+  if not rows:
+    raise PlanError("auto.auto_parallel found no candidate plan: " + "; ".join(notes[1:]))
+  rows.sort(key=_order)
+  chosen, compiles = None, 0
+  for i, row in enumerate(rows):
+    if row.bytes_per_device > limit or compiles == MAX_COMPILES:
+      continue
+    k = next(k for k, (_, mesh) in bases.items() if mesh == row.mesh_shape)
+    with _model_split(k):
+      built = build(fns, base_config.replace({**row.overrides}), cluster, rng, batch)
+      step = cost_lib.compiled_cost(built.plan.compiled, built.plan.mesh, chip,
+                                    _host_bytes(built, row.features))
+    compiles += 1
+    rows[i] = row = _measured(row, step)
+    if row.bytes_per_device <= limit:
+      chosen = (i, built)
+      break
+  if chosen is None:
+    raise PlanError(_none_fits(rows, limit, config.auto.memory_limit))
+  index, built = chosen
+  best = rows[index]
+  rows = [_lost(r, best, limit) if j != index else dataclasses.replace(r, chosen=True)
+          for j, r in enumerate(rows)]
+  rows.sort(key=lambda r: (not r.chosen, r.bytes_per_device > limit, r.predicted_step_s))
+  built.plan.search = rows
+  built.plan.search_notes = [f"chip      {chip.name}: peak {chip.peak_flops:.3g} FLOP/s x "
+                             f"{chip.efficiency:g}, links {chip.intra_host_bandwidth:.3g} B/s "
+                             f"in a host, {chip.inter_host_bandwidth:.3g} B/s across"
+                             + (" (nominal)" if chip.name == "cpu" else ""),
+                             f"limit     {size(limit)} per device (auto.memory_limit)",
+                             f"compiled  {compiles} of {len(rows)} candidates", *notes]
+  return built
+
+
+def _order(row: Candidate) -> tuple:
+  """Estimated time first; among equals the simpler plan (fewer devices on the model axis,
+  fewer micro batches, no ZeRO, no checkpointing, no offload)."""
+  f = row.features
+  return (round(row.predicted_step_s, 12), row.mesh_shape.get(MODEL, 1), f["num_micro_batch"],
+          ZERO_LEVELS.index(f["zero_level"]), CHECKPOINTING.index(f["gradient_checkpoint"]),
+          OFFLOAD.index(f["offload"]))
+
+
+def _feature_grid(fixed: dict[str, Any], built, cluster) -> Iterator[dict[str, Any]]:
+  rows = built.plan.global_rows
+  replicas = built.plan.num_replicas
+  choices = {
+      "num_micro_batch": [m for m in MICRO_BATCHES if rows % (replicas * m) == 0],
+      "zero_level": ZERO_LEVELS if replicas > 1 else ("",),
+      "gradient_checkpoint": CHECKPOINTING,
+      "offload": OFFLOAD,
+  }
+  for name, value in fixed.items():
+    choices[name] = (value,)
+  for values in itertools.product(*choices.values()):
+    yield dict(zip(choices, values))
+
+
+@contextlib.contextmanager
+def _model_split(k: int | None) -> Iterator[None]:
+  """The whole model as one ``epl.split(k)`` task graph (the default strategy) while a
+  candidate is traced; restored after."""
+  saved = strategy_lib._GLOBAL.default, strategy_lib._GLOBAL.default_site
+  try:
+    if k and k > 1:
+      strategy_lib._GLOBAL.default = strategy_lib.split(k)
+      strategy_lib._GLOBAL.default_site = "epljax/search.py"
+    yield
+  finally:
+    strategy_lib._GLOBAL.default, strategy_lib._GLOBAL.default_site = saved
+
+
+def _user_scoped() -> str:
+  """What the user fixed about the mesh (a default strategy, ``epl.annotate`` rules), or "".
+  Scopes in the model are found by ``_scoped`` after tracing."""
+  if strategy_lib.default_strategy() is not None:
+    return f"epl.set_default_strategy({strategy_lib.default_strategy()!r})"
+  if annotations.module_rules() or annotations._PARAM_RULES:
+    return "epl.annotate rules"
+  return ""
+
+
+def _scoped(built) -> bool:
+  """Whether the traced model has a ``with`` scope of its own."""
+  return any(strategy_lib.parse_frame(f) is not None and not strategy_lib.parse_frame(f).default
+             for n in built.capture.program.nodes for f in n.frames)
+
+
+def _axes(spec) -> set[str]:
+  return {a for a in jax.tree.leaves(tuple(spec)) if a is not None}
+
+
+def _divisors(n: int) -> list[int]:
+  return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _estimate(built, features: dict[str, Any], chip, batch_bytes: int) -> Candidate:
+  """A candidate's bytes and time before compiling: parameters, gradients, optimizer and
+  model state per device exactly from the specs; activations (every traced output, split
+  like the batch), FLOPs (``node_flops``, x3 for the backward, x4 with checkpointing) and
+  collectives (gradient reduction over data, one all-reduce per row-split matmul over model in
+  each direction) estimated from the traced program."""
+  plan, cap = built.plan, built.capture
+  mesh = dict(plan.mesh.shape)
+  d, m = mesh.get(DATA, 1), mesh.get(MODEL, 1)
+  micro = features["num_micro_batch"]
+  zero, offload = features["zero_level"], features["offload"]
+  params = plan.param_bytes
+  grads, opt = params, plan.optimizer_bytes
+  full_params = params
+  if zero:
+    opt //= d
+  if zero in ("v2", "v3"):
+    grads //= d
+  if zero == "v3":
+    params //= d
+  host = 0
+  if offload:
+    host += 2 * params
+    params = 0
+  if offload == "v1":
+    host += 2 * opt
+    opt = 0
+  batch_bytes //= max(1, math.prod(mesh[a] for a in plan.batch_axes))
+  split_nodes = _split_uses(built, m)
+  per_node = [node_flops(n) / (d * (m if n.index in split_nodes else 1))
+              for n in cap.program.nodes]
+  # Kept for the backward pass: what matmuls and nonlinear functions output (their inputs
+  # are mostly those of another); one micro batch at a time, plus the gradient accumulator.
+  acts = sum(sum(v.aval.size * v.aval.dtype.itemsize for v in n.eqn.outvars
+                 if hasattr(v.aval, "size")) * n.trips
+             / (d * (m if n.index in split_nodes else 1))
+             for n in cap.program.nodes if n.primitive in _KEPT) / micro
+  checkpointed = features["gradient_checkpoint"] == "auto"
+  if checkpointed:
+    acts *= _CHECKPOINTED_SHARE
+  if micro > 1:
+    acts += grads
+  flops = sum(per_node) * (4 if checkpointed else 3)
+  comm: dict[tuple[str, str], float] = {}
+  nbytes: dict[tuple[str, str], int] = {}
+
+  def add(kind, axis, result, group, times=1):
+    nbytes[(kind, axis)] = nbytes.get((kind, axis), 0) + int(result)
+    comm[(kind, axis)] = comm.get((kind, axis), 0.0) + times * cost_lib.link_seconds(
+        kind, result / times, group, _across_hosts(plan.mesh, axis), chip)
+
+  if d > 1:   # gradients combined into one collective; ZeRO v3 gathers each weight twice
+    if zero:
+      add("reduce-scatter", DATA, full_params / d, d)
+      add("all-gather", DATA, full_params, d)
+    else:
+      add("all-reduce", DATA, full_params, d)
+    if zero == "v3":
+      add("all-gather", DATA, 2 * full_params, d,
+          times=2 * sum(leaf.trainable for leaf in plan.leaves))
+  for out_bytes in split_nodes.values():   # forward and backward
+    if out_bytes:
+      add("all-reduce", MODEL, 2 * out_bytes / d, m, times=2)
+  parts = {"parameters": params + grads, "optimizer state": opt,
+           "activations": int(acts), "model state and batch": plan.model_state_bytes + batch_bytes}
+  step = cost_lib.StepCost(sum(parts.values()), flops, nbytes,
+                           flops / (chip.peak_flops * chip.efficiency), comm,
+                           host_s=host / chip.host_bandwidth, parts=parts)
+  return Candidate(mesh, dict(features), step.bytes_per_device, step.step_s, step.compute_s,
+                   step.communication_s, step.bubble_s, compiled=False, estimate=step)
+
+
+def _split_uses(built, m: int) -> dict[int, int]:
+  """Nodes reading a parameter split over ``model`` -> bytes of their output when the split
+  dimension is contracted (a row-parallel matmul, a vocabulary-split lookup: its output is
+  summed over model), else 0."""
+  if m == 1:
+    return {}
+  out: dict[int, int] = {}
+  program = built.capture.program
+  for i, leaf in enumerate(built.plan.leaves):
+    spec = tuple(leaf.spec)
+    split = [dim for dim, a in enumerate(spec) if a is not None and MODEL in jax.tree.leaves(a)]
+    if not split:
+      continue
+    for node, pos in program.uses_of_input(i):
+      reduced = node.primitive != "dot_general" or any(
+          dim in node.eqn.params["dimension_numbers"][0][min(pos, 1)] for dim in split)
+      nbytes = sum(v.aval.size * v.aval.dtype.itemsize for v in node.eqn.outvars) * node.trips
+      out[node.index] = max(out.get(node.index, 0), nbytes if reduced else 0)
+  return out
+
+
+def _across_hosts(mesh, axis: str) -> bool:
+  if axis not in mesh.shape or mesh.shape[axis] == 1:
+    return False
+  index = mesh.axis_names.index(axis)
+  line = mesh.devices.take(range(mesh.shape[axis]), axis=index).reshape(
+      mesh.shape[axis], -1)[:, 0]
+  return len({d.process_index for d in line}) > 1
+
+
+def _host_bytes(built, features: dict[str, Any]) -> int:
+  """Bytes an offloaded step moves between host and device (weights in and out, with v1 the
+  optimizer state too): not in the device's HLO collectives."""
+  if not features["offload"]:
+    return 0
+  plan = built.plan
+  return 2 * plan.param_bytes + (2 * plan.optimizer_bytes if features["offload"] == "v1" else 0)
+
+
+def _measured(row: Candidate, step) -> Candidate:
+  return dataclasses.replace(row, bytes_per_device=step.bytes_per_device,
+                             predicted_step_s=step.step_s, compute_s=step.compute_s,
+                             communication_s=step.communication_s, bubble_s=step.bubble_s,
+                             compiled=True, cost=step)
+
+
+def _lost(row: Candidate, best: Candidate, limit: int) -> Candidate:
+  """Why ``row`` lost against ``best``: over the limit, or the part of the predicted step
+  that grew most. Compiled rows are compared by their compiled costs, the others by both
+  rows' estimates."""
+  how = "compiled" if row.compiled else "estimated, not compiled"
+  if row.bytes_per_device > limit:
+    return dataclasses.replace(
+        row, reason=f"over the limit by {size(row.bytes_per_device - limit)} ({how})")
+  mine, theirs = (row.cost, best.cost) if row.compiled else (row.estimate, best.estimate)
+  diffs = {"compute": mine.compute_s - theirs.compute_s,
+           "host transfers": mine.host_s - theirs.host_s,
+           "bubble": mine.bubble_s - theirs.bubble_s}
+  for key in set(mine.comm_s) | set(theirs.comm_s):
+    kind, axis = key
+    diffs[f"{kind} over {axis}"] = mine.comm_s.get(key, 0.0) - theirs.comm_s.get(key, 0.0)
+  what, delta = max(diffs.items(), key=lambda kv: kv[1])
+  if mine.step_s - theirs.step_s > 1e-12 and delta > 0:
+    return dataclasses.replace(row, reason=f"+{_ms(delta)} {what} ({how})")
+  return dataclasses.replace(row, reason=f"as fast, but a simpler plan fitted first ({how})")
+
+
+def _ms(seconds: float) -> str:
+  return f"{seconds * 1e3:.3g} ms"
+
+
+def _none_fits(rows: list[Candidate], limit: int, set_limit: int) -> str:
+  small = min(rows, key=lambda r: r.bytes_per_device)
+  parts = small.estimate.parts
+  top = max(parts, key=parts.get)
+  shown = ", ".join(f"{k} {size(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
+  features = ", ".join(f"{k}={v!r}" for k, v in small.features.items())
+  where = f"auto.memory_limit={set_limit}" if set_limit else "the device's memory"
+  return (f"No plan fits {size(limit)} per device ({where}). The smallest of {len(rows)} "
+          f"candidates, mesh {small.mesh_shape} with {features}, needs "
+          f"{size(small.bytes_per_device)} ({'compiled' if small.compiled else 'estimated'}; "
+          f"{shown}): {top} dominate. Try "
+          + {"parameters": "more devices for the model axis, or offload.level='v0' on a "
+             "GPU/TPU",
+             "optimizer state": "more devices (ZeRO shards the optimizer state over the data "
+             "axis), a smaller optimizer state (optax.adafactor), or offload.level='v1' on a "
+             "GPU/TPU",
+             "activations": "a smaller batch per step, or more pipeline.num_micro_batch",
+             "model state and batch": "a smaller batch per step"}[top]
+          + ", or a larger auto.memory_limit.")

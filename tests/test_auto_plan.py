@@ -1,0 +1,202 @@
+"""``auto.auto_parallel`` without ``pipeline.num_stages``: the plan search (``epljax.search``).
+
+Each chosen plan is trained against the single-device reference, its row's bytes, FLOPs and
+collective bytes compared with a fresh compile of the step ``train_step`` runs.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import epljax as epl
+from epljax import cost as cost_lib
+from epljax.mesh import MODEL
+from helpers import MLP, assert_trees_close, classification_batch, linen_fns, reference_run
+
+AUTO = {"auto.auto_parallel": True}
+ROWS = 16
+
+
+def search_and_train(model, config, batch, optimizer, steps=2):
+  """The searched trainer after ``steps`` steps compared with the reference; returns
+  (trainer, state, compiled step)."""
+  epl.init(config)
+  init_fn, loss_fn = linen_fns(model)
+  trainer = epl.Trainer(init_fn, loss_fn, optimizer)
+  state = trainer.init(jax.random.key(0), batch)
+  compiled = trainer.lower(state, batch).compile()
+  history, expected = reference_run(init_fn, loss_fn, optimizer, jax.random.key(0), batch, steps)
+  for step in range(steps):
+    state, metrics = trainer.train_step(state, batch)
+    np.testing.assert_allclose(metrics["loss"], history[step][0], rtol=1e-5, atol=1e-5)
+  assert_trees_close(trainer.variables(state)["params"], expected["params"])
+  return trainer, state, compiled
+
+
+def chosen(trainer):
+  rows = trainer.plan.search
+  assert sum(r.chosen for r in rows) == 1 and rows[0].chosen and rows[0].reason == ""
+  assert all(r.reason for r in rows[1:])
+  return rows[0]
+
+
+def check_row_is_the_compiled_step(row, trainer, compiled):
+  """The chosen row's bytes, FLOPs and collective bytes are those of the step that runs."""
+  mem = compiled.memory_analysis()
+  assert row.compiled
+  assert row.bytes_per_device == (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                  - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
+  fresh = cost_lib.compiled_cost(compiled, trainer.plan.mesh, _chip())
+  assert row.cost.flops == fresh.flops > 0
+  assert row.cost.collective_bytes == fresh.collective_bytes
+  assert row.predicted_step_s == pytest.approx(
+      row.compute_s + row.communication_s + row.bubble_s)
+
+
+def _chip():
+  return cost_lib.chip_of(jax.devices()[0], epl.Env.get().config.auto)
+
+
+@pytest.fixture(scope="module")
+def small():
+  """A small MLP with ample memory."""
+  trainer, state, compiled = search_and_train(MLP(), AUTO, classification_batch(ROWS),
+                                              optax.adam(1e-2))
+  return trainer, compiled
+
+
+def test_ample_memory_gives_plain_data_parallelism(small):
+  trainer, compiled = small
+  row = chosen(trainer)
+  assert row.mesh_shape == {"data": 8, "stage": 1, "model": 1}
+  assert row.features == {"num_micro_batch": 1, "zero_level": "", "gradient_checkpoint": "",
+                          "offload": ""}
+  check_row_is_the_compiled_step(row, trainer, compiled)
+  # The data-parallel gradient sum is what the model predicts over data.
+  assert set(row.cost.collective_bytes) == {("all-reduce", "data")}
+  assert sum(r.compiled for r in trainer.plan.search) <= 5
+  assert [r.predicted_step_s for r in trainer.plan.search[1:]] == sorted(
+      r.predicted_step_s for r in trainer.plan.search[1:])
+
+
+def test_the_plan_prints_the_candidates(small):
+  trainer, _ = small
+  text = str(trainer.plan)
+  section = text[text.index("automatic plan (auto.auto_parallel)"):]
+  assert "stage candidates not searched" in section
+  assert "offload candidates not searched: on CPU" in section
+  assert "chip      cpu" in section and "(nominal)" in section
+  for header in ("mesh", "features", "bytes/device", "compute ms", "comm ms", "bubble ms",
+                 "step ms", "why not"):
+    assert header in section
+  assert "(estimated, not compiled)" in section
+
+
+class Wide(nn.Module):
+  """An MLP whose replicated Adam state is most of its bytes."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.relu(nn.Dense(256)(x))
+    h = nn.relu(nn.Dense(256)(h))
+    return nn.Dense(16)(h)
+
+
+def test_replicated_adam_over_the_limit_gets_a_plan_within_it():
+  batch = classification_batch(ROWS, features=32, classes=16)
+  epl.init({})
+  init_fn, loss_fn = linen_fns(Wide())
+  plain = epl.Trainer(init_fn, loss_fn, optax.adam(1e-3))
+  plain.init(jax.random.key(0), batch)
+  mem = plain.plan.memory
+  plain_bytes = (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                 - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
+  limit = plain_bytes - plain.plan.optimizer_bytes // 2   # replicated Adam does not fit
+  trainer, _, compiled = search_and_train(Wide(), {**AUTO, "auto.memory_limit": limit}, batch,
+                                          optax.adam(1e-3))
+  row = chosen(trainer)
+  check_row_is_the_compiled_step(row, trainer, compiled)
+  assert row.bytes_per_device <= limit < plain_bytes
+  assert (row.features["zero_level"], row.mesh_shape["model"]) != ("", 1)
+  for r in trainer.plan.search:   # a row over the limit says so, and by how much
+    assert (r.bytes_per_device > limit) == r.reason.startswith("over the limit by"), r
+
+
+class Classifier(nn.Module):
+  """EPL's large-scale classification without scopes: features, then 100k classes."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(32)(x))
+    return nn.Dense(100_000, name="fc")(x)
+
+
+def test_the_100k_class_classifier_gets_its_classifier_split():
+  trainer, _, compiled = search_and_train(
+      Classifier(), AUTO, classification_batch(ROWS, classes=100_000), optax.sgd(0.1), steps=1)
+  row = chosen(trainer)
+  assert row.mesh_shape["model"] > 1
+  # The whole model is one split task graph: the split rules pair the two Dense layers
+  # (column, then row), so the classifier is split on its input features, 1/model each.
+  spec = trainer.plan.param_specs["params"]["fc"]["kernel"]
+  assert spec == P(MODEL, None)
+  fc = next(leaf for leaf in trainer.plan.leaves if leaf.path == "params/fc/kernel")
+  assert fc.bytes_per_device == 32 * 100_000 * 4 // row.mesh_shape["model"]
+  check_row_is_the_compiled_step(row, trainer, compiled)
+  # Data parallelism would all-reduce the classifier's gradient: predicted slower.
+  dp = [r for r in trainer.plan.search if r.mesh_shape["model"] == 1]
+  assert dp and all("over data" in r.reason for r in dp if "limit" not in r.reason)
+
+
+class SplitByUser(nn.Module):
+  """The user's own scope: the whole MLP tensor-parallel over 2 devices."""
+
+  @nn.compact
+  def __call__(self, x):
+    with epl.split(2, name="mlp"):
+      return nn.Dense(10)(nn.relu(nn.Dense(16)(x)))
+
+
+def test_a_user_config_key_and_scope_are_kept():
+  epl.init({**AUTO, "zero.level": "v1"})
+  init_fn, loss_fn = linen_fns(SplitByUser())
+  trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))
+  trainer.init(jax.random.key(0), classification_batch(ROWS))
+  rows = trainer.plan.search
+  assert rows and all(r.features["zero_level"] == "v1" for r in rows)
+  assert all(r.mesh_shape == {"data": 4, "stage": 1, "model": 2} for r in rows)
+  assert "mesh fixed by the user: the model's scopes mlp=split(2)" in trainer.plan.search_notes
+
+
+def test_a_user_default_strategy_is_kept():
+  epl.init(AUTO)
+  epl.set_default_strategy(epl.replicate(1))
+  init_fn, loss_fn = linen_fns(MLP())
+  trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))
+  trainer.init(jax.random.key(0), classification_batch(ROWS))
+  assert {r.mesh_shape["model"] for r in trainer.plan.search} == {1}
+  assert "mesh fixed by the user: epl.set_default_strategy(epl.replicate(1))" in (
+      trainer.plan.search_notes)
+
+
+def test_no_plan_fits_says_what_dominates_and_what_to_try():
+  epl.init({**AUTO, "auto.memory_limit": 1024})
+  init_fn, loss_fn = linen_fns(Wide())
+  trainer = epl.Trainer(init_fn, loss_fn, optax.adam(1e-3))
+  with pytest.raises(epl.PlanError, match=r"No plan fits 1.0 KiB per device \(auto.memory_limit="
+                     r"1024\)\. The smallest of \d+ candidates, mesh .* needs .* dominate\. Try"):
+    trainer.init(jax.random.key(0), classification_batch(ROWS, features=32, classes=16))
+
+
+def test_without_search_the_rows_are_empty(small):
+  epl.init({})
+  init_fn, loss_fn = linen_fns(MLP())
+  trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))
+  trainer.init(jax.random.key(0), classification_batch(ROWS))
+  assert trainer.plan.search == []
+  assert "automatic plan" not in str(trainer.plan)
