@@ -18,7 +18,9 @@ and a user's scope, default strategy or ``epl.annotate`` rule are fixed, not sea
 2. Candidates estimated over ``auto.memory_limit`` are dropped; the others are compiled in the
    order of their estimated step time, at most ``MAX_COMPILES``, until one compiled step's
    ``memory_analysis()`` is within the limit: that one is chosen, its cost read from the
-   compiled program (``cost.compiled_cost``). A row that was only estimated says so.
+   compiled program (``cost.compiled_cost``). A compiled step over the limit rescales the
+   activation estimate of the rows still to weigh by its measured activations
+   (``_calibrated``). A row that was only estimated says so.
 
 Pipeline stages are not searched: each stage plan compiles its pipeline before it can be
 measured, which is too slow for this search. Cut stages with ``pipeline.num_stages``.
@@ -125,7 +127,8 @@ def search(fns, config, cluster, rng, batch, build: Callable) -> Any:
     raise PlanError("auto.auto_parallel found no candidate plan: " + "; ".join(notes[1:]))
   rows.sort(key=_order)
   chosen, compiles = None, 0
-  for i, row in enumerate(rows):
+  for i in range(len(rows)):
+    row = rows[i]   # (rows are recalibrated as compiles go)
     if row.bytes_per_device > limit or compiles == MAX_COMPILES:
       continue
     k = next(k for k, (_, mesh) in bases.items() if mesh == row.mesh_shape)
@@ -138,6 +141,7 @@ def search(fns, config, cluster, rng, batch, build: Callable) -> Any:
     if row.bytes_per_device <= limit:
       chosen = (i, built)
       break
+    rows = _calibrated(rows, row)
   if chosen is None:
     raise PlanError(_none_fits(rows, limit, config.auto.memory_limit))
   index, built = chosen
@@ -268,18 +272,20 @@ def _estimate(built, features: dict[str, Any], chip, batch_bytes: int) -> Candid
     comm[(kind, axis)] = comm.get((kind, axis), 0.0) + times * cost_lib.link_seconds(
         kind, result / times, group, _across_hosts(plan.mesh, axis), chip)
 
-  if d > 1:   # gradients combined into one collective; ZeRO v3 gathers each weight twice
+  # Plain gradients are summed in one combined all-reduce; ZeRO reduce-scatters and gathers
+  # each parameter on its own (v3: gathered again in the forward and the backward pass).
+  leaves = sum(leaf.trainable for leaf in plan.leaves)
+  if d > 1:
     if zero:
-      add("reduce-scatter", DATA, full_params / d, d)
-      add("all-gather", DATA, full_params, d)
+      add("reduce-scatter", DATA, full_params / d, d, times=leaves)
+      add("all-gather", DATA, full_params, d, times=leaves)
     else:
       add("all-reduce", DATA, full_params, d)
     if zero == "v3":
-      add("all-gather", DATA, 2 * full_params, d,
-          times=2 * sum(leaf.trainable for leaf in plan.leaves))
-  for out_bytes in split_nodes.values():   # forward and backward
+      add("all-gather", DATA, 2 * full_params, d, times=2 * leaves)
+  for out_bytes in split_nodes.values():   # forward and backward, each micro batch
     if out_bytes:
-      add("all-reduce", MODEL, 2 * out_bytes / d, m, times=2)
+      add("all-reduce", MODEL, 2 * out_bytes / d, m, times=2 * micro)
   parts = {"parameters": params + grads, "optimizer state": opt,
            "activations": int(acts), "model state and batch": plan.model_state_bytes + batch_bytes}
   step = cost_lib.StepCost(sum(parts.values()), flops, nbytes,
@@ -326,6 +332,26 @@ def _host_bytes(built, features: dict[str, Any]) -> int:
     return 0
   plan = built.plan
   return 2 * plan.param_bytes + (2 * plan.optimizer_bytes if features["offload"] == "v1" else 0)
+
+
+def _calibrated(rows: list[Candidate], measured: Candidate) -> list[Candidate]:
+  """The estimates of the rows not compiled yet, their activations scaled by what the compiled
+  ``measured`` row's activations were against its own estimate (the other parts are exact)."""
+  parts = measured.estimate.parts
+  exact = measured.estimate.bytes_per_device - parts["activations"]
+  if parts["activations"] <= 0 or measured.bytes_per_device <= exact:
+    return rows
+  scale = (measured.bytes_per_device - exact) / parts["activations"]
+  out = []
+  for r in rows:
+    if not r.compiled:
+      acts = int(r.estimate.parts["activations"] * scale)
+      est = dataclasses.replace(r.estimate, parts={**r.estimate.parts, "activations": acts},
+                                bytes_per_device=r.estimate.bytes_per_device
+                                - r.estimate.parts["activations"] + acts)
+      r = dataclasses.replace(r, bytes_per_device=est.bytes_per_device, estimate=est)
+    out.append(r)
+  return out
 
 
 def _measured(row: Candidate, step) -> Candidate:
