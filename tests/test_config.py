@@ -36,6 +36,11 @@ EPL_DEFAULTS = {
     "io.unbalanced_io_slicing": False,
     "io.drop_last_files": False,
     "auto.auto_parallel": False,
+    "auto.memory_limit": 0,                              # beyond EPL
+    "auto.peak_flops": 0.0,                              # beyond EPL
+    "auto.efficiency": 0.0,                              # beyond EPL
+    "auto.intra_host_bandwidth": 0.0,                    # beyond EPL
+    "auto.inter_host_bandwidth": 0.0,                    # beyond EPL
 }
 
 
