@@ -74,6 +74,7 @@ class Candidate:
   compiled: bool                # False: every number is the estimate of ``_estimate``
   chosen: bool = False
   reason: str = ""              # why it lost; "" for the chosen
+  refused: str = ""             # the PlanError its build raised, if any
   estimate: Any = dataclasses.field(default=None, repr=False, compare=False)  # cost.StepCost
   cost: Any = dataclasses.field(default=None, repr=False, compare=False)  # compiled, or None
 
@@ -132,10 +133,14 @@ def search(fns, config, cluster, rng, batch, build: Callable) -> Any:
     if row.bytes_per_device > limit or compiles == MAX_COMPILES:
       continue
     k = next(k for k, (_, mesh) in bases.items() if mesh == row.mesh_shape)
-    with _model_split(k):
-      built = build(fns, base_config.replace({**row.overrides}), cluster, rng, batch)
-      step = cost_lib.compiled_cost(built.plan.compiled, built.plan.mesh, chip,
-                                    _host_bytes(built, row.features))
+    try:
+      with _model_split(k):
+        built = build(fns, base_config.replace({**row.overrides}), cluster, rng, batch)
+        step = cost_lib.compiled_cost(built.plan.compiled, built.plan.mesh, chip,
+                                      _host_bytes(built, row.features))
+    except PlanError as e:   # a feature this model refuses: the row says why
+      rows[i] = dataclasses.replace(row, refused=str(e).splitlines()[0])
+      continue
     compiles += 1
     rows[i] = row = _measured(row, step)
     if row.bytes_per_device <= limit:
@@ -148,7 +153,8 @@ def search(fns, config, cluster, rng, batch, build: Callable) -> Any:
   best = rows[index]
   rows = [_lost(r, best, limit) if j != index else dataclasses.replace(r, chosen=True)
           for j, r in enumerate(rows)]
-  rows.sort(key=lambda r: (not r.chosen, r.bytes_per_device > limit, r.predicted_step_s))
+  rows.sort(key=lambda r: (not r.chosen, bool(r.refused), r.bytes_per_device > limit,
+                           r.predicted_step_s))
   built.plan.search = rows
   built.plan.search_notes = [f"chip      {chip.name}: peak {chip.peak_flops:.3g} FLOP/s x "
                              f"{chip.efficiency:g}, links {chip.intra_host_bandwidth:.3g} B/s "
@@ -366,6 +372,8 @@ def _lost(row: Candidate, best: Candidate, limit: int) -> Candidate:
   that grew most. Compiled rows are compared by their compiled costs, the others by both
   rows' estimates."""
   how = "compiled" if row.compiled else "estimated, not compiled"
+  if row.refused:
+    return dataclasses.replace(row, reason=f"refused: {row.refused}")
   if row.bytes_per_device > limit:
     return dataclasses.replace(
         row, reason=f"over the limit by {size(row.bytes_per_device - limit)} ({how})")
@@ -387,7 +395,7 @@ def _ms(seconds: float) -> str:
 
 
 def _none_fits(rows: list[Candidate], limit: int, set_limit: int) -> str:
-  small = min(rows, key=lambda r: r.bytes_per_device)
+  small = min([r for r in rows if not r.refused] or rows, key=lambda r: r.bytes_per_device)
   parts = small.estimate.parts
   top = max(parts, key=parts.get)
   shown = ", ".join(f"{k} {size(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))

@@ -1,0 +1,118 @@
+"""The plan search (``auto.auto_parallel`` without ``pipeline.num_stages``) on the model zoo.
+
+    python bench/auto.py                  # GPT-2 and Llama of tests/models, 8 CPU devices
+    python bench/auto.py --record         # and append the tables to bench/RESULTS.md
+    python bench/auto.py --models gpt2 vit --limit 600000
+
+For each model: how long the search took, how many steps it compiled (XLA compiles of the
+step, counted from jax's compile log), the chosen plan, its estimated bytes beside the compiled
+``memory_analysis()``, and every candidate's predicted compute / communication / bubble / step
+time with why it lost. On CPU the chip figures are nominal: the times rank plans, they predict
+nothing about a GPU.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import logging  # noqa: E402
+import time  # noqa: E402
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import optax  # noqa: E402
+
+import epljax as epl  # noqa: E402
+from common import record, table  # noqa: E402
+from epljax.errors import size  # noqa: E402
+from models import ZOO  # noqa: E402
+
+ROWS = 16
+
+
+class _Compiles(logging.Handler):
+  def __init__(self):
+    super().__init__()
+    self.steps = 0
+
+  def emit(self, rec):
+    text = rec.getMessage()
+    if "Finished XLA compilation" in text and "epl_step" in text:
+      self.steps += 1
+
+
+def search(name: str, limit: int) -> tuple[epl.Trainer, float, int]:
+  model = ZOO[name]
+  epl.init({"auto.auto_parallel": True, "auto.memory_limit": limit})
+  rules = (nn.logical_axis_rules(model.logical_rules) if model.logical_rules
+           else contextlib.nullcontext())
+  handler = _Compiles()
+  logger = logging.getLogger("jax")
+  logger.addHandler(handler)
+  start = time.perf_counter()
+  try:
+    with rules, jax.log_compiles():
+      trainer = epl.Trainer(model.init_fn, model.loss_fn, optax.adamw(1e-3))
+      trainer.init(jax.random.key(0), model.make_batch(ROWS))
+  finally:
+    logger.removeHandler(handler)
+  return trainer, time.perf_counter() - start, handler.steps
+
+
+def rows_of(trainer) -> list[list[object]]:
+  def mesh(shape):
+    return " x ".join(f"{a}={n}" for a, n in shape.items() if n > 1 or a == "data")
+
+  def feats(f):
+    return ", ".join([f"micro {f['num_micro_batch']}"]
+                     + ([f"zero {f['zero_level']}"] if f["zero_level"] else [])
+                     + (["gc auto"] if f["gradient_checkpoint"] else []))
+
+  ms = lambda s: f"{s * 1e3:.3g}"  # noqa: E731
+  return [["**chosen**" if r.chosen else "", mesh(r.mesh_shape), feats(r.features),
+           size(r.bytes_per_device) + ("" if r.compiled else " (est.)"), ms(r.compute_s),
+           ms(r.communication_s), ms(r.bubble_s), ms(r.predicted_step_s), r.reason]
+          for r in trainer.plan.search]
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--models", nargs="+", default=["gpt2", "llama"], choices=sorted(ZOO))
+  parser.add_argument("--limit", type=int, default=0, help="auto.memory_limit (0: device's)")
+  parser.add_argument("--record", action="store_true")
+  args = parser.parse_args(argv)
+  summary, details = [], []
+  for name in args.models:
+    trainer, seconds, compiles = search(name, args.limit)
+    best = trainer.plan.search[0]
+    summary.append([name, f"{seconds:.1f}", compiles, sum(r.compiled for r in trainer.plan.search),
+                    len(trainer.plan.search), " x ".join(
+                        f"{a}={n}" for a, n in best.mesh_shape.items()),
+                    size(best.estimate.bytes_per_device), size(best.bytes_per_device),
+                    f"{best.estimate.bytes_per_device / best.bytes_per_device:.2f}"])
+    body = table(["", "mesh", "features", "bytes/device", "compute ms", "comm ms", "bubble ms",
+                  "step ms", "why not"], rows_of(trainer))
+    details.append(f"### {name}\n\n" + "\n".join(
+        f"- {n}" for n in trainer.plan.search_notes) + "\n\n" + body)
+    print(f"\n{name}\n" + "\n".join(trainer.plan.search_notes) + "\n" + body)
+  head = table(["model", "search s", "step compiles (XLA log)", "rows compiled", "candidates",
+                "chosen mesh", "estimated bytes", "compiled bytes", "estimate / compiled"],
+               summary)
+  print("\n" + head)
+  if args.record:
+    record("Automatic plans (bench/auto.py)", head + "\n\n" + (
+        f"Global batch {ROWS} rows, adamw, auto.memory_limit={args.limit} (0: the device's). "
+        "Search s: trainer.init wall time, compiles included. Step compiles: XLA compiles of "
+        "the step during the search (jax's compile log); the chosen plan's train_step compiles "
+        "once more. Estimated bytes: the pre-compile estimate of the chosen plan, used only to "
+        "prune and order candidates. CPU chip figures are nominal: times rank, they do not "
+        "predict.\n\n") + "\n\n".join(details), argv)
+
+
+if __name__ == "__main__":
+  main()
