@@ -1,6 +1,7 @@
 """Pipeline compile cost against depth, next to a hand-written ``shard_map`` GPipe.
 
     python bench/pipeline.py --compile [--record]
+    python bench/pipeline_compile.py --roll [--record]   # roll_layers off/on: GPT, plain jit
 
 The same residual MLP (``Block`` of ``bench/pipeline.py``, width 256) with L in {4, 24, 48}
 blocks, S=4 stages (``set_default_strategy`` every L/4 blocks), M=8 micro batches, 2 replicas
@@ -19,20 +20,27 @@ on 8 devices:
 
 from __future__ import annotations
 
-import re
-import time
+import os
+import sys
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
-from jax import lax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(__file__))
 
-import epljax as epl
-from epljax import hlo
+import argparse  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import epljax as epl  # noqa: E402
+from epljax import hlo  # noqa: E402
 
 S, M, WIDTH, ROWS, FEATURES, CLASSES = 4, 8, 256, 16, 32, 10
 
@@ -186,6 +194,194 @@ def handwritten_cost(layers: int) -> tuple[float, int]:
   return time.perf_counter() - start, len(compiled.as_text())
 
 
+# -- rolled layers by default (``--roll``): the issue's GPT and plain-jit figures ---------------
+VOCAB, GPT_WIDTH, HEADS, SEQ = 128, 64, 2, 16
+
+
+class GPTLayer(nn.Module):
+  """A pre-LayerNorm decoder layer (causal self-attention, gelu MLP)."""
+  @nn.compact
+  def __call__(self, x):
+    mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+    x = x + nn.MultiHeadDotProductAttention(HEADS)(nn.LayerNorm()(x), mask=mask)
+    return x + nn.Dense(GPT_WIDTH)(nn.gelu(nn.Dense(4 * GPT_WIDTH)(nn.LayerNorm()(x))))
+
+
+class GPTStem(nn.Module):
+  @nn.compact
+  def __call__(self, tokens):
+    return nn.Embed(VOCAB, GPT_WIDTH)(tokens) + self.param(
+        "position", nn.initializers.normal(0.02), (SEQ, GPT_WIDTH))
+
+
+class GPTHead(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(VOCAB)(nn.LayerNorm()(x))
+
+
+class GPT(nn.Module):
+  """A GPT whose layers are a Python loop (cut into stages by ``auto.auto_parallel``)."""
+  layers: int
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = GPTStem()(tokens)
+    for _ in range(self.layers):
+      x = GPTLayer()(x)
+    return GPTHead()(x)
+
+
+def gpt_batch(rows: int) -> dict:
+  tokens = np.random.default_rng(0).integers(0, VOCAB, (rows, SEQ + 1)).astype(np.int32)
+  return {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+
+
+def gpt_cost(layers: int, roll: bool) -> tuple[float, int, float]:
+  """epljax on the Python-loop GPT (auto, S stages, M micro batches, SGD): seconds of
+  ``trainer.init`` + lower + compile of the step, the step's HLO characters and temp MiB."""
+  epl.init({"pipeline.num_micro_batch": M, "auto.auto_parallel": True,
+            "pipeline.num_stages": S, "pipeline.roll_layers": roll})
+  model = GPT(layers)
+
+  def loss_fn(variables, bt):
+    logits = model.apply(variables, bt["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, bt["y"]).mean()
+
+  trainer = epl.Trainer(lambda k, bt: model.init(k, bt["x"]), loss_fn, optax.sgd(0.1))
+  b = gpt_batch(2 * M * 2)
+  start = time.perf_counter()
+  state = trainer.init(jax.random.key(0), b)
+  compiled = trainer.lower(state, b).compile()
+  return (time.perf_counter() - start, len(compiled.as_text()),
+          compiled.memory_analysis().temp_size_in_bytes / 2**20)
+
+
+def gpt_handwritten_cost(layers: int) -> tuple[float, int]:
+  """The GPT's layers stacked ``(S, L/S, ...)`` in the hand-written GPipe (``gpipe``), SGD:
+  seconds to compile its parameters' init and to lower and compile its step, and the step's
+  HLO characters (both init compiles are counted, as epljax's ``trainer.init`` compiles its
+  own)."""
+  b = gpt_batch(2 * M * 2)
+  x = jnp.zeros((1, SEQ), jnp.int32)
+  h = jnp.zeros((1, SEQ, GPT_WIDTH))
+
+  def init(key):
+    k = jax.random.split(key, 3)
+    layer_keys = jax.random.split(k[1], layers).reshape(S, layers // S)
+    return {"stem": GPTStem().init(k[0], x)["params"],
+            "blocks": jax.vmap(jax.vmap(lambda kk: GPTLayer().init(kk, h)["params"]))(
+                layer_keys),
+            "head": GPTHead().init(k[2], h)["params"]}
+
+  start = time.perf_counter()
+  params = jax.jit(init)(jax.random.key(0))
+  step = gpipe(lambda p, t: GPTStem().apply({"params": p}, t),
+               lambda p, a: GPTLayer().apply({"params": p}, a),
+               lambda p, a: GPTHead().apply({"params": p}, a), params)
+  compiled = step.lower(params, b).compile()
+  return time.perf_counter() - start, len(compiled.as_text())
+
+
+def gpipe(stem, block, head, params):
+  """A jitted GPipe step (cross-entropy, SGD) written by hand: ``params["blocks"]`` stacked
+  ``(S, L/S, ...)`` and stored over ``stage``, one ``lax.scan`` over a stage's blocks, a loop of
+  ``M + S - 1`` ticks with ``ppermute`` in a ``shard_map`` over ``(data, stage)``."""
+  mesh = Mesh(np.array(jax.devices()[:2 * S]).reshape(2, S), ("data", "stage"))
+  specs = {k: jax.tree.map(lambda _: P(), v) for k, v in params.items()}
+  specs["blocks"] = jax.tree.map(lambda _: P("stage"), params["blocks"])
+  shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+
+  def pipeline(blocks, h):          # h: (M, rows, ...) per replica; stage-local blocks
+    stage = lax.axis_index("stage")
+    blocks = jax.tree.map(lambda a: a[0], blocks)
+
+    def tick(carry, t):
+      inbox, outs = carry
+      x = jnp.where(stage == 0, h[jnp.minimum(t, M - 1)], inbox)
+      y = lax.scan(lambda c, p: (block(p, c), None), x, blocks)[0]
+      m = t - (S - 1)
+      outs = jnp.where((stage == S - 1) & (m >= 0), outs.at[jnp.clip(m, 0, M - 1)].set(y), outs)
+      return (lax.ppermute(y, "stage", [(i, (i + 1) % S) for i in range(S)]), outs), None
+
+    (_, outs), _ = lax.scan(tick, (jnp.zeros_like(h[0]), jnp.zeros_like(h)),
+                            jnp.arange(M + S - 1))
+    return lax.psum(jnp.where(stage == S - 1, outs, 0.0), "stage")
+
+  run = jax.shard_map(pipeline, mesh=mesh, in_specs=(P("stage"), P(None, "data")),
+                      out_specs=P(None, "data"), check_vma=False)
+
+  def loss(p, bt):
+    x = bt["x"].reshape(M, -1, *bt["x"].shape[1:])
+    h = jax.vmap(lambda xm: stem(p["stem"], xm))(x)
+    logits = jax.vmap(lambda hm: head(p["head"], hm))(run(p["blocks"], h))
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, bt["y"].reshape(M, -1, *bt["y"].shape[1:])).mean()
+
+  def step(p, bt):
+    grads = jax.grad(loss)(p, bt)
+    return jax.tree.map(lambda a, g: a - 0.1 * g, p, grads)
+
+  return jax.jit(step, in_shardings=(shard, NamedSharding(mesh, P("data"))),
+                 out_shardings=shard)
+
+
+def plain_jit_hlo(layers: int) -> int:
+  """HLO characters of plain ``jax.jit`` of the residual MLP ``Deep(layers)``'s SGD step on one
+  device (the program a user would write without epljax)."""
+  model, b = Deep(layers), batch(2 * M * ROWS)
+  variables = jax.eval_shape(lambda: model.init(jax.random.key(0), b["x"]))
+
+  def step(v, bt):
+    def loss(v):
+      logits = model.apply(v, bt["x"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, bt["y"]).mean()
+    return jax.tree.map(lambda a, g: a - 0.1 * g, v, jax.grad(loss)(v))
+
+  return len(jax.jit(step).lower(variables, b).compile().as_text())
+
+
+def roll_rows(loop_layers: int = 32, gpt_layers: int = 48) -> list[list]:
+  """The issue's figures, roll_layers off and on: the loop MLP's pipeline step HLO over plain
+  ``jax.jit``'s, and the loop GPT's trace + compile over the hand-written GPipe's."""
+  rows = []
+  plain = plain_jit_hlo(loop_layers)
+  hand_s, hand_hlo = gpt_handwritten_cost(gpt_layers)
+  for roll in (False, True):
+    variant = "loop + roll_layers" if roll else "loop"
+    _, _, hlo_chars, temp = epljax_cost(loop_layers, variant)
+    rows.append([f"residual MLP {loop_layers}", "on" if roll else "off", "plain jax.jit",
+                 "-", "-", "-", f"{hlo_chars / 1e3:.0f}", f"{plain / 1e3:.0f}",
+                 f"**{hlo_chars / plain:.2f}x**", f"{temp:.1f}"])
+    print(f"mlp roll={roll} done", flush=True)
+  for roll in (False, True):
+    gpt_s, gpt_hlo, temp = gpt_cost(gpt_layers, roll)
+    rows.append([f"GPT {gpt_layers} (auto)", "on" if roll else "off", "hand-written GPipe",
+                 f"{gpt_s:.1f}", f"{hand_s:.1f}", f"**{gpt_s / hand_s:.2f}x**",
+                 f"{gpt_hlo / 1e3:.0f}", f"{hand_hlo / 1e3:.0f}", f"{gpt_hlo / hand_hlo:.2f}x",
+                 f"{temp:.1f}"])
+    print(f"gpt roll={roll} done", flush=True)
+  return rows
+
+
+ROLL_NOTE = (
+    "S=4 stages, M=8 micro batches, 2 replicas on 8 devices, SGD on both sides. Residual MLP: "
+    "`Deep(32)` (width 256, `set_default_strategy` every 8 blocks); HLO ratio: characters of "
+    "the compiled pipeline step over those of plain `jax.jit` of the same model's step on one "
+    "device. GPT: 48 pre-LayerNorm decoder layers (width 64, 2 heads, 16 tokens) written as a "
+    "Python loop, cut by `auto.auto_parallel`; epljax s: `trainer.init` (trace, plan, the "
+    "parameters' init compiled) + lower + compile of the step; hand-written s: compiling its "
+    "parameters' init (the layers stacked `(S, L/S, ...)` by `vmap`) + lower + compile of "
+    "its GPipe step (a scan over a stage's layers). Temp: `memory_analysis()` of the "
+    "compiled step. Timings ran one after the other on a shared 2-core machine: ratios hold "
+    "only roughly.")
+
+
+ROLL_HEADERS = ["model (Python loop)", "roll_layers", "against", "epljax s", "against s",
+                "time ratio", "epljax HLO kchars", "against HLO kchars", "HLO ratio",
+                "epljax temp MiB/dev"]
+
+
 def measure(depths=(4, 24, 48)) -> list[list]:
   rows = []
   for layers in depths:
@@ -271,3 +467,18 @@ def split_rows(layers: int = 48, reps: int = 5) -> list[list]:
                  f"{comp / hand_compile:.1f}x", f"**{both:.1f}x**", total, distinct, branches,
                  f"{len(texts[who]) / 1e3:.0f}"])
   return rows
+
+
+if __name__ == "__main__":
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--roll", action="store_true", help="roll_layers off and on: the 32-layer "
+                      "loop MLP against plain jax.jit, the 48-layer loop GPT against a GPipe")
+  parser.add_argument("--record", action="store_true")
+  args = parser.parse_args()
+  if args.roll:
+    from common import record, table
+    body = table(ROLL_HEADERS, roll_rows()) + "\n\n" + ROLL_NOTE
+    print(body)
+    if args.record:
+      record("Pipelines of Python-loop layers, roll_layers off and on "
+             "(bench/pipeline_compile.py --roll)", body)

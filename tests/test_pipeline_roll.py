@@ -9,6 +9,7 @@ from jax.extend import core as jcore
 
 import epljax as epl
 from epljax import hlo
+from epljax.pipeline import roll
 from epljax.pipeline.roll import Run, roll_repeats
 from helpers import classification_batch, linen_fns
 from pipeline_helpers import Stack, check_matches_reference
@@ -27,12 +28,15 @@ def _residual(params, x):
   return jnp.sum(h ** 2)
 
 
-def _rolled_and_plain(fn, *args):
-  closed = jax.make_jaxpr(fn)(*args)
-  rolled, run = roll_repeats(closed)
-  flat = jax.tree.leaves(args)
-  run_it = lambda c: jcore.jaxpr_as_fun(c)(*flat)  # noqa: E731
-  return rolled, run, run_it(rolled), run_it(closed)
+def _rolled_and_plain(fn, params, x):
+  """The rolled program of ``fn(params, x)`` (its stacks made from the parameters' leaves, as
+  the pipeline makes them), its run, and both programs' results."""
+  closed = jax.make_jaxpr(fn)(params, x)
+  n = len(jax.tree.leaves(params))
+  rolled = roll_repeats(closed, n)
+  leaves, rest = jax.tree.leaves(params), jax.tree.leaves(x)
+  got = jcore.jaxpr_as_fun(rolled.jaxpr)(*roll.stack(leaves, rolled.stacks), *rest)
+  return rolled.jaxpr, rolled.run, got, jcore.jaxpr_as_fun(closed)(*leaves, *rest)
 
 
 def test_layers_written_in_a_loop_become_one_scan_with_the_same_result():
@@ -45,8 +49,9 @@ def test_layers_written_in_a_loop_become_one_scan_with_the_same_result():
   assert len(outside) == 1, "only the stem's matmul stays outside the scan"
   np.testing.assert_allclose(got, want, rtol=1e-6)
   # And its derivative, which is what the pipeline's stages take.
-  g_rolled = jax.grad(lambda p, x: jcore.jaxpr_as_fun(rolled)(*jax.tree.leaves((p, x)))[0])(
-      _params(5), x)
+  stacks = roll_repeats(jax.make_jaxpr(_residual)(_params(5), x), 10).stacks
+  g_rolled = jax.grad(lambda p, x: jcore.jaxpr_as_fun(rolled)(
+      *roll.stack(jax.tree.leaves(p), stacks), x)[0])(_params(5), x)
   g_plain = jax.grad(_residual)(_params(5), x)
   for a, b in zip(jax.tree.leaves(g_rolled), jax.tree.leaves(g_plain)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -113,3 +118,30 @@ def test_rolled_layers_stay_exact_and_the_program_grows_slower_than_unpipelined(
   _, dp_12 = _step_text(1, 12)
   assert len(text_6) - len(text_2) < 0.8 * (len(dp_12) - len(dp_4)), (
       len(text_2), len(text_6), len(dp_4), len(dp_12))
+
+
+def test_rolled_layers_keep_no_more_per_micro_batch_than_written_out_ones():
+  # The stacks are made outside each stage's vjp, so the stash holds what the written-out
+  # layers' stash held: the same residual buffers, and no stacked weights among them.
+  kept = {}
+  for roll_on in (False, True):
+    trainer, text = _step_text(2, 6, **{"pipeline.roll_layers": roll_on})
+    pipe = trainer.plan.pipeline
+    kept[roll_on] = (pipe.buffers.residuals, [s.rolled is not None for s in pipe.stages])
+  assert kept[True][1] == [True, True] and kept[False][1] == [False, False]
+  assert kept[True][0] == kept[False][0], kept
+
+
+def test_a_block_reading_a_weight_made_inside_the_stage_stays_unrolled_and_says_why():
+  def scaled_first(params, x):    # the weights are computed before the layers read them
+    h, ws = x, [(w * 2.0, b) for w, b in params]
+    for w, b in ws:
+      h = h + jnp.tanh(h @ w + b)
+    return jnp.sum(h)
+
+  x = jax.random.normal(jax.random.key(1), (4, 8))
+  rolled, run, got, want = _rolled_and_plain(scaled_first, _params(4), x)
+  assert run is None and rolled is not None
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  closed = jax.make_jaxpr(scaled_first)(_params(4), x)
+  assert "4 x 5 ops left unrolled" in roll_repeats(closed, 8).why_not

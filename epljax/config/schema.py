@@ -34,9 +34,11 @@ class PipelineConfig:
       "are chunks and stage s runs chunks s, s+S, ...: the bubble shrinks to "
       "(S-1)/(v*M+S-1). num_micro_batch must be a multiple of S.", minimum=1)
   roll_layers: bool = key(
-      False, "Beyond EPL: run each stage's repeated layers (found by structure) as one "
-      "lax.scan, so its compiled program does not grow with depth. Costs memory: the scan's "
-      "stacked weights are kept per in-flight micro batch (bench/pipeline.py --compile).")
+      True, "Beyond EPL: run each stage's repeated layers (found by structure) as one "
+      "lax.scan over their stacked weights, so its compiled program does not grow with depth. "
+      "The stacks are made outside the stage's vjp and kept by no micro batch; a stage whose "
+      "layers would need them kept stays unrolled and the plan says why. False: every stage "
+      "as written (bench/pipeline.py --compile).")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -136,6 +136,8 @@ def describe(pipe: Pipeline) -> list[str]:
            f"{pipe.schedule.num_virtual_stages} ppermutes per leaf): ")
         + listing([pipe.param_paths[i] for i in pipe.parts.values()]))
   lines += describe_split(pipe)
+  lines += [f"loop      stage {s.index} '{s.name}': {s.unrolled}" for s in pipe.stages
+            if s.unrolled]
   for stage in pipe.stages:
     if stage.state:
       nbytes = sum(math.prod(slots.data_aval(pipe.state_avals[j]).shape)

@@ -36,6 +36,7 @@ from jax.extend import source_info_util
 
 from epljax.errors import PlanError
 from epljax.pipeline import chunks
+from epljax.pipeline import roll
 from epljax.pipeline.roll import Run, roll_repeats
 from epljax.sharding import constraints
 from epljax.sharding.capture import Capture
@@ -80,6 +81,10 @@ class Stage:
   last: bool
   state: tuple[int, ...] = ()    # model state leaf indices (BatchNorm statistics) it updates
   rolled: Run | None = None      # its repeated layers, run as one ``lax.scan`` (``roll.py``)
+  # The rolled scan's stacked parameters, inputs of ``jaxpr`` after ``params``: per stack, the
+  # position in ``params`` of each block's leaf. ``with_stacks`` makes them.
+  stacks: tuple[tuple[int, ...], ...] = ()
+  unrolled: str = ""             # why repeated layers found here were left unrolled
   # Its chunks of stacked parameters: (index in ``params``, the user's leaf). A part's index is
   # ``num_params + j`` (the ``j``-th chunked leaf); its value is the stage's chunk of the leaf.
   parts: tuple[tuple[int, int], ...] = ()
@@ -89,8 +94,19 @@ class Stage:
   averaged: frozenset[int] = frozenset()
   row_axes: tuple[str, ...] = ()
 
+  def with_stacks(self, leaves: Sequence[Any]) -> list[Any]:
+    """The stage's parameter leaves -> what ``__call__`` takes: the leaves, then the stacks of
+    its rolled layers. Made outside the stage's ``jax.vjp``, so its residuals refer to them
+    rather than keep a stacked copy per micro batch."""
+    return roll.stack(leaves, self.stacks) if self.stacks else list(leaves)
+
+  def leaf_gradients(self, grads: Sequence[Any]) -> list[Any]:
+    """Gradients of ``with_stacks``' values -> of the leaves (its transpose)."""
+    return roll.unstack_gradients(grads, self.stacks) if self.stacks else list(grads)
+
   def __call__(self, params: Sequence[Any], incoming: Sequence[Any], batch: Sequence[Any],
                state: Sequence[Any] = ()):
+    """``params``: ``with_stacks`` of the stage's parameter leaves."""
     args = (*params, *state, *incoming, *batch)
     with constraints.explained(f"stage '{self.name}'"):
       outs = (_averaging(self.jaxpr, self.averaged, self.row_axes, args) if self.averaged else
@@ -141,8 +157,14 @@ def cut_stages(cap: Capture, stage_of: Sequence[int], num_params: int,
   stages = cutter.build()
   if not roll:
     return stages
-  rolled = [(s, *roll_repeats(s.jaxpr)) for s in stages]
-  return tuple(dataclasses.replace(s, jaxpr=jaxpr, rolled=run) for s, jaxpr, run in rolled)
+  return tuple(_roll(s) for s in stages)
+
+
+def _roll(stage: Stage) -> Stage:
+  """``stage`` with its repeated layers as one scan over stacked parameters (``roll.py``)."""
+  rolled = roll_repeats(stage.jaxpr, len(stage.params))
+  return dataclasses.replace(stage, jaxpr=rolled.jaxpr, rolled=rolled.run,
+                             stacks=rolled.stacks, unrolled=rolled.why_not)
 
 
 class _Cutter:

@@ -3,22 +3,26 @@
 A stage cut from a model whose layers are written out (a Python loop of Flax modules) holds
 its layers one after the other: 12 copies of a block's equations, forward and backward, each
 compiled on its own. ``roll_repeats`` finds the longest run of equal blocks in a stage's
-program and writes it as a ``lax.scan`` over the blocks' inputs stacked along a new leading
-axis (their parameters), so the compiled stage holds one block, as a hand-written pipeline over
-stacked layers does. The arithmetic is the same, in the same order.
+program and writes it as a ``lax.scan`` over the blocks' parameters stacked along a new leading
+axis, so the compiled stage holds one block, as a hand-written pipeline over stacked layers
+does. The arithmetic is the same, in the same order.
 
 Blocks are found by structure, never by names: a run of ``n >= 2`` equal stretches of ``p``
 equations (same primitives, parameters, shapes and literals) is rolled when its dataflow is a
 loop's: every value a block reads is made inside the block, made by the block just before it
-(the carry), the same value for every block (a mask, a constant), or one input per block (its
-parameters: stacked). A value made by a block and read two blocks later, or read after the run
-from any block but the last, leaves the stage unrolled. Only runs that contain a matmul or a
+(the carry), the same value for every block (a mask, a constant), or one parameter per block
+(stacked). A value made by a block and read two blocks later, or read after the run from any
+block but the last, leaves the stage unrolled. Only runs that contain a matmul or a
 convolution are rolled (a layer), and none with side effects.
 
-Opt-in (``pipeline.roll_layers``): the stacked weights are made inside the stage's forward, so
-the pipeline keeps them with each in-flight micro batch's residuals (a copy of the stage's
-layer weights per kept micro batch), where the written-out layers keep none. Worth it when
-compile time, not memory, is what limits a deep model.
+The stacks are inputs of the rolled program (``Rolled.stacks`` says which parameters each
+one stacks), made by the caller outside the stage's ``jax.vjp`` (``Stage.with_stacks``): the
+scan's pullback then refers to the stacked input itself, which the pipeline reads again at
+backward time, and a micro batch keeps no more than the written-out layers kept. A block that
+reads a value made inside the stage per block (a weight cast or reshaped before its layer)
+would have to be stacked inside the forward, a copy kept per in-flight micro batch: such a
+stage stays unrolled, and ``Rolled.why_not`` says why (the plan prints it). On by default
+(``pipeline.roll_layers``).
 """
 
 from __future__ import annotations
@@ -61,19 +65,47 @@ class _Loop:
   results: dict[Any, int]                # outer use of the last block's value -> carry slot
 
 
-def roll_repeats(closed: jcore.ClosedJaxpr) -> tuple[jcore.ClosedJaxpr, Run | None]:
-  """``closed`` with its longest loop-shaped run of equal blocks as a ``lax.scan``, and that
-  run (``None``, and ``closed`` unchanged, when there is none)."""
+@dataclasses.dataclass(frozen=True)
+class Rolled:
+  """A stage's program with its repeated layers as one scan (see the module doc).
+
+  ``jaxpr`` takes the original inputs with one stacked input per entry of ``stacks`` inserted
+  after the first ``num_params`` (the parameters); ``stacks[j]``: the parameter input each
+  block reads as the ``j``-th stack's row. ``run``: the rolled run (``None``: ``jaxpr`` is the
+  original); ``why_not``: why a loop-shaped run was left unrolled ("" when none was)."""
+  jaxpr: jcore.ClosedJaxpr
+  run: Run | None = None
+  stacks: tuple[tuple[int, ...], ...] = ()
+  why_not: str = ""
+
+
+def roll_repeats(closed: jcore.ClosedJaxpr, num_params: int | None = None) -> Rolled:
+  """``closed`` with its longest loop-shaped run of equal blocks as a ``lax.scan`` over stacks
+  of its first ``num_params`` inputs (default: all), or unchanged when there is none."""
   eqns = closed.jaxpr.eqns
+  num_params = len(closed.jaxpr.invars) if num_params is None else num_params
+  params = {v: i for i, v in enumerate(closed.jaxpr.invars[:num_params])}
   sigs = _signatures(eqns)
+  why_not = ""
   for run in _candidates(sigs):
     if not any(any_eqn(e, lambda q: q.primitive.name in _LAYER)
                for e in eqns[run.start:run.start + run.length]):
       continue
     loop = _as_loop(closed.jaxpr, run)
-    if loop is not None:
-      return _rolled(closed, loop), run
-  return closed, None
+    if loop is None:
+      continue
+    made = [v for vs in loop.xs for v in vs if v not in params]
+    if made:   # stacked inside the forward: a copy per in-flight micro batch
+      why_not = why_not or _MADE_INSIDE.format(n=run.repeats, p=run.length, aval=made[0].aval)
+      continue
+    stacks = tuple(tuple(params[v] for v in vs) for vs in loop.xs)
+    return Rolled(_rolled(closed, loop, num_params), run, stacks)
+  return Rolled(closed, why_not=why_not)
+
+
+_MADE_INSIDE = ("{n} x {p} ops left unrolled: each block reads a {aval} made inside the stage "
+                "(a weight cast or reshaped before its layer), whose stack would be kept per "
+                "in-flight micro batch")
 
 
 def _signatures(eqns: Sequence[jcore.JaxprEqn]) -> list[int]:
@@ -194,22 +226,24 @@ def _source(atoms, made, carry, carry_init, xs) -> _Source | None:
   return ("xs", xs.index(key))
 
 
-def _rolled(closed: jcore.ClosedJaxpr, loop: _Loop) -> jcore.ClosedJaxpr:
+def _rolled(closed: jcore.ClosedJaxpr, loop: _Loop, num_params: int) -> jcore.ClosedJaxpr:
   jaxpr = closed.jaxpr
   a, p, n = loop.run.start, loop.run.length, loop.run.repeats
   template = jaxpr.eqns[a:a + p]
+  k = len(loop.xs)
 
   def fn(*args):
+    stacked = list(args[num_params:num_params + k])
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
-    env.update(zip(jaxpr.invars, args))
+    env.update(zip(jaxpr.invars, args[:num_params] + args[num_params + k:]))
     read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
     for eqn in jaxpr.eqns[:a]:
       env.update(zip(eqn.outvars, bind_eqn(eqn, [read(v) for v in eqn.invars])))
 
-    def block(carried, stacked):
+    def block(carried, xs):
       own: dict[tuple[int, int], Any] = {}
       pick = {"lit": lambda s: s.val, "own": own.__getitem__, "carry": carried.__getitem__,
-              "same": read, "xs": stacked.__getitem__}
+              "same": read, "xs": xs.__getitem__}
       for j, eqn in enumerate(template):
         outs = bind_eqn(eqn, [pick[kind](s) for kind, s in loop.sources[j]])
         own.update(((j, i), x) for i, x in enumerate(outs))
@@ -220,13 +254,29 @@ def _rolled(closed: jcore.ClosedJaxpr, loop: _Loop) -> jcore.ClosedJaxpr:
       aval = template[j].outvars[i].aval
       init.append(jnp.zeros(aval.shape, aval.dtype) if atom is None else
                   lax.convert_element_type(read(atom), aval.dtype))
-    stacked = [jnp.stack([read(v) for v in vs]) for vs in loop.xs]
     final, _ = lax.scan(block, init, stacked, length=n)
     env.update((v, final[slot]) for v, slot in loop.results.items())
     for eqn in jaxpr.eqns[a + n * p:]:
       env.update(zip(eqn.outvars, bind_eqn(eqn, [read(v) for v in eqn.invars])))
     return [read(v) for v in jaxpr.outvars]
 
-  rolled = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-                                for v in jaxpr.invars])
-  return rolled
+  sds = lambda aval, *lead: jax.ShapeDtypeStruct((*lead, *aval.shape), aval.dtype)  # noqa: E731
+  avals = [sds(v.aval) for v in jaxpr.invars]
+  avals[num_params:num_params] = [sds(vs[0].aval, n) for vs in loop.xs]
+  return jax.make_jaxpr(fn)(*avals)
+
+
+def stack(leaves: Sequence[Any], stacks: Sequence[Sequence[int]]) -> list[Any]:
+  """A rolled program's parameter inputs: ``leaves``, then each stack (``Rolled.stacks``)."""
+  return [*leaves, *(jnp.stack([leaves[i] for i in rows]) for rows in stacks)]
+
+
+def unstack_gradients(grads: Sequence[Any], stacks: Sequence[Sequence[int]]) -> list[Any]:
+  """The transpose of ``stack``: each stack's rows added to the gradients of their leaves (a
+  leaf read by several blocks, or also outside the run, gets the sum)."""
+  n = len(grads) - len(stacks)
+  out = list(grads[:n])
+  for rows, g in zip(stacks, grads[n:]):
+    for k, i in enumerate(rows):
+      out[i] = out[i] + g[k].astype(out[i].dtype)
+  return out

@@ -21,7 +21,10 @@ cost no compute.
 
 What is stashed: the *residuals* of ``jax.vjp`` (no recomputation; the forward runs once),
 minus the parameters, incoming activations and batch leaves they contain, which are read
-again at backward time instead of being copied per micro batch. With tensor-parallel stages
+again at backward time instead of being copied per micro batch. The stacked weights of a
+stage's rolled layers (``roll.py``) are parameters in this sense: each tick stacks them from
+the packed buffer before the ``jax.vjp`` (``Stage.with_stacks``) and the backward stacks them
+again, so they are never stashed. With tensor-parallel stages
 every slot holds the largest residual of its shape over the distinct stage functions, so a
 stage whose residuals are all small still carries the others' slots (the plan's ``stash`` line
 gives the bytes). ``stash="inputs"`` stashes
@@ -141,8 +144,10 @@ class Branch:
     self.residuals = _Residuals(found["treedef"], found["kinds"], packing.Layout.of(stash))
 
   def _abstract_args(self, param_avals, batch_avals):
-    sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
-    return ([sds(param_avals[i]) for i in self.stage.params],
+    sds = lambda a, *lead: jax.ShapeDtypeStruct((*lead, *a.shape), a.dtype)  # noqa: E731
+    leaves = [param_avals[i] for i in self.stage.params]
+    return ([sds(a) for a in leaves] + [sds(leaves[rows[0]], len(rows))
+                                        for rows in self.stage.stacks],
             [sds(a) for a in self.stage.incoming], [sds(a) for a in batch_avals],
             [sds(a) for a in self.state_avals])
 
@@ -238,7 +243,7 @@ def buffer_sizes(branches: Sequence[Branch]) -> Buffers:
 
 def _forward_branch(branch: Branch, sizes: Buffers, aux_avals):
   def run(params, incoming, batch, state):
-    leaves = branch.params.unpack(params)
+    leaves = branch.stage.with_stacks(branch.params.unpack(params))
     acts = branch.incoming.unpack(incoming)
     old = [slots.as_key(x, a) for x, a in zip(branch.state.unpack(state), branch.state_avals)]
     expected = branch.residuals
@@ -268,7 +273,7 @@ def _backward_branch(branch: Branch, sizes: Buffers):
   # The stash comes in whole and is sliced here, where the slices fuse into their consumers,
   # rather than copying a slot out before the switch.
   def run(params, stash_x, stash_r, slot, batch, grad_out, seed):
-    leaves = branch.params.unpack(params)
+    leaves = branch.stage.with_stacks(branch.params.unpack(params))
     acts = branch.incoming.unpack(_take(stash_x, slot)) if branch.needs_inputs else [
         jnp.zeros(a.shape, a.dtype) for a in branch.stage.incoming]
     stashed = branch.residuals.layout.unpack(_take(stash_r, slot))
@@ -278,7 +283,7 @@ def _backward_branch(branch: Branch, sizes: Buffers):
     pull = jax.tree.unflatten(branch.residuals.treedef, pull_leaves)
     g_outs = branch.outgoing.unpack_cotangents(grad_out)
     g_params, g_acts = pull((tuple(g_outs), seed.astype(branch.loss_dtype)))
-    return (branch.params.pack(g_params, sizes.params),
+    return (branch.params.pack(branch.stage.leaf_gradients(g_params), sizes.params),
             branch.incoming.pack(g_acts, sizes.grad_payload, skip_missing=True))
 
   return run

@@ -60,7 +60,8 @@ class _StageCheck:
   def __init__(self, stage, incoming, state_paths, replicas):
     self.stage, self.paths, self.replicas = stage, state_paths, replicas
     program = self.program = Program(stage.jaxpr)
-    n_p, n_s, n_in = len(stage.params), len(stage.state), len(stage.incoming)
+    n_p = len(stage.params) + len(stage.stacks)    # rolled layers' stacks follow the leaves
+    n_s, n_in = len(stage.state), len(stage.incoming)
     first_batch = n_p + n_s + n_in
     in_rows, in_taint = incoming
     rows = {n_p + n_s + k: dim for k, dim in in_rows.items()}
