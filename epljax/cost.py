@@ -135,7 +135,10 @@ def compiled_cost(compiled, mesh, chip: Chip, host_bytes: int = 0) -> StepCost:
   flops = compiled_flops(compiled)
   coll: dict[tuple[str, str], int] = {}
   secs: dict[tuple[str, str], float] = {}
-  for c in hlo.executed_collectives(compiled.as_text()):
+  # Newer XLA writes some groups as ``mesh[...], device_ids=(...) {axes}``: keep the device
+  # ids with the groups, which ``hlo`` reads up to the next attribute.
+  text = _MESH_IDS.sub(lambda m: f"replica_groups={m[1]}@{m[2]} {m[3]}", compiled.as_text())
+  for c in hlo.executed_collectives(text):
     axis, group, across = collective_axis(c, mesh)
     key = (c.kind, axis)
     coll[key] = coll.get(key, 0) + c.bytes
@@ -198,7 +201,7 @@ def collective_axis(c: hlo.Collective, mesh) -> tuple[str, int, bool]:
   """(the mesh axes a collective's groups span, e.g. ``"data"`` or ``"data+model"``; its group
   size; whether a group spans hosts). ``"?"`` when the groups are in a form not read."""
   ids = np.vectorize(lambda d: d.id)(mesh.devices)
-  groups = c.device_groups(mesh.size)
+  groups = _mesh_id_groups(c.replica_groups) or c.device_groups(mesh.size)
   if not groups:
     return "?", c.group_size or 1, False
   where = {int(d): np.argwhere(ids == d)[0] for d in ids.flat}
@@ -210,3 +213,28 @@ def collective_axis(c: hlo.Collective, mesh) -> tuple[str, int, bool]:
   process = {d.id: d.process_index for d in mesh.devices.flat}
   across = len({process.get(d, 0) for d in groups[0]}) > 1
   return "+".join(axes) or "-", len(groups[0]), across
+
+
+_MESH_IDS = re.compile(r"replica_groups=(mesh\[[^\]]*\]), "
+                       r"device_ids=\((\[[\d,]*\](?:T\([\d,]*\))?)\)\s*(\{[^}]*\})")
+_MESH_ID_FORM = re.compile(r"mesh\[(.*?)\]@\[([\d,]+)\](?:T\(([\d,]+)\))?\s*\{(.*?)\}")
+
+
+def _mesh_id_groups(text: str) -> list[list[int]] | None:
+  """``mesh['axis_0'=2,'axis_1'=4]@[4,2]T(1,0) {'axis_0'}``: devices ``iota`` reshaped and
+  transposed, laid out on the named axes row-major; each group spans the axes in braces."""
+  m = _MESH_ID_FORM.match(text.strip())
+  if not m:
+    return None
+  named = re.findall(r"'(\w+)'=(\d+)", m[1])
+  sizes = [int(n) for _, n in named]
+  dims = [int(d) for d in m[2].split(",")]
+  ids = np.arange(math.prod(dims)).reshape(dims)
+  if m[3]:
+    ids = ids.transpose([int(d) for d in m[3].split(",")])
+  ids = ids.reshape(sizes)
+  axes = [a for a, _ in named]
+  inside = [axes.index(a) for a in re.findall(r"'(\w+)'", m[4]) if a in axes]
+  outside = [d for d in range(len(sizes)) if d not in inside]
+  return ids.transpose(outside + inside).reshape(
+      -1, math.prod(sizes[d] for d in inside)).tolist()

@@ -218,3 +218,26 @@ def test_flops_count_each_loop_iteration():
   assert found[2][1] < 0.75 * found[1][1]    # what cost_analysis() alone says
   # The same matmuls; accumulating the gradients adds a few elementwise FLOPs (6% here).
   assert found[2][0] == pytest.approx(found[1][0], rel=0.1)
+
+
+def test_gpt2_under_a_limit_trains_like_the_reference():
+  """The zoo's GPT-2 with a budget its data-parallel step (581 KiB) is over: the chosen plan's
+  compiled step is within it and trains like single-device training."""
+  from models import ZOO
+  model, limit = ZOO["gpt2"], 460_000
+  batch = model.make_batch(ROWS)
+  optimizer = optax.sgd(0.1, momentum=0.9)   # (test_zoo.py says why not Adam here)
+  epl.init({**AUTO, "auto.memory_limit": limit})
+  trainer = epl.Trainer(model.init_fn, model.loss_fn, optimizer)
+  state = trainer.init(jax.random.key(0), batch)
+  row = chosen(trainer)
+  check_row_is_the_compiled_step(row, trainer, trainer.lower(state, batch).compile())
+  assert row.bytes_per_device <= limit
+  axes = {axis for _, axis in row.cost.collective_bytes}
+  assert axes == {a for a in ("data", "model") if row.mesh_shape[a] > 1}, axes
+  history, expected = reference_run(model.init_fn, model.loss_fn, optimizer, jax.random.key(0),
+                                    batch, 2)
+  for step in range(2):
+    state, metrics = trainer.train_step(state, batch)
+    np.testing.assert_allclose(metrics["loss"], history[step][0], rtol=1e-5, atol=1e-5)
+  assert_trees_close(trainer.variables(state)["params"], expected["params"])
