@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator
@@ -89,69 +90,25 @@ def search(fns, config, cluster, rng, batch, build: Callable) -> Any:
   limit = config.auto.memory_limit or chip.memory_bytes
   fixed = {name: config.to_dict()[key] for name, key in SEARCHED_KEYS.items()
            if key in config.changed()}
-  base_config = config.replace({"auto.auto_parallel": False})
-  user_mesh = _user_scoped()
   notes = [STAGES_NOT_SEARCHED]
   if cluster.platform == "cpu" and "offload" not in fixed:
     fixed["offload"] = ""
     notes.append("offload candidates not searched: on CPU host memory is the device's memory")
-  if user_mesh:
-    notes.append(f"mesh fixed by the user: {user_mesh}")
-  bases = {}
-  for k in ([None] if user_mesh else _divisors(len(cluster.devices))):
-    base_overrides = {SEARCHED_KEYS[n]: fixed.get(n, d) for n, d in
-                      (("num_micro_batch", 1), ("zero_level", ""),
-                       ("gradient_checkpoint", ""), ("offload", ""))}
-    try:
-      with _model_split(k):
-        built = build(fns, base_config.replace(base_overrides), cluster, rng, batch)
-    except PlanError as e:
-      notes.append(f"model={k} not searched: {str(e).splitlines()[0]}")
-      continue
-    if k == 1 and _scoped(built):   # the model's own scopes fix its mesh
-      user_mesh = "the model's scopes " + ", ".join(
-          f"{t.name}={t.strategy}({t.device_count})" for t in built.capture.taskgraphs)
-      notes.append(f"mesh fixed by the user: {user_mesh}")
-      bases = {None: (built, dict(built.plan.mesh.shape))}
-      break
-    mesh = dict(built.plan.mesh.shape)
-    if k and k > 1 and not any(MODEL in _axes(leaf.spec) for leaf in built.plan.leaves):
-      notes.append(f"model={k} not searched: the split rules split no parameter")
-      continue
-    bases[k] = (built, mesh)
+  make = functools.partial(_build_with, build, fns, config.replace({"auto.auto_parallel": False}),
+                           cluster, rng, batch)
+  bases = _base_builds(make, len(cluster.devices), fixed, notes)
   batch_bytes = jax.process_count() * sum(
       np.size(x) * np.asarray(x).dtype.itemsize for x in jax.tree.leaves(batch))
-  rows = [_estimate(built, features, chip, batch_bytes)
-          for k, (built, _) in bases.items()
-          for features in _feature_grid(fixed, built, cluster)]
+  rows = sorted((_estimate(built, features, chip, batch_bytes)
+                 for built in bases.values() for features in _feature_grid(fixed, built)),
+                key=_order)
   if not rows:
     raise PlanError("auto.auto_parallel found no candidate plan: " + "; ".join(notes[1:]))
-  rows.sort(key=_order)
-  chosen, compiles = None, 0
-  for i in range(len(rows)):
-    row = rows[i]   # (rows are recalibrated as compiles go)
-    if row.bytes_per_device > limit or compiles == MAX_COMPILES:
-      continue
-    k = next(k for k, (_, mesh) in bases.items() if mesh == row.mesh_shape)
-    try:
-      with _model_split(k):
-        built = build(fns, base_config.replace({**row.overrides}), cluster, rng, batch)
-        step = cost_lib.compiled_cost(built.plan.compiled, built.plan.mesh, chip,
-                                      _host_bytes(built, row.features))
-    except PlanError as e:   # a feature this model refuses: the row says why
-      rows[i] = dataclasses.replace(row, refused=str(e).splitlines()[0])
-      continue
-    compiles += 1
-    rows[i] = row = _measured(row, step)
-    if row.bytes_per_device <= limit:
-      chosen = (i, built)
-      break
-    rows = _calibrated(rows, row)
+  rows, chosen, compiles = _compile_in_order(rows, bases, make, chip, limit)
   if chosen is None:
-    raise PlanError(_none_fits(rows, limit, config.auto.memory_limit))
+    raise PlanError(_none_fits(rows, limit, config.auto.memory_limit, compiles))
   index, built = chosen
-  best = rows[index]
-  rows = [_lost(r, best, limit) if j != index else dataclasses.replace(r, chosen=True)
+  rows = [_lost(r, rows[index], limit) if j != index else dataclasses.replace(r, chosen=True)
           for j, r in enumerate(rows)]
   rows.sort(key=lambda r: (not r.chosen, bool(r.refused), r.bytes_per_device > limit,
                            r.predicted_step_s))
@@ -165,6 +122,67 @@ def search(fns, config, cluster, rng, batch, build: Callable) -> Any:
   return built
 
 
+def _build_with(build, fns, config, cluster, rng, batch, k: int | None,
+                overrides: dict[str, Any]):
+  """``build`` (traced and placed, not compiled) with ``overrides`` and the whole model as one
+  ``epl.split(k)`` task graph when ``k > 1``."""
+  with _model_split(k):
+    return build(fns, config.replace(overrides), cluster, rng, batch)
+
+
+def _base_builds(make: Callable, num_devices: int, fixed: dict[str, Any],
+                 notes: list[str]) -> dict[int | None, Any]:
+  """Model-axis size (None: fixed by the user) -> the candidate mesh's build without features,
+  whose specs the estimates read; ``notes`` gets why a mesh is not searched."""
+  user_mesh = _user_scoped()
+  if user_mesh:
+    notes.append(f"mesh fixed by the user: {user_mesh}")
+  plain = {SEARCHED_KEYS[n]: fixed.get(n, d) for n, d in
+           (("num_micro_batch", 1), ("zero_level", ""), ("gradient_checkpoint", ""),
+            ("offload", ""))}
+  bases = {}
+  for k in ([None] if user_mesh else _divisors(num_devices)):
+    try:
+      built = make(k, plain)
+    except PlanError as e:
+      notes.append(f"model={k} not searched: {str(e).splitlines()[0]}")
+      continue
+    if k == 1 and _scoped(built):   # the model's own scopes fix its mesh
+      notes.append("mesh fixed by the user: the model's scopes " + ", ".join(
+          f"{t.name}={t.strategy}({t.device_count})" for t in built.capture.taskgraphs))
+      return {None: built}
+    if k and k > 1 and not any(MODEL in _axes(leaf.spec) for leaf in built.plan.leaves):
+      notes.append(f"model={k} not searched: the split rules split no parameter")
+      continue
+    bases[k] = built
+  return bases
+
+
+def _compile_in_order(rows: list[Candidate], bases: dict, make: Callable, chip, limit: int):
+  """Compiles the rows within the limit in order, at most ``MAX_COMPILES``, until one compiled
+  step fits: (rows, (its index, its Built) or None, compiles)."""
+  compiles = 0
+  for i in range(len(rows)):
+    row = rows[i]   # (rows are recalibrated as compiles go)
+    if row.bytes_per_device > limit or compiles == MAX_COMPILES:
+      continue
+    k = next(k for k, b in bases.items() if dict(b.plan.mesh.shape) == row.mesh_shape)
+    try:
+      built = make(k, row.overrides)
+      with _model_split(k):   # (the step is traced when compiled)
+        step = cost_lib.compiled_cost(built.plan.compiled, built.plan.mesh, chip,
+                                      _host_bytes(built, row.features))
+    except PlanError as e:   # a feature this model refuses: the row says why
+      rows[i] = dataclasses.replace(row, refused=str(e).splitlines()[0])
+      continue
+    compiles += 1
+    rows[i] = row = _measured(row, step)
+    if row.bytes_per_device <= limit:
+      return rows, (i, built), compiles
+    rows = _calibrated(rows, row)
+  return rows, None, compiles
+
+
 def _order(row: Candidate) -> tuple:
   """Estimated time first; among equals the simpler plan (fewer devices on the model axis,
   fewer micro batches, no ZeRO, no checkpointing, no offload)."""
@@ -174,7 +192,7 @@ def _order(row: Candidate) -> tuple:
           OFFLOAD.index(f["offload"]))
 
 
-def _feature_grid(fixed: dict[str, Any], built, cluster) -> Iterator[dict[str, Any]]:
+def _feature_grid(fixed: dict[str, Any], built) -> Iterator[dict[str, Any]]:
   rows = built.plan.global_rows
   replicas = built.plan.num_replicas
   choices = {
@@ -394,13 +412,17 @@ def _ms(seconds: float) -> str:
   return f"{seconds * 1e3:.3g} ms"
 
 
-def _none_fits(rows: list[Candidate], limit: int, set_limit: int) -> str:
+def _none_fits(rows: list[Candidate], limit: int, set_limit: int, compiles: int) -> str:
   small = min([r for r in rows if not r.refused] or rows, key=lambda r: r.bytes_per_device)
   parts = small.estimate.parts
   top = max(parts, key=parts.get)
   shown = ", ".join(f"{k} {size(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
   features = ", ".join(f"{k}={v!r}" for k, v in small.features.items())
   where = f"auto.memory_limit={set_limit}" if set_limit else "the device's memory"
+  untried = sum(not r.compiled and not r.refused and r.bytes_per_device <= limit for r in rows)
+  if untried:   # the compile budget ran out before the estimates did
+    where += (f"; the {compiles} compiled candidates were over it, {untried} more estimated "
+              f"within it were not compiled (at most {MAX_COMPILES})")
   return (f"No plan fits {size(limit)} per device ({where}). The smallest of {len(rows)} "
           f"candidates, mesh {small.mesh_shape} with {features}, needs "
           f"{size(small.bytes_per_device)} ({'compiled' if small.compiled else 'estimated'}; "
