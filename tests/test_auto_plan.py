@@ -241,3 +241,38 @@ def test_gpt2_under_a_limit_trains_like_the_reference():
     state, metrics = trainer.train_step(state, batch)
     np.testing.assert_allclose(metrics["loss"], history[step][0], rtol=1e-5, atol=1e-5)
   assert_trees_close(trainer.variables(state)["params"], expected["params"])
+
+
+class _Device:
+  """A device of a kind the chip table may not know (no such hardware here)."""
+
+  def __init__(self, kind):
+    self.platform, self.device_kind = "gpu", kind
+
+  def memory_stats(self):
+    return {"bytes_limit": 70 << 30}
+
+
+def test_the_chip_table_and_its_overrides():
+  epl.init({"auto.peak_flops": 2e12, "auto.inter_host_bandwidth": 5e9})
+  auto = epl.Env.get().config.auto
+  cpu = cost_lib.chip_of(jax.devices()[0], auto)
+  assert (cpu.name, cpu.peak_flops, cpu.inter_host_bandwidth) == ("cpu", 2e12, 5e9)
+  h100 = cost_lib.chip_of(_Device("NVIDIA H100 80GB HBM3"), epl.Config().auto)
+  assert (h100.name, h100.peak_flops, h100.memory_bytes) == ("H100", 989e12, 70 << 30)
+  assert cost_lib.chip_of(_Device("TPU v5 lite"), epl.Config().auto).name == "TPU v5e"
+  with pytest.raises(epl.PlanError, match=r"no cost figures for device kind 'mystery x1'.*"
+                     r"Set auto.peak_flops, auto.intra_host_bandwidth"):
+    cost_lib.chip_of(_Device("Mystery X1"), epl.Config().auto)
+  with pytest.raises(epl.PlanError, match=r"auto.efficiency=-0.5: the cost model needs positive"):
+    cost_lib.chip_of(jax.devices()[0], epl.Config({"auto.efficiency": -0.5}).auto)
+
+
+def test_collective_seconds_follow_the_ring_and_the_links():
+  chip = cost_lib.CHIPS["H100"]
+  one_mib = 1 << 20
+  inside = cost_lib.link_seconds("all-reduce", one_mib, 8, False, chip)
+  across = cost_lib.link_seconds("all-reduce", one_mib, 8, True, chip)
+  assert inside == pytest.approx(chip.latency_s + 2 * 7 / 8 * one_mib / chip.intra_host_bandwidth)
+  assert across == pytest.approx(chip.latency_s + 2 * 7 / 8 * one_mib / chip.inter_host_bandwidth)
+  assert cost_lib.link_seconds("all-gather", one_mib, 1, False, chip) == 0.0
