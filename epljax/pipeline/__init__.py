@@ -9,6 +9,7 @@ interleaved over virtual stages), and the ``shard_map`` loop that runs them in o
 - ``storage.py``: the stored leaves <-> the packed buffers (tied leaves: copies, summed);
 - ``slots.py``: parameters and residuals kept whole (tensor-parallel stages) and model state,
   one row per stage;
+- ``roll.py``: a stage's repeated layers as one ``lax.scan`` over stacked weights;
 - ``stats.py``: batch statistics averaged over pipeline replicas (BatchNorm with several);
 - ``runtime.py``: the loop over ticks (``jax.vjp`` per micro batch, ``ppermute`` between stages);
 - ``builder.py``: what ``epl.Trainer`` calls; ``describe.py``: the pipeline's lines in the plan;
