@@ -1,7 +1,8 @@
 """Pipeline compile cost against depth, next to a hand-written ``shard_map`` GPipe.
 
     python bench/pipeline.py --compile [--record]
-    python bench/pipeline_compile.py --roll [--record]   # roll_layers off/on: GPT, plain jit
+    python bench/pipeline_compile.py --roll [--scan] [--record]   # roll_layers off/on: GPT,
+                                                                  # plain jit; nn.scan
 
 The same residual MLP (``Block`` of ``bench/pipeline.py``, width 256) with L in {4, 24, 48}
 blocks, S=4 stages (``set_default_strategy`` every L/4 blocks), M=8 micro batches, 2 replicas
@@ -364,6 +365,45 @@ def roll_rows(loop_layers: int = 32, gpt_layers: int = 48) -> list[list]:
   return rows
 
 
+def scan_rows(layers: int = 48) -> list[list]:
+  """Like for like on ``nn.scan`` blocks: epljax's GPipe schedule (``PreferForward``) of
+  ``Scanned(layers)`` and the hand-written GPipe of the same blocks, SGD on both, each side's
+  parameter init compiled and counted."""
+  epl.init({"pipeline.num_micro_batch": M, "auto.auto_parallel": True, "pipeline.num_stages": S,
+            "pipeline.strategy": "PreferForward"})
+  model, b = Scanned(layers), batch(2 * M * ROWS)
+
+  def loss_fn(variables, bt):
+    logits = model.apply(variables, bt["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, bt["y"]).mean()
+
+  trainer = epl.Trainer(lambda k, bt: model.init(k, bt["x"]), loss_fn, optax.sgd(0.1))
+  start = time.perf_counter()
+  state = trainer.init(jax.random.key(0), b)
+  compiled = trainer.lower(state, b).compile()
+  epl_s, epl_hlo = time.perf_counter() - start, len(compiled.as_text())
+  temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
+
+  def init(key):
+    k = jax.random.split(key, 4)
+    per = (S, layers // S)
+    return {"stem": jax.random.normal(k[0], (FEATURES, WIDTH)) * 0.1,
+            "head": jax.random.normal(k[1], (WIDTH, CLASSES)) * 0.1,
+            "blocks": {"w1": jax.random.normal(k[2], (*per, WIDTH, WIDTH)) * 0.05,
+                       "w2": jax.random.normal(k[3], (*per, WIDTH, WIDTH)) * 0.05,
+                       "b1": jnp.zeros((*per, WIDTH)), "b2": jnp.zeros((*per, WIDTH)),
+                       "scale": jnp.ones((*per, WIDTH)), "bias": jnp.zeros((*per, WIDTH))}}
+
+  start = time.perf_counter()
+  params = jax.jit(init)(jax.random.key(0))
+  step = gpipe(lambda p, x: x @ p, _block, lambda p, h: h @ p, params)
+  hand = step.lower(params, b).compile()
+  hand_s, hand_hlo = time.perf_counter() - start, len(hand.as_text())
+  return [[f"residual MLP {layers} (nn.scan, GPipe)", "-", "hand-written GPipe",
+           f"{epl_s:.1f}", f"{hand_s:.1f}", f"**{epl_s / hand_s:.2f}x**", f"{epl_hlo / 1e3:.0f}",
+           f"{hand_hlo / 1e3:.0f}", f"{epl_hlo / hand_hlo:.2f}x", f"{temp:.1f}"]]
+
+
 ROLL_NOTE = (
     "S=4 stages, M=8 micro batches, 2 replicas on 8 devices, SGD on both sides. Residual MLP: "
     "`Deep(32)` (width 256, `set_default_strategy` every 8 blocks); HLO ratio: characters of "
@@ -373,11 +413,13 @@ ROLL_NOTE = (
     "parameters' init compiled) + lower + compile of the step; hand-written s: compiling its "
     "parameters' init (the layers stacked `(S, L/S, ...)` by `vmap`) + lower + compile of "
     "its GPipe step (a scan over a stage's layers). Temp: `memory_analysis()` of the "
-    "compiled step. Timings ran one after the other on a shared 2-core machine: ratios hold "
-    "only roughly.")
+    "compiled step. nn.scan (with --scan): `Scanned(48)` cut by `auto.auto_parallel` under "
+    "epljax's GPipe schedule (PreferForward) against the hand-written GPipe of the same "
+    "blocks, SGD on both, each side's parameter init compiled and counted. Timings ran one "
+    "after the other on a shared 2-core machine: ratios hold only roughly.")
 
 
-ROLL_HEADERS = ["model (Python loop)", "roll_layers", "against", "epljax s", "against s",
+ROLL_HEADERS = ["model", "roll_layers", "against", "epljax s", "against s",
                 "time ratio", "epljax HLO kchars", "against HLO kchars", "HLO ratio",
                 "epljax temp MiB/dev"]
 
@@ -473,11 +515,14 @@ if __name__ == "__main__":
   parser = argparse.ArgumentParser()
   parser.add_argument("--roll", action="store_true", help="roll_layers off and on: the 32-layer "
                       "loop MLP against plain jax.jit, the 48-layer loop GPT against a GPipe")
+  parser.add_argument("--scan", action="store_true", help="with --roll: also nn.scan blocks "
+                      "like for like (GPipe schedule, SGD, init compiles counted on both sides)")
   parser.add_argument("--record", action="store_true")
   args = parser.parse_args()
   if args.roll:
     from common import record, table
-    body = table(ROLL_HEADERS, roll_rows()) + "\n\n" + ROLL_NOTE
+    rows = roll_rows() + (scan_rows() if args.scan else [])
+    body = table(ROLL_HEADERS, rows) + "\n\n" + ROLL_NOTE
     print(body)
     if args.record:
       record("Pipelines of Python-loop layers, roll_layers off and on "
