@@ -1,6 +1,7 @@
 """A stage's repeated layers as one scan (``pipeline/roll.py``) and the parameter exchange
 (``pipeline/storage.py``): the compiled pipeline does not grow with depth, and stays exact."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -145,3 +146,27 @@ def test_a_block_reading_a_weight_made_inside_the_stage_stays_unrolled_and_says_
   np.testing.assert_allclose(got, want, rtol=1e-6)
   closed = jax.make_jaxpr(scaled_first)(_params(4), x)
   assert "4 x 5 ops left unrolled" in roll_repeats(closed, 8).why_not
+
+
+class _ScaledFirst(nn.Module):
+  """Two stages whose layers read kernels all computed before the first layer runs: stacking
+  them would copy values made inside the stage, so the stages stay unrolled."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(16)(x)
+    for s in range(2):
+      epl.set_default_strategy(epl.replicate(1))
+      kernels = [self.param(f"k{s}{i}", nn.initializers.normal(0.1), (16, 16)) * 0.5
+                 for i in range(3)]
+      for k in kernels:
+        h = h + jnp.tanh(h @ k)
+    return nn.Dense(10)(h)
+
+
+def test_a_stage_left_unrolled_says_why_in_the_plan():
+  epl.init({"pipeline.num_micro_batch": 4})
+  trainer, _ = check_matches_reference(_ScaledFirst(), classification_batch(32), optax.sgd(0.1))
+  plan = str(trainer.plan)
+  assert "left unrolled: each block reads a float32[16,16] made inside the stage" in plan, plan
+  assert all(s.rolled is None for s in trainer.plan.pipeline.stages)
