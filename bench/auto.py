@@ -74,7 +74,8 @@ def rows_of(trainer) -> list[list[object]]:
                      + (["gc auto"] if f["gradient_checkpoint"] else []))
 
   ms = lambda s: f"{s * 1e3:.3g}"  # noqa: E731
-  return [["**chosen**" if r.chosen else "", mesh(r.mesh_shape), feats(r.features),
+  return [["**chosen**" if r.chosen else "",
+           mesh(r.mesh_shape) + (f" ({r.split})" if r.split else ""), feats(r.features),
            size(r.bytes_per_device) + ("" if r.compiled else " (est.)"), ms(r.compute_s),
            ms(r.communication_s), ms(r.bubble_s), ms(r.predicted_step_s), r.reason]
           for r in trainer.plan.search]

@@ -231,7 +231,8 @@ class Plan:
       return ", ".join(out)
 
     ms = lambda s: f"{s * 1e3:.3g}"  # noqa: E731
-    rows = [["*" if r.chosen else "", mesh(r.mesh_shape), features(r.features),
+    rows = [["*" if r.chosen else "",   # what epl.split(model) holds: "all" or a module
+             mesh(r.mesh_shape) + (f" ({r.split})" if r.split else ""), features(r.features),
              size(r.bytes_per_device) + ("" if r.compiled else " (est.)"), ms(r.compute_s),
              ms(r.communication_s), ms(r.bubble_s), ms(r.predicted_step_s), r.reason]
             for r in self.search[:limit]]

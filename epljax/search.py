@@ -7,8 +7,10 @@
 True
 
 Candidates are config overrides on a mesh: every factorization of the devices into data x
-model (the whole model under ``epl.split(k)``, kept only where the split rules split some
-parameter), ``pipeline.num_micro_batch`` (1, 2, 4 where the batch divides), ``zero.level``,
+model, with under ``epl.split(k)`` either the whole model or only the module holding most of
+the parameter bytes (``_dominant_module``: EPL's large classifier split by its classes, the rest
+data-parallel), each kept only where the split rules split some parameter;
+``pipeline.num_micro_batch`` (1, 2, 4 where the batch divides), ``zero.level``,
 ``gradient_checkpoint.type`` ("" or "auto") and, off CPU, ``offload.level``. A key the user set
 and a user's scope, default strategy or ``epl.annotate`` rule are fixed, not searched.
 
@@ -33,6 +35,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -73,6 +76,7 @@ class Candidate:
   communication_s: float
   bubble_s: float
   compiled: bool                # False: every number is the estimate of ``_estimate``
+  split: str = ""               # what is under epl.split(model): "all", a module path, or ""
   chosen: bool = False
   reason: str = ""              # why it lost; "" for the chosen
   refused: str = ""             # the PlanError its build raised, if any
@@ -99,8 +103,9 @@ def search(fns, config, cluster, rng, batch, build: Callable) -> Any:
   bases = _base_builds(make, len(cluster.devices), fixed, notes)
   batch_bytes = jax.process_count() * sum(
       np.size(x) * np.asarray(x).dtype.itemsize for x in jax.tree.leaves(batch))
-  rows = sorted((_estimate(built, features, chip, batch_bytes)
-                 for built in bases.values() for features in _feature_grid(fixed, built)),
+  rows = sorted((_estimate(built, features, chip, batch_bytes, split)
+                 for (_, split), built in bases.items()
+                 for features in _feature_grid(fixed, built)),
                 key=_order)
   if not rows:
     raise PlanError("auto.auto_parallel found no candidate plan: " + "; ".join(notes[1:]))
@@ -122,40 +127,77 @@ def search(fns, config, cluster, rng, batch, build: Callable) -> Any:
   return built
 
 
-def _build_with(build, fns, config, cluster, rng, batch, k: int | None,
+def _build_with(build, fns, config, cluster, rng, batch, k: int | None, split: str,
                 overrides: dict[str, Any]):
-  """``build`` (traced and placed, not compiled) with ``overrides`` and the whole model as one
-  ``epl.split(k)`` task graph when ``k > 1``."""
-  with _model_split(k):
+  """``build`` (traced and placed, not compiled) with ``overrides`` and ``split`` (the whole
+  model, or one module) as an ``epl.split(k)`` task graph when ``k > 1``."""
+  with _model_split(k, split):
     return build(fns, config.replace(overrides), cluster, rng, batch)
 
 
 def _base_builds(make: Callable, num_devices: int, fixed: dict[str, Any],
-                 notes: list[str]) -> dict[int | None, Any]:
-  """Model-axis size (None: fixed by the user) -> the candidate mesh's build without features,
-  whose specs the estimates read; ``notes`` gets why a mesh is not searched."""
+                 notes: list[str]) -> dict[tuple[int | None, str], Any]:
+  """(model-axis size (None: fixed by the user), what is split) -> the candidate's build
+  without features, whose specs the estimates read; ``notes`` gets why one is not searched."""
   user_mesh = _user_scoped()
   if user_mesh:
     notes.append(f"mesh fixed by the user: {user_mesh}")
   plain = {SEARCHED_KEYS[n]: fixed.get(n, d) for n, d in
            (("num_micro_batch", 1), ("zero_level", ""), ("gradient_checkpoint", ""),
             ("offload", ""))}
-  bases = {}
-  for k in ([None] if user_mesh else _divisors(num_devices)):
+  bases: dict[tuple[int | None, str], Any] = {}
+  if user_mesh:
+    return {(None, ""): make(None, "", plain)}
+  module = None
+  for k, split in [(1, "")] + [(k, s) for k in _divisors(num_devices)[1:]
+                               for s in ("all", "module")]:
+    if split == "module":   # the dominant module, found in the data-parallel trace
+      if module is None:
+        continue
+      split = module
     try:
-      built = make(k, plain)
+      built = make(k, split, plain)
     except PlanError as e:
-      notes.append(f"model={k} not searched: {str(e).splitlines()[0]}")
+      notes.append(f"model={k} ({split}) not searched: {str(e).splitlines()[0]}")
       continue
-    if k == 1 and _scoped(built):   # the model's own scopes fix its mesh
-      notes.append("mesh fixed by the user: the model's scopes " + ", ".join(
-          f"{t.name}={t.strategy}({t.device_count})" for t in built.capture.taskgraphs))
-      return {None: built}
-    if k and k > 1 and not any(MODEL in _axes(leaf.spec) for leaf in built.plan.leaves):
-      notes.append(f"model={k} not searched: the split rules split no parameter")
+    if k == 1:
+      if _scoped(built):   # the model's own scopes fix its mesh
+        notes.append("mesh fixed by the user: the model's scopes " + ", ".join(
+            f"{t.name}={t.strategy}({t.device_count})" for t in built.capture.taskgraphs))
+        return {(None, ""): built}
+      module = _dominant_module(built)
+    elif not any(MODEL in _axes(leaf.spec) for leaf in built.plan.leaves):
+      notes.append(f"model={k} ({split}) not searched: the split rules split no parameter")
       continue
-    bases[k] = built
+    elif split != "all" and (k, "all") in bases and [l.spec for l in built.plan.leaves] == [
+        l.spec for l in bases[(k, "all")].plan.leaves]:
+      continue   # the module is all the split rules split: the same plan as splitting all
+    bases[(k, split)] = built
   return bases
+
+
+def _dominant_module(built) -> str | None:
+  """The module (its name-stack path, as ``epl.annotate`` module rules match it) whose
+  parameters hold at least half of the trainable bytes, and not all of them; else None.
+
+  Splitting only it is EPL's layout for a large classifier: its kernel split by classes, whose
+  logits stay split, instead of pairing it (row-split) with the layers before it."""
+  program = built.capture.program
+  owned: dict[str, int] = {}
+  total = 0
+  for i, leaf in enumerate(built.plan.leaves):
+    if not leaf.trainable:
+      continue
+    total += leaf.bytes_per_device   # (the data-parallel trace: whole parameters)
+    modules = {"/".join(f for f in node.module_frames if not f.startswith("epl."))
+               for node, _ in program.uses_of_input(i)}
+    if len(modules) == 1 and "" not in modules:   # (a shared parameter has no one module)
+      (module,) = modules
+      owned[module] = owned.get(module, 0) + leaf.bytes_per_device
+  if not owned:
+    return None
+  module, nbytes = max(owned.items(), key=lambda kv: kv[1])
+  return module if total / 2 <= nbytes < total else None
 
 
 def _compile_in_order(rows: list[Candidate], bases: dict, make: Callable, chip, limit: int):
@@ -166,10 +208,11 @@ def _compile_in_order(rows: list[Candidate], bases: dict, make: Callable, chip, 
     row = rows[i]   # (rows are recalibrated as compiles go)
     if row.bytes_per_device > limit or compiles == MAX_COMPILES:
       continue
-    k = next(k for k, b in bases.items() if dict(b.plan.mesh.shape) == row.mesh_shape)
+    k, split = next(key for key, b in bases.items()
+                    if dict(b.plan.mesh.shape) == row.mesh_shape and key[1] == row.split)
     try:
-      built = make(k, row.overrides)
-      with _model_split(k):   # (the step is traced when compiled)
+      built = make(k, split, row.overrides)
+      with _model_split(k, split):   # (the step is traced when compiled)
         step = cost_lib.compiled_cost(built.plan.compiled, built.plan.mesh, chip,
                                       _host_bytes(built, row.features))
     except PlanError as e:   # a feature this model refuses: the row says why
@@ -208,17 +251,24 @@ def _feature_grid(fixed: dict[str, Any], built) -> Iterator[dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def _model_split(k: int | None) -> Iterator[None]:
-  """The whole model as one ``epl.split(k)`` task graph (the default strategy) while a
-  candidate is traced; restored after."""
+def _model_split(k: int | None, split: str) -> Iterator[None]:
+  """While a candidate is traced: the whole model (``split="all"``, the default strategy) or
+  one module (an ``epl.annotate`` module rule for its path) as one ``epl.split(k)`` task
+  graph; restored after."""
   saved = strategy_lib._GLOBAL.default, strategy_lib._GLOBAL.default_site
+  rule = None
   try:
-    if k and k > 1:
+    if k and k > 1 and split == "all":
       strategy_lib._GLOBAL.default = strategy_lib.split(k)
       strategy_lib._GLOBAL.default_site = "epljax/search.py"
+    elif k and k > 1 and split:
+      rule = annotations.ModuleRule(re.escape(split), strategy_lib.split(k))
+      annotations._MODULE_RULES.append(rule)
     yield
   finally:
     strategy_lib._GLOBAL.default, strategy_lib._GLOBAL.default_site = saved
+    if rule is not None:
+      annotations._MODULE_RULES.remove(rule)
 
 
 def _user_scoped() -> str:
@@ -245,12 +295,13 @@ def _divisors(n: int) -> list[int]:
   return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _estimate(built, features: dict[str, Any], chip, batch_bytes: int) -> Candidate:
+def _estimate(built, features: dict[str, Any], chip, batch_bytes: int, split: str) -> Candidate:
   """A candidate's bytes and time before compiling: parameters, gradients, optimizer and
   model state per device exactly from the specs; activations (every traced output, split
   like the batch), FLOPs (``node_flops``, x3 for the backward, x4 with checkpointing) and
-  collectives (gradient reduction over data, one all-reduce per row-split matmul over model in
-  each direction) estimated from the traced program."""
+  collectives (gradient reduction over data; over model, an all-reduce of the output of each
+  matmul that contracts a split dimension, and of the input gradient of each that does not)
+  estimated from the traced program."""
   plan, cap = built.plan, built.capture
   mesh = dict(plan.mesh.shape)
   d, m = mesh.get(DATA, 1), mesh.get(MODEL, 1)
@@ -278,9 +329,10 @@ def _estimate(built, features: dict[str, Any], chip, batch_bytes: int) -> Candid
               for n in cap.program.nodes]
   # Kept for the backward pass: what matmuls and nonlinear functions output (their inputs
   # are mostly those of another); one micro batch at a time, plus the gradient accumulator.
+  # An output is split over model where a matmul keeps the split dimension.
   acts = sum(sum(v.aval.size * v.aval.dtype.itemsize for v in n.eqn.outvars
                  if hasattr(v.aval, "size")) * n.trips
-             / (d * (m if n.index in split_nodes else 1))
+             / (d * (m if split_nodes.get(n.index, _WHOLE).output_split else 1))
              for n in cap.program.nodes if n.primitive in _KEPT) / micro
   checkpointed = features["gradient_checkpoint"] == "auto"
   if checkpointed:
@@ -307,25 +359,48 @@ def _estimate(built, features: dict[str, Any], chip, batch_bytes: int) -> Candid
       add("all-reduce", DATA, full_params, d)
     if zero == "v3":
       add("all-gather", DATA, 2 * full_params, d, times=2 * leaves)
-  for out_bytes in split_nodes.values():   # forward and backward, each micro batch
-    if out_bytes:
-      add("all-reduce", MODEL, 2 * out_bytes / d, m, times=2 * micro)
+  forwards = 2 if checkpointed else 1   # (checkpointing runs the forward pass again)
+  for use in split_nodes.values():      # each micro batch
+    if use.forward:
+      add("all-reduce", MODEL, forwards * use.forward / d, m, times=forwards * micro)
+    if use.backward:
+      add("all-reduce", MODEL, use.backward / d, m, times=micro)
+  if split_nodes:   # the step's finite check and gradient norm sum over split shards
+    add("all-reduce", MODEL, 2 * 4, m, times=2)
+  if split not in ("", "all"):   # the split module's outputs met by unsplit code
+    for kind, (count, out_bytes) in _leaving_split(cap.program, split_nodes).items():
+      add(kind, MODEL, forwards * out_bytes / d, m, times=forwards * count * micro)
   parts = {"parameters": params + grads, "optimizer state": opt,
            "activations": int(acts), "model state and batch": plan.model_state_bytes + batch_bytes}
   step = cost_lib.StepCost(sum(parts.values()), flops, nbytes,
                            flops / (chip.peak_flops * chip.efficiency), comm,
                            host_s=host / chip.host_bandwidth, parts=parts)
   return Candidate(mesh, dict(features), step.bytes_per_device, step.step_s, step.compute_s,
-                   step.communication_s, step.bubble_s, compiled=False, estimate=step)
+                   step.communication_s, step.bubble_s, compiled=False, split=split,
+                   estimate=step)
 
 
-def _split_uses(built, m: int) -> dict[int, int]:
-  """Nodes reading a parameter split over ``model`` -> bytes of their output when the split
-  dimension is contracted (a row-parallel matmul, a vocabulary-split lookup: its output is
-  summed over model), else 0."""
+@dataclasses.dataclass(frozen=True)
+class _SplitUse:
+  """How a node reading a model-split parameter runs: whether its output stays split, and the
+  bytes (whole batch) it all-reduces over model in the forward and in the backward pass."""
+  output_split: bool
+  forward: int = 0
+  backward: int = 0
+
+
+_WHOLE = _SplitUse(False)
+
+
+def _split_uses(built, m: int) -> dict[int, _SplitUse]:
+  """Nodes reading a parameter split over ``model``. A matmul contracting the split dimension
+  (row-parallel; a lookup in a vocabulary-split table likewise) all-reduces its output in the
+  forward pass; one keeping it (column-parallel: a classifier split by classes) has a split output,
+  and the gradient of its other operand, summed over the split dimension, is all-reduced in
+  the backward pass unless that operand is a program input (the batch)."""
   if m == 1:
     return {}
-  out: dict[int, int] = {}
+  out: dict[int, _SplitUse] = {}
   program = built.capture.program
   for i, leaf in enumerate(built.plan.leaves):
     spec = tuple(leaf.spec)
@@ -333,11 +408,60 @@ def _split_uses(built, m: int) -> dict[int, int]:
     if not split:
       continue
     for node, pos in program.uses_of_input(i):
-      reduced = node.primitive != "dot_general" or any(
-          dim in node.eqn.params["dimension_numbers"][0][min(pos, 1)] for dim in split)
-      nbytes = sum(v.aval.size * v.aval.dtype.itemsize for v in node.eqn.outvars) * node.trips
-      out[node.index] = max(out.get(node.index, 0), nbytes if reduced else 0)
+      nbytes = _bytes(node.eqn.outvars) * node.trips
+      if node.primitive == "gather":   # a lookup in a split table: partial rows, summed
+        use = _SplitUse(False, forward=nbytes)
+      elif node.primitive != "dot_general":   # elementwise (a split bias): stays split
+        use = _SplitUse(True)
+      else:
+        (contracting, batch) = node.eqn.params["dimension_numbers"]
+        side = min(pos, 1)
+        if any(dim in contracting[side] for dim in split):
+          use = _SplitUse(False, forward=nbytes)
+        elif any(dim in batch[side] for dim in split):
+          use = _SplitUse(True)
+        else:
+          other = node.inputs[1 - side] if len(node.inputs) > 1 else ()
+          produced = any(b in program.producer for b in other)
+          use = _SplitUse(True, backward=(_bytes([node.eqn.invars[1 - side]]) * node.trips
+                                          if produced else 0))
+      seen = out.get(node.index)
+      out[node.index] = use if seen is None else _SplitUse(
+          seen.output_split and use.output_split, max(seen.forward, use.forward),
+          max(seen.backward, use.backward))
   return out
+
+
+_REDUCTIONS = {"reduce_max", "reduce_min", "reduce_sum", "argmax", "argmin", "gather"}
+
+
+def _leaving_split(program, split_nodes: dict[int, _SplitUse]) -> dict[str, tuple[int, int]]:
+  """Collectives where a split module's split outputs meet code outside it: a reduction over
+  them (a softmax's row maxima and sums, a label's logit) all-reduces its output; a matmul
+  that does not read a split parameter gathers them whole. Followed through elementwise ops.
+  (kind -> (count, result bytes, whole batch)); only for a split module, whose split ends
+  at its outputs (a whole split model pairs its matmuls instead)."""
+  found: dict[str, tuple[int, int]] = {}
+  seen: set[int] = set()
+  todo = [program.nodes[i] for i, use in split_nodes.items() if use.output_split]
+  while todo:
+    node = todo.pop()
+    for user in program.node_consumers(node):
+      if user.index in seen or user.index in split_nodes:
+        continue
+      seen.add(user.index)
+      if user.primitive in _REDUCTIONS or user.primitive == "dot_general":
+        kind, nbytes = (("all-reduce", _bytes(user.eqn.outvars)) if user.primitive != "dot_general"
+                        else ("all-gather", _bytes(node.eqn.outvars)))
+        count, total = found.get(kind, (0, 0))
+        found[kind] = (count + 1, total + nbytes * user.trips)
+      else:
+        todo.append(user)
+  return found
+
+
+def _bytes(variables) -> int:
+  return sum(v.aval.size * v.aval.dtype.itemsize for v in variables if hasattr(v.aval, "size"))
 
 
 def _across_hosts(mesh, axis: str) -> bool:

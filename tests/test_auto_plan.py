@@ -136,21 +136,58 @@ class Classifier(nn.Module):
     return nn.Dense(100_000, name="fc")(x)
 
 
-def test_the_100k_class_classifier_gets_its_classifier_split():
+CLASSES, HIDDEN = 100_000, 32
+
+
+@pytest.fixture(scope="module")
+def classifier():
+  """The classifier under a limit that one replicated copy of its kernel (12.8 MB) and the
+  kernel's gradient exceed: searched, compiled and trained like the reference."""
+  limit = HIDDEN * CLASSES * 4
   trainer, _, compiled = search_and_train(
-      Classifier(), AUTO, classification_batch(ROWS, classes=100_000), optax.sgd(0.1), steps=1)
+      Classifier(), {**AUTO, "auto.memory_limit": limit},
+      classification_batch(ROWS, classes=CLASSES), optax.sgd(0.1))
+  return trainer, compiled, limit
+
+
+def test_the_100k_class_classifier_gets_its_classifier_split(classifier):
+  trainer, compiled, limit = classifier
   row = chosen(trainer)
-  assert row.mesh_shape["model"] > 1
-  # The whole model is one split task graph: the split rules pair the two Dense layers
-  # (column, then row), so the classifier is split on its input features, 1/model each.
-  spec = trainer.plan.param_specs["params"]["fc"]["kernel"]
-  assert spec == P(MODEL, None)
-  fc = next(leaf for leaf in trainer.plan.leaves if leaf.path == "params/fc/kernel")
-  assert fc.bytes_per_device == 32 * 100_000 * 4 // row.mesh_shape["model"]
+  m = row.mesh_shape["model"]
+  assert m > 1 and row.split == "Classifier/fc"
   check_row_is_the_compiled_step(row, trainer, compiled)
-  # Data parallelism would all-reduce the classifier's gradient: predicted slower.
-  dp = [r for r in trainer.plan.search if r.mesh_shape["model"] == 1]
-  assert dp and all("over data" in r.reason for r in dp if "limit" not in r.reason)
+  assert row.bytes_per_device <= limit
+  # EPL's layout: only the classifier split, by its classes; the features data-parallel.
+  specs = trainer.plan.param_specs["params"]
+  assert specs["fc"]["kernel"] == P(None, MODEL) and specs["Dense_0"]["kernel"] == P()
+  fc = next(leaf for leaf in trainer.plan.leaves if leaf.path == "params/fc/kernel")
+  assert fc.bytes_per_device == HIDDEN * CLASSES * 4 // m
+  # The logits stay split: over model only row maxima and sums and the features' input
+  # gradient (ROWS x HIDDEN floats) are all-reduced, never logits-sized tensors.
+  over_model = row.cost.collective_bytes[("all-reduce", MODEL)]
+  assert over_model < 2 * ROWS * HIDDEN * 4 < ROWS * CLASSES * 4 // 100
+  assert row.estimate.collective_bytes[("all-reduce", MODEL)] == pytest.approx(over_model,
+                                                                               rel=0.2)
+  assert f"model={m} (Classifier/fc)" in str(trainer.plan)
+
+
+def test_splitting_the_whole_classifier_model_is_weighed_and_loses(classifier):
+  """Splitting everything pairs the two Dense layers (column, then row): the classifier row-
+  split on its input features, whose logits (ROWS x 100k) are all-reduced: the cost model
+  tells the two apart before compiling."""
+  trainer, _, _ = classifier
+  row = chosen(trainer)
+  rows = trainer.plan.search
+  whole = next(r for r in rows if r.split == "all" and r.mesh_shape == row.mesh_shape
+               and r.features == row.features)
+  logits = ROWS * CLASSES * 4 // row.mesh_shape["data"]
+  assert whole.estimate.collective_bytes[("all-reduce", MODEL)] >= logits
+  assert whole.estimate.communication_s > 10 * row.estimate.communication_s
+  assert "all-reduce over model" in whole.reason or "over the limit" in whole.reason
+  assert {r.split for r in rows} == {"", "all", "Classifier/fc"}
+  # Data parallelism all-reduces the classifier's gradient (or is over the limit).
+  dp = [r for r in rows if r.mesh_shape["model"] == 1]
+  assert dp and all("over data" in r.reason or "limit" in r.reason for r in dp)
 
 
 class SplitByUser(nn.Module):
