@@ -40,7 +40,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jcore
 
 from epljax import cost as cost_lib
 from epljax import strategy as strategy_lib
@@ -103,7 +105,9 @@ def search(fns, config, cluster, rng, batch, build: Callable) -> Any:
   bases = _base_builds(make, len(cluster.devices), fixed, notes)
   batch_bytes = jax.process_count() * sum(
       np.size(x) * np.asarray(x).dtype.itemsize for x in jax.tree.leaves(batch))
-  rows = sorted((_estimate(built, features, chip, batch_bytes, split)
+  residuals = residual_bytes(next(iter(bases.values())).capture.program.closed_jaxpr) if bases \
+      else 0
+  rows = sorted((_estimate(built, features, chip, batch_bytes, split, residuals)
                  for (_, split), built in bases.items()
                  for features in _feature_grid(fixed, built)),
                 key=_order)
@@ -295,10 +299,11 @@ def _divisors(n: int) -> list[int]:
   return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _estimate(built, features: dict[str, Any], chip, batch_bytes: int, split: str) -> Candidate:
+def _estimate(built, features: dict[str, Any], chip, batch_bytes: int, split: str,
+              residuals: int) -> Candidate:
   """A candidate's bytes and time before compiling: parameters, gradients, optimizer and
-  model state per device exactly from the specs; activations (every traced output, split
-  like the batch), FLOPs (``node_flops``, x3 for the backward, x4 with checkpointing) and
+  model state per device exactly from the specs; activations (the vjp's residuals,
+  ``residual_bytes``, split like the batch and the model's split outputs), FLOPs (``node_flops``, x3 for the backward, x4 with checkpointing) and
   collectives (gradient reduction over data; over model, an all-reduce of the output of each
   matmul that contracts a split dimension, and of the input gradient of each that does not)
   estimated from the traced program."""
@@ -327,18 +332,25 @@ def _estimate(built, features: dict[str, Any], chip, batch_bytes: int, split: st
   split_nodes = _split_uses(built, m)
   per_node = [node_flops(n) / (d * (m if n.index in split_nodes else 1))
               for n in cap.program.nodes]
-  # Kept for the backward pass: what matmuls and nonlinear functions output (their inputs
-  # are mostly those of another); one micro batch at a time, plus the gradient accumulator.
-  # An output is split over model where a matmul keeps the split dimension.
-  acts = sum(sum(v.aval.size * v.aval.dtype.itemsize for v in n.eqn.outvars
-                 if hasattr(v.aval, "size")) * n.trips
-             / (d * (m if split_nodes.get(n.index, _WHOLE).output_split else 1))
-             for n in cap.program.nodes if n.primitive in _KEPT) / micro
+  # Kept for the backward pass: the residuals of the loss's vjp (``residual_bytes``), split
+  # like the batch, one micro batch at a time; over model split as the outputs of matmuls and
+  # nonlinear functions are (split where a matmul keeps the split dimension).
+  split_out = _split_outputs(cap.program, split_nodes, gathered=split not in ("", "all"))
+  kept = [(sum(v.aval.size * v.aval.dtype.itemsize for v in n.eqn.outvars
+               if hasattr(v.aval, "size")) * n.trips, m if n.index in split_out else 1)
+          for n in cap.program.nodes if n.primitive in _KEPT]
+  share = (sum(b / k for b, k in kept) / sum(b for b, _ in kept)) if kept else 1.0
+  acts = residuals / max(1, math.prod(mesh[a] for a in plan.batch_axes)) * share / micro
   checkpointed = features["gradient_checkpoint"] == "auto"
   if checkpointed:
     acts *= _CHECKPOINTED_SHARE
-  if micro > 1:
+  if micro > 1:   # the gradient accumulator
     acts += grads
+  # The peak is either in the backward pass (residuals beside the gradients) or at the
+  # gradients' sum over data (a second buffer: all-reduced, or its shard under ZeRO), after
+  # the residuals are freed.
+  if d > 1:
+    acts = max(acts, full_params // d if zero else grads)
   flops = sum(per_node) * (4 if checkpointed else 3)
   comm: dict[tuple[str, str], float] = {}
   nbytes: dict[tuple[str, str], int] = {}
@@ -432,6 +444,67 @@ def _split_uses(built, m: int) -> dict[int, _SplitUse]:
   return out
 
 
+# Operations XLA does not fuse into a consumer's loop (it materializes their outputs); the
+# others (elementwise, broadcasts, layout changes) it fuses, recomputing them where needed.
+_MATERIALIZED = {"dot_general", "conv_general_dilated", "reduce_sum", "reduce_max",
+                 "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax", "argmin",
+                 "gather", "scatter", "scatter-add", "scatter_add", "dynamic_slice",
+                 "dynamic_update_slice", "scan", "while", "cond", "cumsum", "cumprod", "cummax",
+                 "cumlogsumexp", "sort", "custom_vjp_call", "custom_jvp_call", "all_gather",
+                 "psum", "reduce_precision", "random_bits", "threefry2x32"}
+
+
+def residual_bytes(closed_jaxpr) -> int:
+  """Bytes (whole batch) the backward pass keeps from the forward pass, read from the jaxpr of
+  ``jax.vjp`` of the traced loss: its vjp function's leaves are the residuals. XLA keeps a
+  residual made by a fusible operation (elementwise, a broadcast, a layout change) as the
+  values it is computed from, recomputing it in the backward pass: those are followed back to
+  values the forward pass materializes anyway (an argument, a matmul's or reduction's output,
+  a value read twice), and each such value counts once; the arguments (parameters, batch) are
+  not counted."""
+  fun = jcore.jaxpr_as_fun(closed_jaxpr)
+  args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed_jaxpr.jaxpr.invars]
+  inexact = [i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.inexact)]
+
+  def pullback(*a):   # the vjp with respect to the floating inputs (not token ids, keys)
+    def of(*x):
+      full = list(a)
+      for i, xi in zip(inexact, x):
+        full[i] = xi
+      return fun(*full)
+    return jax.vjp(of, *(a[i] for i in inexact))[1]
+
+  jaxpr = jax.make_jaxpr(pullback)(*args).jaxpr
+  producer = {o: e for e in jaxpr.eqns for o in e.outvars}
+  reads: dict[Any, int] = {}
+  for e in jaxpr.eqns:
+    for x in e.invars:
+      if not isinstance(x, jcore.Literal):
+        reads[x] = reads.get(x, 0) + 1
+  arguments = set(jaxpr.invars) | set(jaxpr.constvars)
+  kept: set[Any] = set()
+  todo = [v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)]
+  seen: set[Any] = set()
+  while todo:
+    v = todo.pop()
+    if v in seen or v in arguments:
+      continue
+    seen.add(v)
+    eqn = producer.get(v)
+    if eqn is None or reads.get(v, 0) > 1 or not _fusible(eqn):
+      kept.add(v)
+    else:
+      todo.extend(x for x in eqn.invars if not isinstance(x, jcore.Literal))
+  return sum(v.aval.size * v.aval.dtype.itemsize for v in kept if hasattr(v.aval, "size"))
+
+
+def _fusible(eqn) -> bool:
+  if eqn.primitive.name in _MATERIALIZED:
+    return False
+  inner = [p for p in eqn.params.values() if isinstance(p, (jcore.ClosedJaxpr, jcore.Jaxpr))]
+  return all(_fusible(e) for j in inner for e in getattr(j, "jaxpr", j).eqns)
+
+
 _REDUCTIONS = {"reduce_max", "reduce_min", "reduce_sum", "argmax", "argmin", "gather"}
 
 
@@ -457,6 +530,22 @@ def _leaving_split(program, split_nodes: dict[int, _SplitUse]) -> dict[str, tupl
         found[kind] = (count + 1, total + nbytes * user.trips)
       else:
         todo.append(user)
+  return found
+
+
+def _split_outputs(program, split_nodes: dict[int, _SplitUse], gathered: bool) -> set[int]:
+  """The nodes whose outputs are split over model: those of matmuls keeping a split dimension,
+  and what is computed from them up to a reduction, a row-split matmul, or (``gathered``: a
+  split module, whose outputs unsplit code reads whole) a matmul outside it."""
+  found = {i for i, use in split_nodes.items() if use.output_split}
+  todo = [program.nodes[i] for i in found]
+  while todo:
+    for user in program.node_consumers(todo.pop()):
+      if (user.index in found or user.index in split_nodes or user.primitive in _REDUCTIONS
+          or (gathered and user.primitive == "dot_general")):
+        continue
+      found.add(user.index)
+      todo.append(user)
   return found
 
 

@@ -58,6 +58,13 @@ def check_row_is_the_compiled_step(row, trainer, compiled):
       row.compute_s + row.communication_s + row.bubble_s)
 
 
+def check_estimate_within_10_percent(row):
+  """The bytes estimated before compiling (residuals of the loss's vjp, parameters, optimizer
+  state) are within 10% of the compiled step's ``memory_analysis()`` bytes."""
+  ratio = row.estimate.bytes_per_device / row.bytes_per_device
+  assert 0.9 <= ratio <= 1.1, (row.estimate.parts, row.bytes_per_device)
+
+
 def _chip():
   return cost_lib.chip_of(jax.devices()[0], epl.Env.get().config.auto)
 
@@ -77,6 +84,7 @@ def test_ample_memory_gives_plain_data_parallelism(small):
   assert row.features == {"num_micro_batch": 1, "zero_level": "", "gradient_checkpoint": "",
                           "offload": ""}
   check_row_is_the_compiled_step(row, trainer, compiled)
+  check_estimate_within_10_percent(row)
   # The data-parallel gradient sum is what the model predicts over data.
   assert set(row.cost.collective_bytes) == {("all-reduce", "data")}
   assert sum(r.compiled for r in trainer.plan.search) <= 5
@@ -156,6 +164,7 @@ def test_the_100k_class_classifier_gets_its_classifier_split(classifier):
   m = row.mesh_shape["model"]
   assert m > 1 and row.split == "Classifier/fc"
   check_row_is_the_compiled_step(row, trainer, compiled)
+  check_estimate_within_10_percent(row)
   assert row.bytes_per_device <= limit
   # EPL's layout: only the classifier split, by its classes; the features data-parallel.
   specs = trainer.plan.param_specs["params"]
@@ -269,6 +278,7 @@ def test_gpt2_under_a_limit_trains_like_the_reference():
   state = trainer.init(jax.random.key(0), batch)
   row = chosen(trainer)
   check_row_is_the_compiled_step(row, trainer, trainer.lower(state, batch).compile())
+  check_estimate_within_10_percent(row)
   assert row.bytes_per_device <= limit
   axes = {axis for _, axis in row.cost.collective_bytes}
   assert axes == {a for a in ("data", "model") if row.mesh_shape[a] > 1}, axes
@@ -278,6 +288,21 @@ def test_gpt2_under_a_limit_trains_like_the_reference():
     state, metrics = trainer.train_step(state, batch)
     np.testing.assert_allclose(metrics["loss"], history[step][0], rtol=1e-5, atol=1e-5)
   assert_trees_close(trainer.variables(state)["params"], expected["params"])
+
+
+def test_llama_bytes_are_estimated_within_10_percent():
+  """The zoo's Llama (layers under ``nn.scan``: its residuals are the scan's stacked outputs):
+  the chosen plan's bytes estimated before compiling are within 10% of the compiled step's."""
+  from models import ZOO
+  model = ZOO["llama"]
+  epl.init(AUTO)
+  with nn.logical_axis_rules(model.logical_rules):
+    trainer = epl.Trainer(model.init_fn, model.loss_fn, optax.adamw(1e-3))
+    state = trainer.init(jax.random.key(0), model.make_batch(ROWS))
+    compiled = trainer.lower(state, model.make_batch(ROWS)).compile()
+  row = chosen(trainer)
+  check_row_is_the_compiled_step(row, trainer, compiled)
+  check_estimate_within_10_percent(row)
 
 
 class _Device:
