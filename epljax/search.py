@@ -34,21 +34,18 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-import math
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jcore
 
 from epljax import cost as cost_lib
+from epljax import estimate as estimate_lib
 from epljax import strategy as strategy_lib
 from epljax.errors import PlanError, size
-from epljax.mesh import DATA, MODEL
-from epljax.pipeline.auto import node_flops
+from epljax.mesh import MODEL
 from epljax.sharding import annotations
 
 MAX_COMPILES = 5
@@ -56,11 +53,6 @@ MICRO_BATCHES = (1, 2, 4)
 ZERO_LEVELS = ("", "v1", "v2", "v3")
 CHECKPOINTING = ("", "auto")
 OFFLOAD = ("", "v0", "v1")
-# Activations kept under gradient_checkpoint.type="auto": a rough share, for ranking only (the
-# compiled bytes decide).
-_CHECKPOINTED_SHARE = 1 / 3
-_KEPT = {"dot_general", "conv_general_dilated", "exp", "log", "tanh", "logistic", "erf", "div",
-         "integer_pow", "rsqrt", "sqrt", "max", "pow"}
 SEARCHED_KEYS = {"num_micro_batch": "pipeline.num_micro_batch", "zero_level": "zero.level",
                  "gradient_checkpoint": "gradient_checkpoint.type", "offload": "offload.level"}
 STAGES_NOT_SEARCHED = ("stage candidates not searched: a pipeline plan compiles its pipeline "
@@ -105,8 +97,8 @@ def search(fns, config, cluster, rng, batch, build: Callable) -> Any:
   bases = _base_builds(make, len(cluster.devices), fixed, notes)
   batch_bytes = jax.process_count() * sum(
       np.size(x) * np.asarray(x).dtype.itemsize for x in jax.tree.leaves(batch))
-  residuals = residual_bytes(next(iter(bases.values())).capture.program.closed_jaxpr) if bases \
-      else 0
+  residuals = estimate_lib.residual_bytes(
+      next(iter(bases.values())).capture.program.closed_jaxpr) if bases else 0
   rows = sorted((_estimate(built, features, chip, batch_bytes, split, residuals)
                  for (_, split), built in bases.items()
                  for features in _feature_grid(fixed, built)),
@@ -173,8 +165,7 @@ def _base_builds(make: Callable, num_devices: int, fixed: dict[str, Any],
     elif not any(MODEL in _axes(leaf.spec) for leaf in built.plan.leaves):
       notes.append(f"model={k} ({split}) not searched: the split rules split no parameter")
       continue
-    elif split != "all" and (k, "all") in bases and [l.spec for l in built.plan.leaves] == [
-        l.spec for l in bases[(k, "all")].plan.leaves]:
+    elif split != "all" and (k, "all") in bases and _specs(built) == _specs(bases[(k, "all")]):
       continue   # the module is all the split rules split: the same plan as splitting all
     bases[(k, split)] = built
   return bases
@@ -291,6 +282,10 @@ def _scoped(built) -> bool:
              for n in built.capture.program.nodes for f in n.frames)
 
 
+def _specs(built) -> list:
+  return [leaf.spec for leaf in built.plan.leaves]
+
+
 def _axes(spec) -> set[str]:
   return {a for a in jax.tree.leaves(tuple(spec)) if a is not None}
 
@@ -301,265 +296,11 @@ def _divisors(n: int) -> list[int]:
 
 def _estimate(built, features: dict[str, Any], chip, batch_bytes: int, split: str,
               residuals: int) -> Candidate:
-  """A candidate's bytes and time before compiling: parameters, gradients, optimizer and
-  model state per device exactly from the specs; activations (the vjp's residuals,
-  ``residual_bytes``, split like the batch and the model's split outputs), FLOPs (``node_flops``, x3 for the backward, x4 with checkpointing) and
-  collectives (gradient reduction over data; over model, an all-reduce of the output of each
-  matmul that contracts a split dimension, and of the input gradient of each that does not)
-  estimated from the traced program."""
-  plan, cap = built.plan, built.capture
-  mesh = dict(plan.mesh.shape)
-  d, m = mesh.get(DATA, 1), mesh.get(MODEL, 1)
-  micro = features["num_micro_batch"]
-  zero, offload = features["zero_level"], features["offload"]
-  params = plan.param_bytes
-  grads, opt = params, plan.optimizer_bytes
-  full_params = params
-  if zero:
-    opt //= d
-  if zero in ("v2", "v3"):
-    grads //= d
-  if zero == "v3":
-    params //= d
-  host = 0
-  if offload:
-    host += 2 * params
-    params = 0
-  if offload == "v1":
-    host += 2 * opt
-    opt = 0
-  batch_bytes //= max(1, math.prod(mesh[a] for a in plan.batch_axes))
-  split_nodes = _split_uses(built, m)
-  per_node = [node_flops(n) / (d * (m if n.index in split_nodes else 1))
-              for n in cap.program.nodes]
-  # Kept for the backward pass: the residuals of the loss's vjp (``residual_bytes``), split
-  # like the batch, one micro batch at a time; over model split as the outputs of matmuls and
-  # nonlinear functions are (split where a matmul keeps the split dimension).
-  split_out = _split_outputs(cap.program, split_nodes, gathered=split not in ("", "all"))
-  kept = [(sum(v.aval.size * v.aval.dtype.itemsize for v in n.eqn.outvars
-               if hasattr(v.aval, "size")) * n.trips, m if n.index in split_out else 1)
-          for n in cap.program.nodes if n.primitive in _KEPT]
-  share = (sum(b / k for b, k in kept) / sum(b for b, _ in kept)) if kept else 1.0
-  acts = residuals / max(1, math.prod(mesh[a] for a in plan.batch_axes)) * share / micro
-  checkpointed = features["gradient_checkpoint"] == "auto"
-  if checkpointed:
-    acts *= _CHECKPOINTED_SHARE
-  if micro > 1:   # the gradient accumulator
-    acts += grads
-  # The peak is either in the backward pass (residuals beside the gradients) or at the
-  # gradients' sum over data (a second buffer: all-reduced, or its shard under ZeRO), after
-  # the residuals are freed.
-  if d > 1:
-    acts = max(acts, full_params // d if zero else grads)
-  flops = sum(per_node) * (4 if checkpointed else 3)
-  comm: dict[tuple[str, str], float] = {}
-  nbytes: dict[tuple[str, str], int] = {}
-
-  def add(kind, axis, result, group, times=1):
-    nbytes[(kind, axis)] = nbytes.get((kind, axis), 0) + int(result)
-    comm[(kind, axis)] = comm.get((kind, axis), 0.0) + times * cost_lib.link_seconds(
-        kind, result / times, group, _across_hosts(plan.mesh, axis), chip)
-
-  # Plain gradients are summed in one combined all-reduce; ZeRO reduce-scatters and gathers
-  # each parameter on its own (v3: gathered again in the forward and the backward pass).
-  leaves = sum(leaf.trainable for leaf in plan.leaves)
-  if d > 1:
-    if zero:
-      add("reduce-scatter", DATA, full_params / d, d, times=leaves)
-      add("all-gather", DATA, full_params, d, times=leaves)
-    else:
-      add("all-reduce", DATA, full_params, d)
-    if zero == "v3":
-      add("all-gather", DATA, 2 * full_params, d, times=2 * leaves)
-  forwards = 2 if checkpointed else 1   # (checkpointing runs the forward pass again)
-  for use in split_nodes.values():      # each micro batch
-    if use.forward:
-      add("all-reduce", MODEL, forwards * use.forward / d, m, times=forwards * micro)
-    if use.backward:
-      add("all-reduce", MODEL, use.backward / d, m, times=micro)
-  if split_nodes:   # the step's finite check and gradient norm sum over split shards
-    add("all-reduce", MODEL, 2 * 4, m, times=2)
-  if split not in ("", "all"):   # the split module's outputs met by unsplit code
-    for kind, (count, out_bytes) in _leaving_split(cap.program, split_nodes).items():
-      add(kind, MODEL, forwards * out_bytes / d, m, times=forwards * count * micro)
-  parts = {"parameters": params + grads, "optimizer state": opt,
-           "activations": int(acts), "model state and batch": plan.model_state_bytes + batch_bytes}
-  step = cost_lib.StepCost(sum(parts.values()), flops, nbytes,
-                           flops / (chip.peak_flops * chip.efficiency), comm,
-                           host_s=host / chip.host_bandwidth, parts=parts)
-  return Candidate(mesh, dict(features), step.bytes_per_device, step.step_s, step.compute_s,
-                   step.communication_s, step.bubble_s, compiled=False, split=split,
-                   estimate=step)
-
-
-@dataclasses.dataclass(frozen=True)
-class _SplitUse:
-  """How a node reading a model-split parameter runs: whether its output stays split, and the
-  bytes (whole batch) it all-reduces over model in the forward and in the backward pass."""
-  output_split: bool
-  forward: int = 0
-  backward: int = 0
-
-
-_WHOLE = _SplitUse(False)
-
-
-def _split_uses(built, m: int) -> dict[int, _SplitUse]:
-  """Nodes reading a parameter split over ``model``. A matmul contracting the split dimension
-  (row-parallel; a lookup in a vocabulary-split table likewise) all-reduces its output in the
-  forward pass; one keeping it (column-parallel: a classifier split by classes) has a split output,
-  and the gradient of its other operand, summed over the split dimension, is all-reduced in
-  the backward pass unless that operand is a program input (the batch)."""
-  if m == 1:
-    return {}
-  out: dict[int, _SplitUse] = {}
-  program = built.capture.program
-  for i, leaf in enumerate(built.plan.leaves):
-    spec = tuple(leaf.spec)
-    split = [dim for dim, a in enumerate(spec) if a is not None and MODEL in jax.tree.leaves(a)]
-    if not split:
-      continue
-    for node, pos in program.uses_of_input(i):
-      nbytes = _bytes(node.eqn.outvars) * node.trips
-      if node.primitive == "gather":   # a lookup in a split table: partial rows, summed
-        use = _SplitUse(False, forward=nbytes)
-      elif node.primitive != "dot_general":   # elementwise (a split bias): stays split
-        use = _SplitUse(True)
-      else:
-        (contracting, batch) = node.eqn.params["dimension_numbers"]
-        side = min(pos, 1)
-        if any(dim in contracting[side] for dim in split):
-          use = _SplitUse(False, forward=nbytes)
-        elif any(dim in batch[side] for dim in split):
-          use = _SplitUse(True)
-        else:
-          other = node.inputs[1 - side] if len(node.inputs) > 1 else ()
-          produced = any(b in program.producer for b in other)
-          use = _SplitUse(True, backward=(_bytes([node.eqn.invars[1 - side]]) * node.trips
-                                          if produced else 0))
-      seen = out.get(node.index)
-      out[node.index] = use if seen is None else _SplitUse(
-          seen.output_split and use.output_split, max(seen.forward, use.forward),
-          max(seen.backward, use.backward))
-  return out
-
-
-# Operations XLA does not fuse into a consumer's loop (it materializes their outputs); the
-# others (elementwise, broadcasts, layout changes) it fuses, recomputing them where needed.
-_MATERIALIZED = {"dot_general", "conv_general_dilated", "reduce_sum", "reduce_max",
-                 "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax", "argmin",
-                 "gather", "scatter", "scatter-add", "scatter_add", "dynamic_slice",
-                 "dynamic_update_slice", "scan", "while", "cond", "cumsum", "cumprod", "cummax",
-                 "cumlogsumexp", "sort", "custom_vjp_call", "custom_jvp_call", "all_gather",
-                 "psum", "reduce_precision", "random_bits", "threefry2x32"}
-
-
-def residual_bytes(closed_jaxpr) -> int:
-  """Bytes (whole batch) the backward pass keeps from the forward pass, read from the jaxpr of
-  ``jax.vjp`` of the traced loss: its vjp function's leaves are the residuals. XLA keeps a
-  residual made by a fusible operation (elementwise, a broadcast, a layout change) as the
-  values it is computed from, recomputing it in the backward pass: those are followed back to
-  values the forward pass materializes anyway (an argument, a matmul's or reduction's output,
-  a value read twice), and each such value counts once; the arguments (parameters, batch) are
-  not counted."""
-  fun = jcore.jaxpr_as_fun(closed_jaxpr)
-  args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed_jaxpr.jaxpr.invars]
-  inexact = [i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.inexact)]
-
-  def pullback(*a):   # the vjp with respect to the floating inputs (not token ids, keys)
-    def of(*x):
-      full = list(a)
-      for i, xi in zip(inexact, x):
-        full[i] = xi
-      return fun(*full)
-    return jax.vjp(of, *(a[i] for i in inexact))[1]
-
-  jaxpr = jax.make_jaxpr(pullback)(*args).jaxpr
-  producer = {o: e for e in jaxpr.eqns for o in e.outvars}
-  reads: dict[Any, int] = {}
-  for e in jaxpr.eqns:
-    for x in e.invars:
-      if not isinstance(x, jcore.Literal):
-        reads[x] = reads.get(x, 0) + 1
-  arguments = set(jaxpr.invars) | set(jaxpr.constvars)
-  kept: set[Any] = set()
-  todo = [v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)]
-  seen: set[Any] = set()
-  while todo:
-    v = todo.pop()
-    if v in seen or v in arguments:
-      continue
-    seen.add(v)
-    eqn = producer.get(v)
-    if eqn is None or reads.get(v, 0) > 1 or not _fusible(eqn):
-      kept.add(v)
-    else:
-      todo.extend(x for x in eqn.invars if not isinstance(x, jcore.Literal))
-  return sum(v.aval.size * v.aval.dtype.itemsize for v in kept if hasattr(v.aval, "size"))
-
-
-def _fusible(eqn) -> bool:
-  if eqn.primitive.name in _MATERIALIZED:
-    return False
-  inner = [p for p in eqn.params.values() if isinstance(p, (jcore.ClosedJaxpr, jcore.Jaxpr))]
-  return all(_fusible(e) for j in inner for e in getattr(j, "jaxpr", j).eqns)
-
-
-_REDUCTIONS = {"reduce_max", "reduce_min", "reduce_sum", "argmax", "argmin", "gather"}
-
-
-def _leaving_split(program, split_nodes: dict[int, _SplitUse]) -> dict[str, tuple[int, int]]:
-  """Collectives where a split module's split outputs meet code outside it: a reduction over
-  them (a softmax's row maxima and sums, a label's logit) all-reduces its output; a matmul
-  that does not read a split parameter gathers them whole. Followed through elementwise ops.
-  (kind -> (count, result bytes, whole batch)); only for a split module, whose split ends
-  at its outputs (a whole split model pairs its matmuls instead)."""
-  found: dict[str, tuple[int, int]] = {}
-  seen: set[int] = set()
-  todo = [program.nodes[i] for i, use in split_nodes.items() if use.output_split]
-  while todo:
-    node = todo.pop()
-    for user in program.node_consumers(node):
-      if user.index in seen or user.index in split_nodes:
-        continue
-      seen.add(user.index)
-      if user.primitive in _REDUCTIONS or user.primitive == "dot_general":
-        kind, nbytes = (("all-reduce", _bytes(user.eqn.outvars)) if user.primitive != "dot_general"
-                        else ("all-gather", _bytes(node.eqn.outvars)))
-        count, total = found.get(kind, (0, 0))
-        found[kind] = (count + 1, total + nbytes * user.trips)
-      else:
-        todo.append(user)
-  return found
-
-
-def _split_outputs(program, split_nodes: dict[int, _SplitUse], gathered: bool) -> set[int]:
-  """The nodes whose outputs are split over model: those of matmuls keeping a split dimension,
-  and what is computed from them up to a reduction, a row-split matmul, or (``gathered``: a
-  split module, whose outputs unsplit code reads whole) a matmul outside it."""
-  found = {i for i, use in split_nodes.items() if use.output_split}
-  todo = [program.nodes[i] for i in found]
-  while todo:
-    for user in program.node_consumers(todo.pop()):
-      if (user.index in found or user.index in split_nodes or user.primitive in _REDUCTIONS
-          or (gathered and user.primitive == "dot_general")):
-        continue
-      found.add(user.index)
-      todo.append(user)
-  return found
-
-
-def _bytes(variables) -> int:
-  return sum(v.aval.size * v.aval.dtype.itemsize for v in variables if hasattr(v.aval, "size"))
-
-
-def _across_hosts(mesh, axis: str) -> bool:
-  if axis not in mesh.shape or mesh.shape[axis] == 1:
-    return False
-  index = mesh.axis_names.index(axis)
-  line = mesh.devices.take(range(mesh.shape[axis]), axis=index).reshape(
-      mesh.shape[axis], -1)[:, 0]
-  return len({d.process_index for d in line}) > 1
+  """A candidate before compiling: every number is ``estimate.step_cost``'s."""
+  step = estimate_lib.step_cost(built, features, chip, batch_bytes, split, residuals)
+  return Candidate(dict(built.plan.mesh.shape), dict(features), step.bytes_per_device,
+                   step.step_s, step.compute_s, step.communication_s, step.bubble_s,
+                   compiled=False, split=split, estimate=step)
 
 
 def _host_bytes(built, features: dict[str, Any]) -> int:
