@@ -16,10 +16,10 @@ block but the last, leaves the stage unrolled. Only runs that contain a matmul o
 convolution are rolled (a layer), and none with side effects.
 
 The stacks are inputs of the rolled program (``Rolled.stacks`` says which parameters each
-one stacks), made by the caller outside the stage's ``jax.vjp`` (``Stage.with_stacks``, in the pipeline's
-forward and backward of each tick): the scan's pullback then refers to the stacked input
-itself, which the pipeline makes again at backward time rather than stash, and a micro batch
-keeps no more than the written-out layers kept. A block that
+one stacks), made by the caller outside the stage's ``jax.vjp`` (``Stage.with_stacks``, in
+the pipeline's forward and backward of each tick): the scan's pullback then refers to the
+stacked input itself, which the pipeline makes again at backward time rather than stash, and
+a micro batch keeps no more than the written-out layers kept. A block that
 reads a value made inside the stage per block (a weight cast or reshaped before its layer)
 would have to be stacked inside the forward, a copy kept per in-flight micro batch: such a
 stage stays unrolled, and ``Rolled.why_not`` says why (the plan prints it). On by default
