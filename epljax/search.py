@@ -16,7 +16,8 @@ and a user's scope, default strategy or ``epl.annotate`` rule are fixed, not sea
 
 1. One trace per mesh (no compile) gives every parameter's spec; parameter, gradient and
    optimizer bytes per device follow from them and the features, exactly; activations, FLOPs
-   and collectives are estimated from the traced program (``_estimate``).
+   and collectives are estimated from the traced program (``estimate.step_cost``; activations
+   from the residuals of the loss's ``jax.vjp``).
 2. Candidates estimated over ``auto.memory_limit`` are dropped; the others are compiled in the
    order of their estimated step time, at most ``MAX_COMPILES``, until one compiled step's
    ``memory_analysis()`` is within the limit: that one is chosen, its cost read from the
@@ -141,9 +142,9 @@ def _base_builds(make: Callable, num_devices: int, fixed: dict[str, Any],
   plain = {SEARCHED_KEYS[n]: fixed.get(n, d) for n, d in
            (("num_micro_batch", 1), ("zero_level", ""), ("gradient_checkpoint", ""),
             ("offload", ""))}
-  bases: dict[tuple[int | None, str], Any] = {}
   if user_mesh:
     return {(None, ""): make(None, "", plain)}
+  bases: dict[tuple[int | None, str], Any] = {}
   module = None
   for k, split in [(1, "")] + [(k, s) for k in _divisors(num_devices)[1:]
                                for s in ("all", "module")]:
