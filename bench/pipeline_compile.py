@@ -131,60 +131,24 @@ def _block(p, h):
   return h + nn.gelu(y @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
 
 
+def _mlp_params(key, layers: int) -> dict:
+  """The residual MLP's parameters for a hand-written GPipe: blocks stacked ``(S, L/S, ...)``."""
+  k = jax.random.split(key, 4)
+  per = (S, layers // S)
+  return {"stem": jax.random.normal(k[0], (FEATURES, WIDTH)) * 0.1,
+          "head": jax.random.normal(k[1], (WIDTH, CLASSES)) * 0.1,
+          "blocks": {"w1": jax.random.normal(k[2], (*per, WIDTH, WIDTH)) * 0.05,
+                     "w2": jax.random.normal(k[3], (*per, WIDTH, WIDTH)) * 0.05,
+                     "b1": jnp.zeros((*per, WIDTH)), "b2": jnp.zeros((*per, WIDTH)),
+                     "scale": jnp.ones((*per, WIDTH)), "bias": jnp.zeros((*per, WIDTH))}}
+
+
 def handwritten_step(layers: int):
   """A GPipe written by hand over stacked blocks (see the module doc): the jitted step and its
   arguments."""
-  mesh = Mesh(np.array(jax.devices()[:2 * S]).reshape(2, S), ("data", "stage"))
-  per = layers // S
-  k = jax.random.split(jax.random.key(0), 4)
-  params = {
-      "stem": jax.random.normal(k[0], (FEATURES, WIDTH)) * 0.1,
-      "head": jax.random.normal(k[1], (WIDTH, CLASSES)) * 0.1,
-      "blocks": {"w1": jax.random.normal(k[2], (S, per, WIDTH, WIDTH)) * 0.05,
-                 "w2": jax.random.normal(k[3], (S, per, WIDTH, WIDTH)) * 0.05,
-                 "b1": jnp.zeros((S, per, WIDTH)), "b2": jnp.zeros((S, per, WIDTH)),
-                 "scale": jnp.ones((S, per, WIDTH)), "bias": jnp.zeros((S, per, WIDTH))}}
-  specs = {"stem": P(), "head": P(), "blocks": jax.tree.map(lambda _: P("stage"),
-                                                            params["blocks"])}
-  shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-
-  def pipeline(blocks, h):          # h: (M, rows, WIDTH) per replica; stage-local blocks
-    stage = lax.axis_index("stage")
-    blocks = jax.tree.map(lambda x: x[0], blocks)
-
-    def run_stage(x):
-      return lax.scan(lambda c, p: (_block(p, c), None), x, blocks)[0]
-
-    def tick(carry, t):
-      inbox, outs = carry
-      x = jnp.where(stage == 0, h[jnp.minimum(t, M - 1)], inbox)
-      y = run_stage(x)
-      m = t - (S - 1)
-      outs = jnp.where((stage == S - 1) & (m >= 0),
-                       outs.at[jnp.clip(m, 0, M - 1)].set(y), outs)
-      inbox = lax.ppermute(y, "stage", [(i, (i + 1) % S) for i in range(S)])
-      return (inbox, outs), None
-
-    (_, outs), _ = lax.scan(tick, (jnp.zeros_like(h[0]), jnp.zeros_like(h)),
-                            jnp.arange(M + S - 1))
-    return lax.psum(jnp.where(stage == S - 1, outs, 0.0), "stage")
-
-  run = jax.shard_map(pipeline, mesh=mesh, in_specs=(P("stage"), P(None, "data")),
-                      out_specs=P(None, "data"), check_vma=False)
-
-  def loss(p, bt):
-    h = bt["x"].reshape(M, -1, FEATURES) @ p["stem"]
-    logits = run(p["blocks"], h) @ p["head"]
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits, bt["y"].reshape(M, -1)).mean()
-
-  def step(p, bt):
-    grads = jax.grad(loss)(p, bt)
-    return jax.tree.map(lambda a, g: a - 0.1 * g, p, grads)
-
-  data = NamedSharding(mesh, P("data"))
-  return (jax.jit(step, in_shardings=(shard, data), out_shardings=shard),
-          (params, batch(2 * M * ROWS)))
+  params = _mlp_params(jax.random.key(0), layers)
+  step = gpipe(lambda p, x: x @ p, _block, lambda p, h: h @ p, params)
+  return step, (params, batch(2 * M * ROWS))
 
 
 def handwritten_cost(layers: int) -> tuple[float, int]:
@@ -384,18 +348,8 @@ def scan_rows(layers: int = 48) -> list[list]:
   epl_s, epl_hlo = time.perf_counter() - start, len(compiled.as_text())
   temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
 
-  def init(key):
-    k = jax.random.split(key, 4)
-    per = (S, layers // S)
-    return {"stem": jax.random.normal(k[0], (FEATURES, WIDTH)) * 0.1,
-            "head": jax.random.normal(k[1], (WIDTH, CLASSES)) * 0.1,
-            "blocks": {"w1": jax.random.normal(k[2], (*per, WIDTH, WIDTH)) * 0.05,
-                       "w2": jax.random.normal(k[3], (*per, WIDTH, WIDTH)) * 0.05,
-                       "b1": jnp.zeros((*per, WIDTH)), "b2": jnp.zeros((*per, WIDTH)),
-                       "scale": jnp.ones((*per, WIDTH)), "bias": jnp.zeros((*per, WIDTH))}}
-
   start = time.perf_counter()
-  params = jax.jit(init)(jax.random.key(0))
+  params = jax.jit(_mlp_params, static_argnums=1)(jax.random.key(0), layers)
   step = gpipe(lambda p, x: x @ p, _block, lambda p, h: h @ p, params)
   hand = step.lower(params, b).compile()
   hand_s, hand_hlo = time.perf_counter() - start, len(hand.as_text())

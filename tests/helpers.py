@@ -89,10 +89,14 @@ def reference_run(init_fn, loss_fn, optimizer, rng, batch, steps, *, micro_batch
   return history, {**variables, "params": params}
 
 
+# Compile without LLVM's optimizations, as the tests in this process do (see conftest.py).
+FAST_COMPILE = "--xla_backend_optimization_level=1"
+
+
 def worker_env() -> dict[str, str]:
   """The environment of a training worker started by a test: 8 CPU devices, this checkout."""
   env = dict(os.environ)
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 " + FAST_COMPILE
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   return env

@@ -11,7 +11,7 @@ EPL_DEFAULTS = {
     "pipeline.num_stages": None,
     "pipeline.strategy": "PreferBackward",
     "pipeline.num_virtual_stages": 1,                    # beyond EPL
-    "pipeline.roll_layers": False,                       # beyond EPL
+    "pipeline.roll_layers": True,                        # beyond EPL
     "gradient_checkpoint.type": "",
     "gradient_checkpoint.end_taskgraph": -1,
     "gradient_checkpoint.check_gradients": False,

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from helpers import FAST_COMPILE
 from test_launch_jobs import REPO, clean_env, launch
 
 EXAMPLES = os.path.join(REPO, "examples")
@@ -38,7 +39,8 @@ def _lines(text, prefix=""):
 
 def _alone(script, args):
   """The example in one process of 8 CPU devices."""
-  env = clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=8 " + FAST_COMPILE,
+                  JAX_PLATFORMS="cpu")
   done = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), *args], cwd=REPO,
                         env=env, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stdout + done.stderr

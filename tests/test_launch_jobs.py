@@ -76,11 +76,15 @@ def test_shell_script_gets_its_arguments_unchanged_and_prefixed_logged_output(tm
   code, out, _ = launch("--num_workers", 2, "--gpu_per_worker", 3, "--log_dir", tmp_path / "logs",
                         script, *ODD_ARGS, timeout=60)
   assert code == 0, out
+  # The launcher keeps the other XLA flags (conftest's) and sets the device count last.
+  kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
+          if not f.startswith("--xla_force_host_platform_device_count")]
+  flags = " ".join([*kept, "--xla_force_host_platform_device_count=3"])
   for i in range(2):
     lines = [line for line in out.splitlines() if line.startswith(f"[worker {i}] ")]
     assert [line.split("] ", 1)[1] for line in lines[:6]] == [f"arg=[{a}]" for a in ODD_ARGS]
     assert f"[worker {i}] worker={i} of 2 at 127.0.0.1:" in out
-    assert f"[worker {i}] flags=--xla_force_host_platform_device_count=3" in out
+    assert f"[worker {i}] flags={flags}" in out
     log = (tmp_path / "logs" / f"worker_{i}.log").read_text()
     assert log.startswith("arg=[a b]\n") and f"worker={i} of 2" in log
 

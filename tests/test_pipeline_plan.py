@@ -36,7 +36,8 @@ def test_plan_shows_stages_schedule_and_bubble():
                               "activations", "in", "kept/micro", "batch", "loop"]
   assert [row.split()[:4] for row in table[1:]] == [["0", "stage_0", "2", "2.6"],
                                                      ["1", "stage_1", "4", "4.1"]]
-  assert [row.split()[-1] for row in table[1:]] == ["-", "-"]   # pipeline.roll_layers is off
+  # Nothing repeats in either stage (one, then two different layers): nothing is rolled.
+  assert [row.split()[-1] for row in table[1:]] == ["-", "-"]
   # The stored parameters are the user's leaves, each sharded over the 2 stages: half of them.
   total = (20 * 32 + 32 + 32 * 24 + 24 + 24 * 10 + 10) * 4
   assert plan.param_bytes == total // 2

@@ -63,10 +63,12 @@ def test_a_value_read_two_layers_later_is_not_a_loop():
     prev, h = x, x
     for w, b in params:
       prev, h = h, jnp.tanh(h @ w + b) + prev
-    return jnp.sum(h)
+    return h      # compared element by element: their sum cancels to a twentieth of its terms
 
   x = jax.random.normal(jax.random.key(1), (4, 8))
   rolled, run, got, want = _rolled_and_plain(dense_skips, _params(4), x)
+  # Not a loop of one layer; a loop of two (its carry is both values) is.
+  assert run is not None and run.repeats == 2 and run.length == 2 * 5, run
   np.testing.assert_allclose(got, want, rtol=1e-6)
   if run is not None:   # only a stretch whose dataflow is a loop's may be rolled
     assert isinstance(run, Run) and run.repeats >= 2
