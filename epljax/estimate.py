@@ -21,6 +21,7 @@ from jax.extend import core as jcore
 from epljax import cost as cost_lib
 from epljax.mesh import DATA, MODEL
 from epljax.pipeline.auto import node_flops
+from epljax.sharding import program as program_lib
 
 # Activations kept under gradient_checkpoint.type="auto": a rough share, for ranking only (the
 # compiled bytes decide).
@@ -30,16 +31,46 @@ _KEPT = {"dot_general", "conv_general_dilated", "exp", "log", "tanh", "logistic"
          "integer_pow", "rsqrt", "sqrt", "max", "pow"}
 
 
-def step_cost(built, features: dict[str, Any], chip, batch_bytes: int, split: str,
+@dataclasses.dataclass(frozen=True)
+class ProgramFacts:
+  """What ``step_cost`` reads from a base build's traced program, the same for every feature
+  combination weighed on it: worked out once per base (``program_facts``)."""
+  split_nodes: dict[int, Any]    # node index -> _SplitUse, the matmuls reading split weights
+  flops: float                   # forward FLOPs per device (split matmuls divided by model)
+  share: float                   # share of the kept activations left per device by model
+  leaving: dict[str, tuple[int, float]]   # collectives where unsplit code reads split outputs
+
+
+def program_facts(built, split: str) -> ProgramFacts:
+  """``step_cost``'s reading of ``built``'s program; ``split``: what ``epl.split(model)``
+  holds ("all", a module path, or "")."""
+  plan, cap = built.plan, built.capture
+  mesh = dict(plan.mesh.shape)
+  d, m = mesh.get(DATA, 1), mesh.get(MODEL, 1)
+  split_nodes = _split_uses(built, m)
+  flops = sum(node_flops(n) / (d * (m if n.index in split_nodes else 1))
+              for n in cap.program.nodes)
+  # Kept for the backward pass: the residuals of the loss's vjp (``residual_bytes``), split
+  # like the batch, one micro batch at a time; over model split as the outputs of matmuls and
+  # nonlinear functions are (split where a matmul keeps the split dimension).
+  split_out = _split_outputs(cap.program, split_nodes, gathered=split not in ("", "all"))
+  kept = [(_bytes(n.eqn.outvars) * n.trips, m if n.index in split_out else 1)
+          for n in cap.program.nodes if n.primitive in _KEPT]
+  share = (sum(b / k for b, k in kept) / sum(b for b, _ in kept)) if kept else 1.0
+  leaving = (_leaving_split(cap.program, split_nodes) if split not in ("", "all") else {})
+  return ProgramFacts(split_nodes, flops, share, leaving)
+
+
+def step_cost(built, facts: ProgramFacts, features: dict[str, Any], chip, batch_bytes: int,
               residuals: int) -> cost_lib.StepCost:
   """A candidate's bytes and time before compiling: parameters, gradients, optimizer and
   model state per device exactly from the specs; activations (the vjp's ``residuals``, split
   like the batch and like the model's split outputs), FLOPs (``node_flops``, x3 for the
   backward, x4 with checkpointing) and collectives (gradient reduction over data; over model,
   an all-reduce of the output of each matmul that contracts a split dimension, and of the
-  input gradient of each that does not) estimated from the traced program. ``split``: what
-  ``epl.split(model)`` holds ("all", a module path, or "")."""
-  plan, cap = built.plan, built.capture
+  input gradient of each that does not) estimated from the traced program, as ``facts``
+  (``program_facts``) read it."""
+  plan = built.plan
   mesh = dict(plan.mesh.shape)
   d, m = mesh.get(DATA, 1), mesh.get(MODEL, 1)
   micro = features["num_micro_batch"]
@@ -61,18 +92,8 @@ def step_cost(built, features: dict[str, Any], chip, batch_bytes: int, split: st
     host += 2 * opt
     opt = 0
   batch_bytes //= max(1, math.prod(mesh[a] for a in plan.batch_axes))
-  split_nodes = _split_uses(built, m)
-  per_node = [node_flops(n) / (d * (m if n.index in split_nodes else 1))
-              for n in cap.program.nodes]
-  # Kept for the backward pass: the residuals of the loss's vjp (``residual_bytes``), split
-  # like the batch, one micro batch at a time; over model split as the outputs of matmuls and
-  # nonlinear functions are (split where a matmul keeps the split dimension).
-  split_out = _split_outputs(cap.program, split_nodes, gathered=split not in ("", "all"))
-  kept = [(sum(v.aval.size * v.aval.dtype.itemsize for v in n.eqn.outvars
-               if hasattr(v.aval, "size")) * n.trips, m if n.index in split_out else 1)
-          for n in cap.program.nodes if n.primitive in _KEPT]
-  share = (sum(b / k for b, k in kept) / sum(b for b, _ in kept)) if kept else 1.0
-  acts = residuals / max(1, math.prod(mesh[a] for a in plan.batch_axes)) * share / micro
+  split_nodes = facts.split_nodes
+  acts = residuals / max(1, math.prod(mesh[a] for a in plan.batch_axes)) * facts.share / micro
   checkpointed = features["gradient_checkpoint"] == "auto"
   if checkpointed:
     acts *= _CHECKPOINTED_SHARE
@@ -83,7 +104,7 @@ def step_cost(built, features: dict[str, Any], chip, batch_bytes: int, split: st
   # the residuals are freed.
   if d > 1:
     acts = max(acts, full_params // d if zero else grads)
-  flops = sum(per_node) * (4 if checkpointed else 3)
+  flops = facts.flops * (4 if checkpointed else 3)
   comm: dict[tuple[str, str], float] = {}
   nbytes: dict[tuple[str, str], int] = {}
 
@@ -111,9 +132,8 @@ def step_cost(built, features: dict[str, Any], chip, batch_bytes: int, split: st
       add("all-reduce", MODEL, use.backward / d, m, times=micro)
   if split_nodes:   # the step's finite check and gradient norm sum over split shards
     add("all-reduce", MODEL, 2 * 4, m, times=2)
-  if split not in ("", "all"):   # the split module's outputs met by unsplit code
-    for kind, (count, out_bytes) in _leaving_split(cap.program, split_nodes).items():
-      add(kind, MODEL, forwards * out_bytes / d, m, times=forwards * count * micro)
+  for kind, (count, out_bytes) in facts.leaving.items():   # split outputs met by unsplit code
+    add(kind, MODEL, forwards * out_bytes / d, m, times=forwards * count * micro)
   parts = {"parameters": params + grads, "optimizer state": opt,
            "activations": int(acts), "model state and batch": plan.model_state_bytes + batch_bytes}
   return cost_lib.StepCost(sum(parts.values()), flops, nbytes,
@@ -224,7 +244,7 @@ def residual_bytes(closed_jaxpr) -> int:
       kept.add(v)
     else:
       todo.extend(x for x in eqn.invars if not isinstance(x, jcore.Literal))
-  return sum(v.aval.size * v.aval.dtype.itemsize for v in kept if hasattr(v.aval, "size"))
+  return _bytes(kept)
 
 
 def _fusible(eqn) -> bool:
@@ -279,7 +299,7 @@ def _split_outputs(program, split_nodes: dict[int, _SplitUse], gathered: bool) -
 
 
 def _bytes(variables) -> int:
-  return sum(v.aval.size * v.aval.dtype.itemsize for v in variables if hasattr(v.aval, "size"))
+  return sum(program_lib.nbytes(v.aval) for v in variables)
 
 
 def _across_hosts(mesh, axis: str) -> bool:

@@ -100,8 +100,9 @@ def search(fns, config, cluster, rng, batch, build: Callable) -> Any:
       np.size(x) * np.asarray(x).dtype.itemsize for x in jax.tree.leaves(batch))
   residuals = estimate_lib.residual_bytes(
       next(iter(bases.values())).capture.program.closed_jaxpr) if bases else 0
-  rows = sorted((_estimate(built, features, chip, batch_bytes, split, residuals)
+  rows = sorted((_estimate(built, facts, features, chip, batch_bytes, split, residuals)
                  for (_, split), built in bases.items()
+                 for facts in [estimate_lib.program_facts(built, split)]
                  for features in _feature_grid(fixed, built)),
                 key=_order)
   if not rows:
@@ -295,10 +296,10 @@ def _divisors(n: int) -> list[int]:
   return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _estimate(built, features: dict[str, Any], chip, batch_bytes: int, split: str,
+def _estimate(built, facts, features: dict[str, Any], chip, batch_bytes: int, split: str,
               residuals: int) -> Candidate:
   """A candidate before compiling: every number is ``estimate.step_cost``'s."""
-  step = estimate_lib.step_cost(built, features, chip, batch_bytes, split, residuals)
+  step = estimate_lib.step_cost(built, facts, features, chip, batch_bytes, residuals)
   return Candidate(dict(built.plan.mesh.shape), dict(features), step.bytes_per_device,
                    step.step_s, step.compute_s, step.communication_s, step.bubble_s,
                    compiled=False, split=split, estimate=step)
