@@ -30,6 +30,7 @@ import optax  # noqa: E402
 import epljax as epl  # noqa: E402
 from common import record, table  # noqa: E402
 from epljax.errors import size  # noqa: E402
+from epljax.plan import search_rows  # noqa: E402
 from models import ZOO  # noqa: E402
 
 ROWS = 16
@@ -65,20 +66,9 @@ def search(name: str, limit: int) -> tuple[epl.Trainer, float, int]:
 
 
 def rows_of(trainer) -> list[list[object]]:
-  def mesh(shape):
-    return " x ".join(f"{a}={n}" for a, n in shape.items() if n > 1 or a == "data")
-
-  def feats(f):
-    return ", ".join([f"micro {f['num_micro_batch']}"]
-                     + ([f"zero {f['zero_level']}"] if f["zero_level"] else [])
-                     + (["gc auto"] if f["gradient_checkpoint"] else []))
-
-  ms = lambda s: f"{s * 1e3:.3g}"  # noqa: E731
-  return [["**chosen**" if r.chosen else "",
-           mesh(r.mesh_shape) + (f" ({r.split})" if r.split else ""), feats(r.features),
-           size(r.bytes_per_device) + ("" if r.compiled else " (est.)"), ms(r.compute_s),
-           ms(r.communication_s), ms(r.bubble_s), ms(r.predicted_step_s), r.reason]
-          for r in trainer.plan.search]
+  """``trainer.plan.search`` as the plan prints it, the chosen row marked in bold."""
+  return [["**chosen**" if row[0] else "", *row[1:]]
+          for row in search_rows(trainer.plan.search)]
 
 
 def main(argv=None):

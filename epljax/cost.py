@@ -132,12 +132,13 @@ def compiled_cost(compiled, mesh, chip: Chip, host_bytes: int = 0) -> StepCost:
   mem = compiled.memory_analysis()
   nbytes = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
             + mem.temp_size_in_bytes)
-  flops = compiled_flops(compiled)
+  hlo_text = compiled.as_text()
+  flops = compiled_flops(compiled, hlo_text)
   coll: dict[tuple[str, str], int] = {}
   secs: dict[tuple[str, str], float] = {}
   # Newer XLA writes some groups as ``mesh[...], device_ids=(...) {axes}``: keep the device
   # ids with the groups, which ``hlo`` reads up to the next attribute.
-  text = _MESH_IDS.sub(lambda m: f"replica_groups={m[1]}@{m[2]} {m[3]}", compiled.as_text())
+  text = _MESH_IDS.sub(lambda m: f"replica_groups={m[1]}@{m[2]} {m[3]}", hlo_text)
   for c in hlo.executed_collectives(text):
     axis, group, across = collective_axis(c, mesh)
     key = (c.kind, axis)
@@ -147,16 +148,19 @@ def compiled_cost(compiled, mesh, chip: Chip, host_bytes: int = 0) -> StepCost:
                   host_s=host_bytes / chip.host_bandwidth)
 
 
-def compiled_flops(compiled) -> float:
+def compiled_flops(compiled, hlo_text: str | None = None) -> float:
   """``cost_analysis()`` FLOPs, with the matmuls of loop bodies counted once per iteration.
 
   XLA's cost analysis counts a ``while`` body once (gradient accumulation over 2 micro batches
   showed half the FLOPs of 1); the matmuls and convolutions of each body are added again for
-  the iterations it left out (``known_trip_count``, ``hlo.executed_collectives``' reading)."""
+  the iterations it left out (``known_trip_count``, ``hlo.executed_collectives``' reading).
+  ``hlo_text``: ``compiled.as_text()``, where the caller has it already."""
   cost = compiled.cost_analysis()
   if isinstance(cost, Sequence):   # older jax: one dict per program
     cost = cost[0] if cost else {}
-  return float((cost or {}).get("flops", 0.0)) + loop_matmul_flops(compiled.as_text())
+  if hlo_text is None:
+    hlo_text = compiled.as_text()
+  return float((cost or {}).get("flops", 0.0)) + loop_matmul_flops(hlo_text)
 
 
 _DOT = re.compile(r"lhs_contracting_dims=\{(?P<dims>[\d,]*)\}")

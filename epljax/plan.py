@@ -220,22 +220,7 @@ class Plan:
 
   def _search_blocks(self, limit: int = 16) -> list[Any]:
     """The candidates weighed, best first (``epljax.search``)."""
-    def mesh(shape):
-      return " x ".join(f"{a}={n}" for a, n in shape.items() if n > 1 or a == "data")
-
-    def features(f):
-      out = [f"micro {f['num_micro_batch']}"]
-      out += [f"zero {f['zero_level']}"] if f["zero_level"] else []
-      out += ["gc auto"] if f["gradient_checkpoint"] else []
-      out += [f"offload {f['offload']}"] if f["offload"] else []
-      return ", ".join(out)
-
-    ms = lambda s: f"{s * 1e3:.3g}"  # noqa: E731
-    rows = [["*" if r.chosen else "",   # what epl.split(model) holds: "all" or a module
-             mesh(r.mesh_shape) + (f" ({r.split})" if r.split else ""), features(r.features),
-             size(r.bytes_per_device) + ("" if r.compiled else " (est.)"), ms(r.compute_s),
-             ms(r.communication_s), ms(r.bubble_s), ms(r.predicted_step_s), r.reason]
-            for r in self.search[:limit]]
+    rows = search_rows(self.search[:limit])
     more = len(self.search) - limit
     return [*self.search_notes, (["", "mesh", "features", "bytes/device", "compute ms",
                                   "comm ms", "bubble ms", "step ms", "why not"], rows),
@@ -244,6 +229,28 @@ class Plan:
   def __repr__(self) -> str:
     return (f"Plan(mesh={dict(self.mesh.shape)}, num_replicas={self.num_replicas}, "
             f"num_stages={self.num_stages}, taskgraphs={self.taskgraphs})")
+
+
+def search_rows(candidates) -> list[list[str]]:
+  """The printed cells of ``plan.search`` rows: chosen ("*"), mesh (and what ``epl.split``
+  holds: "all" or a module), features, bytes per device ("(est.)": not compiled), predicted
+  compute, communication, bubble and step milliseconds, why it lost."""
+  def mesh(shape):
+    return " x ".join(f"{a}={n}" for a, n in shape.items() if n > 1 or a == "data")
+
+  def features(f):
+    out = [f"micro {f['num_micro_batch']}"]
+    out += [f"zero {f['zero_level']}"] if f["zero_level"] else []
+    out += ["gc auto"] if f["gradient_checkpoint"] else []
+    out += [f"offload {f['offload']}"] if f["offload"] else []
+    return ", ".join(out)
+
+  ms = lambda s: f"{s * 1e3:.3g}"  # noqa: E731
+  return [["*" if r.chosen else "",
+           mesh(r.mesh_shape) + (f" ({r.split})" if r.split else ""), features(r.features),
+           size(r.bytes_per_device) + ("" if r.compiled else " (est.)"), ms(r.compute_s),
+           ms(r.communication_s), ms(r.bubble_s), ms(r.predicted_step_s), r.reason]
+          for r in candidates]
 
 
 def _spec(spec: P) -> str:
