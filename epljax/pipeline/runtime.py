@@ -47,6 +47,7 @@ from jax.extend import core as jcore
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from epljax.cost import compiled_flops
 from epljax.errors import PlanError
 from epljax.mesh import STAGE
 from epljax.pipeline import packing, slots
@@ -438,7 +439,8 @@ def pipelined_gradients(branches: Sequence[Branch], branch_of: Sequence[int], au
 
 def branch_flops(branches: Sequence[Branch], aux_avals, batch_avals) -> list[tuple[float, float]]:
   """``(forward, backward)`` FLOPs of one tick of each branch, from ``cost_analysis`` of the
-  branch compiled alone. (The compiled step counts a loop body once and a switch as its
+  branch compiled alone, with the matmuls of its loops (rolled layers) counted per iteration
+  (``cost.compiled_flops``). (The compiled step counts a loop body once and a switch as its
   costliest branch, so the executed FLOPs are these times the busy slots of the schedule.)"""
   sizes = buffer_sizes(branches)
   sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
@@ -456,5 +458,5 @@ def branch_flops(branches: Sequence[Branch], aux_avals, batch_avals) -> list[tup
         params, bufs(sizes.payload if sizes.keep_inputs else {}, (2,)),
         bufs(sizes.residuals, (2,)), jax.ShapeDtypeStruct((), jnp.int32), batch,
         bufs(sizes.grad_payload), jax.ShapeDtypeStruct((), jnp.float32)).compile()
-    out.append((fwd.cost_analysis().get("flops", 0.0), bwd.cost_analysis().get("flops", 0.0)))
+    out.append((compiled_flops(fwd), compiled_flops(bwd)))
   return out
