@@ -40,6 +40,9 @@ class Collective:
     explicit = re.match(r"\{\{([\d,]*)\}", text)
     if explicit:
       return len([d for d in explicit.group(1).split(",") if d])
+    iota = re.match(r"\[(\d+),(\d+)\]<=", text)   # [groups, size]<=[...]
+    if iota:
+      return int(iota.group(2))
     mesh = _mesh_form(text)
     if mesh:
       sizes, inside = mesh
@@ -96,15 +99,29 @@ def collectives(hlo_text: str, include_trivial: bool = False) -> list[Collective
   """
   found = []
   for m in _LINE.finditer(hlo_text):
-    arrays = _ARRAY.findall(m["type"])
-    if m["start"] and m["op"] in ("all-gather", "collective-permute") and len(arrays) >= 2:
-      arrays = arrays[len(arrays) // 2:]  # (operands..., results...): keep the results
+    arrays = _result_arrays(m["op"], m["type"]) if m["start"] else _ARRAY.findall(m["type"])
     line_end = hlo_text.find("\n", m.end())
     groups = _GROUPS.search(hlo_text, m.end(), line_end if line_end >= 0 else len(hlo_text))
     found.append(Collective(
         m["op"], tuple(f"{d}[{s}]" for d, s in arrays),
         sum(_nbytes(d, s) for d, s in arrays), groups["groups"] if groups else ""))
   return [c for c in found if include_trivial or c.group_size != 1]
+
+
+def _result_arrays(op: str, start_type: str) -> list[tuple[str, str]]:
+  """The result arrays of an async ``*-start``'s type: ``((operands...), results...)`` (XLA:GPU's
+  all-reduce-start, all-gather-start), ``(operands..., results..., u32[], u32[])`` (its
+  collective-permute-start) or the results alone."""
+  if start_type.startswith("(("):
+    depth = 0
+    for i, ch in enumerate(start_type[1:], 1):
+      depth += {"(": 1, ")": -1}.get(ch, 0)
+      if depth == 0:
+        return _ARRAY.findall(start_type[i + 1:])
+  arrays = [a for a in _ARRAY.findall(start_type) if a != ("u32", "")]   # (context scalars)
+  if op in ("all-gather", "collective-permute") and len(arrays) >= 2:
+    return arrays[len(arrays) // 2:]
+  return arrays
 
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")

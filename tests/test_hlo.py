@@ -24,6 +24,25 @@ def test_collectives_are_read_with_their_bytes_and_groups():
                                   "reduce-scatter": (1, 8)}
 
 
+GPU_ASYNC = """
+  %ars = ((f32[2,16,32]{2,1,0}), f32[2,16,32]{2,1,0}) all-reduce-start(%b), channel_id=5, replica_groups=[4,2]<=[8], use_global_device_ids=true, to_apply=%add, output_to_operand_aliasing={{1}: (0, {})}
+  %ard = f32[2,16,32]{2,1,0} all-reduce-done(%ars)
+  %ars2 = ((f32[8]{0}, f32[3]{0}), f32[8]{0}, f32[3]{0}) all-reduce-start(%c, %d), channel_id=6, replica_groups=[2,4]<=[4,2]T(1,0), use_global_device_ids=true, to_apply=%add
+  %cps = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(%p), channel_id=7, source_target_pairs={{0,1},{1,0}}
+"""
+
+
+def test_async_collectives_of_xla_gpu_count_their_results_once():
+  """XLA:GPU's all-reduce-start types are ((operands...), results...): the operands are not
+  moved twice (this read double the bytes of every async all-reduce)."""
+  found = hlo.collectives(GPU_ASYNC)
+  assert [(c.kind, c.shapes, c.bytes, c.group_size) for c in found] == [
+      ("all-reduce", ("f32[2,16,32]",), 2 * 16 * 32 * 4, 2),
+      ("all-reduce", ("f32[8]", "f32[3]"), 11 * 4, 4),
+      ("collective-permute", ("f32[8]",), 8 * 4, None),
+  ]
+
+
 def test_collectives_in_a_scanned_loop_count_once_per_iteration():
   """A scan over 3 layers whose matmul contracts a split dimension: one all-reduce stands in
   the loop body and runs 3 times, in the forward and again in the backward."""
