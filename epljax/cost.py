@@ -20,6 +20,7 @@ import os
 import re
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 
 from epljax import hlo
@@ -73,7 +74,10 @@ def chip_of(device, auto_config) -> Chip:
                       f"{', '.join(CHIPS)}). Set auto.peak_flops, auto.intra_host_bandwidth "
                       "and auto.inter_host_bandwidth (and auto.memory_limit) for it.")
     chip = CHIPS[name] if name else dataclasses.replace(CHIPS["H100"], name=kind)
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    try:
+      stats = device.memory_stats()
+    except (AttributeError, jax.errors.JaxRuntimeError):   # a compile-only device has none
+      stats = None
     if stats and stats.get("bytes_limit"):
       chip = dataclasses.replace(chip, memory_bytes=int(stats["bytes_limit"]))
   overrides = {k: float(getattr(auto_config, k)) for k in
