@@ -65,8 +65,10 @@ class Trainer:
       ``communication.clip_after_allreduce`` (``epljax.communication``).
     max_nonfinite_steps: a step whose loss or gradients are not finite is not applied
       (``metrics["finite"]`` is False); after this many in a row ``train_step`` raises
-      ``NonFiniteError`` naming the step. The check reads each step's flag at the next call,
-      so the host never waits for the device (the error comes one call late). None: never.
+      ``NonFiniteError`` naming the step. The check reads each step's flag at the next call
+      (copied to the host as the step is queued): the host stays one step ahead of the
+      device and never waits for the step it just queued (the error comes one call late).
+      None: no flag is read.
     tokens_key: the batch leaf (a key of a dict batch) whose size is the step's token count,
       ``metrics["tokens"]``; by default the first integer leaf with two or more dimensions
       (token ids), if any.
@@ -108,6 +110,9 @@ class Trainer:
     self._pending: tuple[Any, Any] | None = None   # (finite, step) of the last step
     self._nonfinite_run = 0
     self._last_return: float | None = None
+    # The state the last train_step returned, not yet passed back: its structure and buffers
+    # are known good, so the next call skips _check_state (a flatten of every leaf).
+    self._returned: weakref.ref | None = None
 
   # -- public API --------------------------------------------------------------------------
   def init(self, rng: jax.Array | int, batch: Any) -> TrainState:
@@ -117,7 +122,9 @@ class Trainer:
     if isinstance(rng, int):
       rng = jax.random.key(rng)
     built = self._build(rng, batch)
-    return built.init_jit(rng, self.shard_batch(batch))
+    state = built.init_jit(rng, self.shard_batch(batch))
+    self._returned = weakref.ref(state)
+    return state
 
   def train_step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
     """One global step over all micro batches; ``metrics["loss"]`` is the global mean loss."""
@@ -125,9 +132,12 @@ class Trainer:
     built = self._require()
     if Env._current is not self._env_seen:
       self._env_seen = env_lib.kept_config(self._config)
-    self._check_state(built, state)
+    if self._returned is None or self._returned() is not state:   # (else: checked as made)
+      self._check_state(built, state)
+    self._returned = None   # donated below
     batch = self.shard_batch(batch)
     state, metrics = built.step_jit(state, batch)
+    self._returned = weakref.ref(state)
     launch_worker.heartbeat()   # the launcher's --hang_timeout (throttled; one write at most)
     checks, built.first_step_checks = built.first_step_checks, []
     for check in checks:   # features that verify the first step (one host sync, once)
@@ -136,9 +146,13 @@ class Trainer:
     now = time.perf_counter()
     metrics["step_time"] = now - (start if self._last_return is None else self._last_return)
     self._last_return = now
-    previous, self._pending = self._pending, (metrics["finite"], metrics["step"])
-    if previous is not None:
-      self._watch_nonfinite(*previous)
+    if self.max_nonfinite_steps is not None:   # (None: no flag is ever read)
+      # Read at the next call: copied now, so that reading it waits for this step alone and
+      # not for the next one, queued behind it on the device.
+      metrics["finite"].copy_to_host_async()
+      previous, self._pending = self._pending, (metrics["finite"], metrics["step"])
+      if previous is not None:
+        self._watch_nonfinite(*previous)
     return state, metrics
 
   def eval_step(self, state: TrainState, batch: Any) -> dict[str, Any]:
@@ -250,6 +264,7 @@ class Trainer:
     with constraints.explained():   # a model's constraints on its own mesh
       self._built = build(fns, self._config, self._cluster, rng, batch)
     self._pending, self._nonfinite_run, self._last_return = None, 0, None
+    self._returned = None
     _TRAINERS.add(self)
     return self._built
 

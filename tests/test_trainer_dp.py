@@ -278,7 +278,9 @@ def test_states_a_step_cannot_take_say_which_state_to_pass():
   with pytest.raises(epl.StateError, match=r"already used by a train_step, which reuses its "
                      r"buffers .* continue from the state that train_step returned"):
     trainer.train_step(state, batch)
-  trainer.train_step(new_state, batch)
+  trainer.train_step(new_state, batch)   # the state it returned: not checked again
+  with pytest.raises(epl.StateError, match=r"already used by a train_step"):
+    trainer.train_step(new_state, batch)   # ... until it was used
 
 
 def test_plan_printout_is_a_readable_table():
