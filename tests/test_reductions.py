@@ -111,8 +111,9 @@ def test_off_xla_cpu_the_step_is_what_gspmd_makes_and_the_plan_says_so(monkeypat
   from epljax.sharding import reductions
   monkeypatch.setattr(reductions, "PLATFORMS", ())
   trainer, state, metrics, step, sums, batch = train("attend")
-  assert sums == ["gradient sums: each partial sum all-reduced where made (on cpu, XLA's "
-                  "all-reduce reassociation merges them; epljax's rewrite runs on XLA:CPU only)"]
+  assert sums == ["gradient sums: each partial sum all-reduced where made (on cpu, XLA merges "
+                  "them itself: XLA:GPU's all-reduces are within 5% of epljax's rewrite, which "
+                  "runs on XLA:CPU only; bench/gpu_compile.py)"]
   assert len(table_reductions(step)) == 2, step
   init_fn, loss_fn = fns("attend")
   history, expected = reference_run(init_fn, loss_fn, optax.sgd(0.1), jax.random.key(0),
