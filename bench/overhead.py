@@ -85,22 +85,23 @@ def _cost(compiled, key: str) -> float:
 
 # name: (kind, *problem arguments, timed pairs)
 SIZES = {"small": ("mlp", 256, 2, 256, 200), "medium": ("mlp", 512, 4, 512, 60),
-         "gpt": ("gpt", 64, 30)}
+         "gpt": ("gpt", 64, 30), "large": ("mlp", 4096, 8, 8192, 40)}   # large: for a GPU
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+  parser.add_argument("--sizes", nargs="+", default=["small", "medium", "gpt"],
+                      choices=list(SIZES))
   parser.add_argument("--record", action="store_true")
   args = parser.parse_args(argv)
   rows = [measure(name) for name in args.sizes]
   body = (table(["model, global batch", "epljax ms", "hand ms", "ratio (quartiles)", "pairs",
                  "epljax args / temp MiB/dev", "hand args / temp MiB/dev",
                  "bytes accessed / FLOPs ratio"], rows)
-          + "\n\nadamw, 8 replicas, data parallel; epljax with its global norm, non-finite "
-          "check and skip. Ratio: median over pairs of epljax step time / hand-written step "
-          "time, timed alternately in one process. Target: <= 1.03. Bytes accessed and FLOPs "
-          "from cost_analysis(), each conditional's results counted once.")
+          + f"\n\nadamw, {len(jax.devices())} replicas, data parallel; epljax with its global "
+          "norm, non-finite check and skip. Ratio: median over pairs of epljax step time / "
+          "hand-written step time, timed alternately in one process. Target: <= 1.03. Bytes "
+          "accessed and FLOPs from cost_analysis(), each conditional's results counted once.")
   print(f"{machine()}\n\n{body}")
   if args.record:
     record("Data-parallel step overhead (bench/overhead.py)", body, argv)
