@@ -41,15 +41,31 @@ class Chip:
   efficiency: float = 0.5   # the share of peak a well-fed step reaches (MFU)
 
 
+# Dense bfloat16 FLOP/s per device, from the vendors' data sheets (no sparsity); the first name
+# contained in a ``device_kind`` wins. The chips below and the progress bar's MFU read it.
+PEAK_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H800", 989e12),
+    ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L4", 121e12),
+    ("A10", 125e12), ("V100", 125e12),   # (V100: float16 tensor cores, no bfloat16)
+    ("TPU v6", 918e12), ("TPU v5p", 459e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12),
+    ("TPU v4", 275e12))
+
+
+def peak_flops(device_kind: str) -> float | None:
+  """``PEAK_FLOPS`` of a device kind ("NVIDIA H100 80GB HBM3"), or None when unknown."""
+  kind = device_kind.lower()
+  return next((peak for name, peak in PEAK_FLOPS if name.lower() in kind), None)
+
+
 GB, GiB = 1e9, 1 << 30
 CHIPS: dict[str, Chip] = {c.name: c for c in (
-    Chip("H100", 989e12, 80 * GiB, 450 * GB, 50 * GB, 55 * GB, 10e-6),
-    Chip("H200", 989e12, 141 * GiB, 450 * GB, 50 * GB, 55 * GB, 10e-6),
-    Chip("A100", 312e12, 80 * GiB, 300 * GB, 25 * GB, 25 * GB, 10e-6),
-    Chip("TPU v4", 275e12, 32 * GiB, 270 * GB, 25 * GB, 16 * GB, 5e-6),
-    Chip("TPU v5e", 197e12, 16 * GiB, 200 * GB, 25 * GB, 16 * GB, 5e-6),
-    Chip("TPU v5p", 459e12, 95 * GiB, 600 * GB, 25 * GB, 16 * GB, 5e-6),
-    Chip("TPU v6e", 918e12, 32 * GiB, 448 * GB, 25 * GB, 16 * GB, 5e-6),
+    Chip("H100", peak_flops("H100"), 80 * GiB, 450 * GB, 50 * GB, 55 * GB, 10e-6),
+    Chip("H200", peak_flops("H200"), 141 * GiB, 450 * GB, 50 * GB, 55 * GB, 10e-6),
+    Chip("A100", peak_flops("A100"), 80 * GiB, 300 * GB, 25 * GB, 25 * GB, 10e-6),
+    Chip("TPU v4", peak_flops("TPU v4"), 32 * GiB, 270 * GB, 25 * GB, 16 * GB, 5e-6),
+    Chip("TPU v5e", peak_flops("TPU v5e"), 16 * GiB, 200 * GB, 25 * GB, 16 * GB, 5e-6),
+    Chip("TPU v5p", peak_flops("TPU v5p"), 95 * GiB, 600 * GB, 25 * GB, 16 * GB, 5e-6),
+    Chip("TPU v6e", peak_flops("TPU v6"), 32 * GiB, 448 * GB, 25 * GB, 16 * GB, 5e-6),
     # Nominal: simulated devices share one host's cores and memory; for tests only.
     Chip("cpu", 1e11, 16 * GiB, 10 * GB, 1 * GB, 10 * GB, 10e-6),
 )}
@@ -74,6 +90,7 @@ def chip_of(device, auto_config) -> Chip:
                       f"{', '.join(CHIPS)}). Set auto.peak_flops, auto.intra_host_bandwidth "
                       "and auto.inter_host_bandwidth (and auto.memory_limit) for it.")
     chip = CHIPS[name] if name else dataclasses.replace(CHIPS["H100"], name=kind)
+    chip = dataclasses.replace(chip, peak_flops=peak_flops(kind) or chip.peak_flops)
     try:
       stats = device.memory_stats()
     except (AttributeError, jax.errors.JaxRuntimeError):   # a compile-only device has none

@@ -15,8 +15,8 @@ MFU (model FLOPs utilization) = FLOPs per step per device x steps/s / the device
 - FLOPs per step: ``cost_analysis()["flops"]`` of the compiled step (``trainer.plan.compiled``,
   compiled once and shared with the plan), per device since the step is one SPMD program; it
   counts what the compiled program computes, recomputation of rematerialized blocks included;
-- peak: ``peak_tflops=`` when given, else the table ``PEAK_TFLOPS`` (dense bfloat16 of known
-  accelerators, by ``device.device_kind``). No peak (a CPU, an unknown chip): no MFU.
+- peak: ``peak_tflops=`` when given, else the table ``epljax.cost.PEAK_FLOPS`` (dense bfloat16
+  of known accelerators, by ``device.device_kind``). No peak (a CPU, an unknown chip): no MFU.
 """
 
 from __future__ import annotations
@@ -27,37 +27,13 @@ from typing import Any
 
 import jax
 
-# Dense bfloat16 TFLOP/s per device, from the vendors' data sheets (no sparsity). Checked in
-# order: the first name contained in ``device.device_kind`` wins.
-PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("H200", 989.0),
-    ("H100 PCIe", 756.0),
-    ("H100", 989.0),
-    ("H800", 989.0),
-    ("GH200", 989.0),
-    ("B200", 2250.0),
-    ("A100", 312.0),
-    ("A800", 312.0),
-    ("L40S", 362.0),
-    ("L4", 121.0),
-    ("A10", 125.0),
-    ("V100", 125.0),          # float16 tensor cores (no bfloat16)
-    ("TPU v6", 918.0),
-    ("TPU v5p", 459.0),
-    ("TPU v5 lite", 197.0),
-    ("TPU v5e", 197.0),
-    ("TPU v4", 275.0),
-)
-
+from epljax import cost
 
 def peak_tflops(device: jax.Device | None = None) -> float | None:
   """The table's peak for ``device`` (default: the first device), or None when unknown."""
   device = device or jax.devices()[0]
-  kind = getattr(device, "device_kind", "")
-  for name, peak in PEAK_TFLOPS:
-    if name.lower() in kind.lower():
-      return peak
-  return None
+  peak = cost.peak_flops(str(getattr(device, "device_kind", "")))
+  return peak / 1e12 if peak else None
 
 
 def step_flops(trainer: Any) -> float | None:

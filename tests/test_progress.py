@@ -116,3 +116,13 @@ def test_metrics_writer_writes_every_scalar_as_a_tensorboard_series(trained, tmp
   assert [v for _, v in scalars["finite"]] == [1.0, 1.0, 1.0]
   assert [v for _, v in scalars["aux/acc"]] == [0.5, 1.5, 2.5]
   assert "rows" not in scalars
+
+
+def test_the_plan_search_and_the_progress_bar_read_one_peak():
+  """One table of peaks: the MFU of the bar and the search's chip agree (an H100 PCIe is not
+  an SXM H100)."""
+  from epljax import cost
+  for kind in ("NVIDIA H100 PCIe", "NVIDIA H100 80GB HBM3", "NVIDIA H200", "TPU v5 lite"):
+    device = types.SimpleNamespace(device_kind=kind, platform="gpu", memory_stats=dict)
+    chip = cost.chip_of(device, epl.Config().auto)
+    assert chip.peak_flops == peak_tflops(device) * 1e12, kind
