@@ -17,6 +17,10 @@ from collections.abc import Iterator
 
 import jax
 
+# Read when the CUDA plugin loads, at jax's first backend: a machine without a GPU has no CUDA
+# driver to check. Import this module before anything asks jax for devices.
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
 # The H100 SXM (80 GB HBM3) as XLA:GPU's cost model and autotuner see it: 132 SMs at 1.98 GHz,
 # 3.35 TB/s, 50 MiB L2, compute capability 9.0.
 H100 = """
@@ -52,7 +56,6 @@ def h100s(topology: str = "1x1x8") -> list:
   from jax._src import xla_bridge
   from jax.experimental import topologies
 
-  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")   # read as the plugin loads
   if not xla_bridge.backends_are_initialized():
     jax.config.update("jax_platforms", "cpu")   # compile-only GPUs: no CUDA backend to start
   try:
