@@ -177,9 +177,6 @@ def sub_calls(eqn: jcore.JaxprEqn) -> list[Call] | None:
   return [(j, list(zip(j.invars, eqn.invars)), list(zip(outs, j.outvars)))]
 
 
-_sub_calls = sub_calls   # the name pipeline.partition imports
-
-
 def rewrite_eqns(closed: jcore.ClosedJaxpr,
                  fn: Callable[[jcore.JaxprEqn], jcore.JaxprEqn | None],
                  aval_fn: Callable[[Any], Any] | None = None) -> jcore.ClosedJaxpr:
