@@ -256,7 +256,7 @@ def _rolled(closed: jcore.ClosedJaxpr, loop: _Loop, num_params: int) -> jcore.Cl
     for (j, i), atom in zip(loop.carry, loop.carry_init):
       aval = template[j].eqn.outvars[i].aval
       init.append(jnp.zeros(aval.shape, aval.dtype) if atom is None else
-                  lax.convert_element_type(read(env, _key(atom)), aval.dtype))
+                  lax.convert_element_type(env[(0, atom)], aval.dtype))
     final, _ = lax.scan(block, init, stacked, length=n)
     env.update(((0, v), final[slot]) for v, slot in loop.results.items())
     run_steps(program.steps[a + n * p:], env)
@@ -266,11 +266,6 @@ def _rolled(closed: jcore.ClosedJaxpr, loop: _Loop, num_params: int) -> jcore.Cl
   avals = [sds(v.aval) for v in jaxpr.invars]
   avals[num_params:num_params] = [sds(vs[0].aval, n) for vs in loop.xs]
   return jax.make_jaxpr(fn)(*avals)
-
-
-def _key(atom: Any) -> Any:
-  """The ``Steps`` key of a top-level atom (a Literal is its own)."""
-  return atom if isinstance(atom, jcore.Literal) else (0, atom)
 
 
 def stack(leaves: Sequence[Any], stacks: Sequence[Sequence[int]]) -> list[Any]:
