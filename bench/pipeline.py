@@ -13,9 +13,9 @@ A residual MLP of 8 blocks cut into S=4 stages of 2 blocks (``set_default_strate
 them, EPL's BERT style) on 8 devices: 2 pipeline replicas. For M in {4, 8, 16, 32} micro
 batches of 64 rows per replica:
 
-- temp bytes per device: ``memory_analysis()`` of the compiled step, for GPipe and 1F1B, and
-  for both stash modes (``residuals``: keep the ``jax.vjp`` residuals; ``inputs``: keep the
-  stage inputs and run the forward again in the backward);
+- temp bytes per device: ``memory_analysis()`` of the compiled step, for GPipe and 1F1B (the
+  loop keeps the ``jax.vjp`` residuals; the ``inputs`` stash mode, which recomputed the
+  forward in the backward, is gone: gradient checkpointing features do that);
 - executed FLOPs over the unpipelined FLOPs: each stage branch compiled alone
   (``cost_analysis()``) times the busy slots of the schedule (idle slots run no compute),
   over ``cost_analysis()`` of the unpipelined loss-and-gradient on the same rows;
@@ -51,7 +51,7 @@ import optax  # noqa: E402
 import epljax as epl  # noqa: E402
 from common import paired_ratio, record, table  # noqa: E402
 from epljax import hlo  # noqa: E402
-from epljax.pipeline import builder, runtime  # noqa: E402
+from epljax.pipeline import runtime  # noqa: E402
 
 STAGES, BLOCKS, WIDTH, ROWS = 4, 2, 256, 64
 
@@ -83,9 +83,8 @@ def batch_of(rows: int) -> dict:
           "y": rng.integers(0, 10, rows).astype(np.int32)}
 
 
-def trainer_for(model: nn.Module, config: dict, batch: dict, stash: str = "residuals"):
+def trainer_for(model: nn.Module, config: dict, batch: dict):
   epl.init(config)
-  builder.STASH = stash
 
   def loss_fn(variables, b):
     logits = model.apply(variables, b["x"])
@@ -93,7 +92,6 @@ def trainer_for(model: nn.Module, config: dict, batch: dict, stash: str = "resid
 
   trainer = epl.Trainer(lambda key, b: model.init(key, b["x"]), loss_fn, optax.adamw(1e-3))
   state = trainer.init(jax.random.key(0), batch)
-  builder.STASH = "residuals"
   return trainer, state, loss_fn
 
 
@@ -109,7 +107,7 @@ def unpipelined_flops(loss_fn, rows: int) -> float:
 def executed_flops(trainer) -> float:
   """All devices of one replica together: every busy slot of the schedule runs its branch."""
   pipe = trainer.plan.pipeline
-  costs = runtime.branch_flops(pipe.branches, pipe.aux_avals, pipe.batch_avals)
+  costs = runtime.branch_flops(pipe.loop, pipe.aux_avals, pipe.batch_avals)
   sched = pipe.schedule
   total = 0.0
   for c in range(sched.num_chunks):   # chunk c on stage c % S as the stage's chunk c // S
@@ -130,30 +128,27 @@ def measure(micro: int, pairs: int) -> tuple[list, list]:
   flat = {"state": flat_state}     # train_step donates its state: keep the latest here
   flat_temp = flat_trainer.plan.memory.temp_size_in_bytes
   for strategy in ("PreferForward", "PreferBackward"):
-    for stash in ("residuals", "inputs"):
-      config = {"pipeline.num_micro_batch": micro, "pipeline.strategy": strategy}
-      trainer, state, _ = trainer_for(Net(), config, batch, stash)
-      pipe = trainer.plan.pipeline
-      temp = trainer.plan.memory.temp_size_in_bytes
-      memory.append([micro, f"{strategy} ({'GPipe' if strategy == 'PreferForward' else '1F1B'})",
-                     stash, pipe.schedule.num_slots, f"{temp / 2**20:.2f}",
-                     f"{flat_temp / 2**20:.2f}", f"{executed_flops(trainer) / reference:.3f}"])
-      if stash == "residuals" or strategy == "PreferBackward":
-        box = {"state": state}
-        p_batch, f_batch = trainer.shard_batch(batch), flat_trainer.shard_batch(batch)
+    config = {"pipeline.num_micro_batch": micro, "pipeline.strategy": strategy}
+    trainer, state, _ = trainer_for(Net(), config, batch)
+    pipe = trainer.plan.pipeline
+    temp = trainer.plan.memory.temp_size_in_bytes
+    memory.append([micro, f"{strategy} ({'GPipe' if strategy == 'PreferForward' else '1F1B'})",
+                   pipe.schedule.num_slots, f"{temp / 2**20:.2f}",
+                   f"{flat_temp / 2**20:.2f}", f"{executed_flops(trainer) / reference:.3f}"])
+    box = {"state": state}
+    p_batch, f_batch = trainer.shard_batch(batch), flat_trainer.shard_batch(batch)
 
-        def run_p(box=box, trainer=trainer, p_batch=p_batch):
-          box["state"], m = trainer.train_step(box["state"], p_batch)
-          return m["loss"]
+    def run_p(box=box, trainer=trainer, p_batch=p_batch):
+      box["state"], m = trainer.train_step(box["state"], p_batch)
+      return m["loss"]
 
-        def run_f(f_batch=f_batch):
-          flat["state"], m = flat_trainer.train_step(flat["state"], f_batch)
-          return m["loss"]
+    def run_f(f_batch=f_batch):
+      flat["state"], m = flat_trainer.train_step(flat["state"], f_batch)
+      return m["loss"]
 
-        r = paired_ratio(run_p, run_f, pairs=pairs)
-        timing.append([micro, strategy, stash, f"{r['first_s'] * 1e3:.1f}",
-                       f"{r['second_s'] * 1e3:.1f}",
-                       f"**{r['ratio']:.2f}** ({r['ratio_q1']:.2f}-{r['ratio_q3']:.2f})", pairs])
+    r = paired_ratio(run_p, run_f, pairs=pairs)
+    timing.append([micro, strategy, f"{r['first_s'] * 1e3:.1f}", f"{r['second_s'] * 1e3:.1f}",
+                   f"**{r['ratio']:.2f}** ({r['ratio_q1']:.2f}-{r['ratio_q3']:.2f})", pairs])
   return memory, timing
 
 
@@ -337,9 +332,9 @@ def main(argv=None) -> None:
     memory += m
     timing += t
     print(f"M={micro} done", flush=True)
-  mem_table = table(["M", "schedule", "stash", "kept slots", "temp MiB/dev",
+  mem_table = table(["M", "schedule", "kept slots", "temp MiB/dev",
                      "unpipelined temp MiB/dev", "executed FLOPs / unpipelined"], memory)
-  time_table = table(["M", "schedule", "stash", "pipeline ms", "unpipelined ms",
+  time_table = table(["M", "schedule", "pipeline ms", "unpipelined ms",
                       "ratio (quartiles)", "pairs"], timing)
   notes = (f"S={STAGES} stages x {BLOCKS} residual blocks of width {WIDTH}, {ROWS} rows per "
            "micro batch and replica, 2 pipeline replicas on 8 devices; unpipelined: the same "

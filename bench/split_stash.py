@@ -11,7 +11,8 @@ about 50 steps), three ways:
   ``model``);
 - the same with ``gradient_checkpoint.type="auto"`` inside the stages;
 - ``inputs``: the stage inputs kept and the forward run again in the backward (what split
-  stages did before; ``builder.STASH = "inputs"``).
+  stages did before; the loop's stash mode for it is gone, so here a bench-only feature,
+  ``RecomputeStages``, wraps each stage in ``jax.checkpoint``, as that mode did).
 Compiled train step: FLOPs from ``cost_analysis()``, temporaries from
 ``memory_analysis()``, bytes of the collectives executed per step from the HLO (loops counted
 per iteration), the shape of the largest stash buffer, and the step time as a ratio measured
@@ -26,6 +27,7 @@ all-gathers of the compiled step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import sys
 
@@ -34,17 +36,40 @@ import jax
 import optax
 
 import epljax as epl
+from epljax import build as build_lib
 from epljax import hlo
-from epljax.pipeline import builder
+from epljax.features import Feature
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/tests")
 from common import machine, paired_ratio, record, table  # noqa: E402
 
 WIDTH, HIDDEN, ROWS, MICRO = 256, 1024, 256, 4
-CASES = [("residuals", "residuals", {}),
-         ("residuals, GC auto", "residuals", {"gradient_checkpoint.type": "auto"}),
-         ("inputs", "inputs", {})]
+CASES = [("residuals", False, {}),
+         ("residuals, GC auto", False, {"gradient_checkpoint.type": "auto"}),
+         ("inputs", True, {})]
+
+
+class RecomputeStages(Feature):
+  """Each stage's forward under ``jax.checkpoint`` (outermost, after every feature's hook):
+  the loop stashes only its inputs and runs the forward again in the backward."""
+  name = "recompute_stages"
+
+  def forward(self, fn, ctx):
+    return jax.checkpoint(fn)
+
+
+@contextlib.contextmanager
+def recomputed(on: bool):
+  """Trainers built inside add ``RecomputeStages`` to their features when ``on``."""
+  original = build_lib.features_for
+  if on:
+    build_lib.features_for = lambda config, clip_norm=None: [*original(config, clip_norm),
+                                                             RecomputeStages()]
+  try:
+    yield
+  finally:
+    build_lib.features_for = original
 
 
 class SplitStages(nn.Module):
@@ -58,7 +83,7 @@ class SplitStages(nn.Module):
     return nn.Dense(10)(h)
 
 
-def trainer_for(stash: str, batch: dict, config: dict):
+def trainer_for(recompute: bool, batch: dict, config: dict):
   epl.init({"pipeline.num_micro_batch": MICRO, **config})
   model = SplitStages()
 
@@ -66,12 +91,9 @@ def trainer_for(stash: str, batch: dict, config: dict):
     logits = model.apply(variables, b["x"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
-  builder.STASH = stash
-  try:
+  with recomputed(recompute):
     trainer = epl.Trainer(lambda key, b: model.init(key, b["x"]), loss_fn, optax.sgd(1e-3))
     state = trainer.init(jax.random.key(0), batch)
-  finally:
-    builder.STASH = "residuals"
   return trainer, state
 
 
@@ -80,8 +102,8 @@ def measure(pairs: int) -> str:
   batch = {"x": jax.random.normal(rng, (ROWS, 32)),
            "y": jax.random.randint(rng, (ROWS,), 0, 10)}
   rows, runs = [], {}
-  for name, stash, config in CASES:
-    trainer, state = trainer_for(stash, batch, config)
+  for name, recompute, config in CASES:
+    trainer, state = trainer_for(recompute, batch, config)
     compiled = trainer.lower(state, batch).compile()
     text = compiled.as_text()
     found = hlo.summarize(hlo.executed_collectives(text))
@@ -113,23 +135,20 @@ def measure(pairs: int) -> str:
 def zoo_table(rows: int = 64) -> str:
   from models import ZOO
 
-  from epljax.pipeline import runtime
+  from epljax.pipeline import packing
   out = []
   for model in (m for m in ZOO.values() if m.stage_splits):
     batch = model.make_batch(rows)
-    for name, stash, config in CASES:
+    for name, recompute, config in CASES:
       epl.init({"pipeline.num_stages": 2, "pipeline.num_micro_batch": 2, **config})
       epl.annotate(model.stage_split_rules(2))
-      builder.STASH = stash
-      try:
+      with recomputed(recompute):
         trainer = epl.Trainer(model.init_fn, model.loss_fn, optax.sgd(0.1))
         state = trainer.init(jax.random.key(0), batch)
-      finally:
-        builder.STASH = "residuals"
       compiled = trainer.lower(state, batch).compile()
       buffers = trainer.plan.pipeline.buffers
-      per_slot = runtime.buffer_nbytes(buffers.residuals) + (
-          runtime.buffer_nbytes(buffers.payload) if buffers.keep_inputs else 0)
+      per_slot = packing.nbytes(buffers.residuals) + (
+          packing.nbytes(buffers.payload) if buffers.keep_inputs else 0)
       gathers = [c for c in hlo.collectives(compiled.as_text()) if c.kind == "all-gather"]
       out.append([model.name, name, f"{compiled.memory_analysis().temp_size_in_bytes / 1024:.0f}",
                   f"{compiled.cost_analysis()['flops'] / 1e6:.2f}", f"{per_slot / 1024:.1f}",

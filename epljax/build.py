@@ -35,7 +35,7 @@ from epljax.features import BuildContext, Feature, StateShardings
 from epljax.mesh import DATA, MODEL, Layout, abstract_mesh, build_mesh
 from epljax.pipeline.auto import auto_stage_cuts, check_auto, scan_split
 from epljax.plan import EVERY_STAGE, Leaf, Plan, leaf_bytes_per_device, tree_bytes_per_device
-from epljax.sharding import annotations, reductions
+from epljax.sharding import annotations, constraints, reductions
 from epljax.sharding import specs as specs_lib
 from epljax.sharding.capture import Capture, capture, defining_frames
 from epljax.sharding.fused import FusedLayouts
@@ -122,17 +122,54 @@ _PROVISIONAL = abstract_mesh()
 
 def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
   """The six steps of the module doc."""
+  rows, micro_shapes = _micro_shapes(config, batch)
+  if config.auto.auto_parallel and config.pipeline.num_stages is None:
+    return search.search(fns, config, cluster, rng, batch, build)   # the plan, searched
+  var, cap, where, features, ctx = plan_steps(fns, config, cluster, rng, micro_shapes, rows)
+  fstate = {f.name: f.init_state(ctx) for f in features}
+  by_cond = _skips_by_cond(where, features)
+  jits, user_params = compile_functions(fns, var, where, features, fstate, ctx, rows, by_cond)
+  sums = jits.pop("gradient_sums")
+  skip = step_lib.describe_skip(by_cond)
+  plan = make_plan(var, cap, where, [*features, sums, skip], fstate, jits, batch, rows)
+  state_shardings = jits.pop("state_shardings")
+  user = UserState(state_shardings=state_shardings, params_shape=var.params_shape,
+                   state_shape=var.state_shape, optimizer=fns.optimizer, feature_state=fstate,
+                   fused=where.fused)
+  return Built(var.model, cap, where.layout, where.batch_plan, state_shardings, plan=plan,
+               user_params=user_params, state_treedef=jax.tree.structure(state_shardings),
+               first_step_checks=[f.after_first_step for f in features], user_state=user,
+               **jits)
+
+
+def pipeline_plan(fns: UserFns, config, cluster, rng: jax.Array, batch: Any):
+  """The pipeline plan (``epljax.pipeline.Pipeline``, None without stages) of a configuration
+  with ``pipeline.num_stages`` set: steps 1 to 4, traced, nothing compiled. What a search
+  weighs a stage candidate by: ``pipe.text()`` prints it as ``print(trainer.plan)`` would,
+  ``pipe.param_bytes_per_device`` is what a device stores."""
+  rows, micro_shapes = _micro_shapes(config, batch)
+  with constraints.explained():
+    return plan_steps(fns, config, cluster, rng, micro_shapes, rows)[2].pipe
+
+
+def _micro_shapes(config, batch: Any) -> tuple[int, Any]:
+  """The global batch's rows and the shapes of one micro batch (all replicas)."""
   num_micro = config.pipeline.num_micro_batch
   rows = batch_lib.leading_rows(batch) * jax.process_count()
   if rows % num_micro:
     raise PlanError(f"The global batch of {rows} rows does not divide into "
                     f"pipeline.num_micro_batch={num_micro} micro batches. Use a multiple of "
                     f"{num_micro} rows.")
-  micro_shapes = jax.tree.map(
+  return rows, jax.tree.map(
       lambda x: jax.ShapeDtypeStruct((rows // num_micro, *jnp.shape(x)[1:]),
                                      batch_lib._dtype(x)), batch)
-  if config.auto.auto_parallel and config.pipeline.num_stages is None:
-    return search.search(fns, config, cluster, rng, batch, build)   # the plan, searched
+
+
+def plan_steps(fns: UserFns, config, cluster, rng: jax.Array, micro_shapes: Any, rows: int
+               ) -> tuple[Variables, Capture, Placement, list[Feature], BuildContext]:
+  """Steps 1 to 4 (traced, nothing compiled): the variables, the task graphs, where everything
+  lives with the features' shardings, the features and their context."""
+  num_micro = config.pipeline.num_micro_batch
   var = trace_variables(fns, rng, micro_shapes)
   options = capture_options(var)
   cap = capture_loss(var, micro_shapes, len(cluster.devices), **options)
@@ -158,20 +195,9 @@ def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
     shardings = f.shardings(shardings, ctx)
   where = dataclasses.replace(where, shardings=shardings)
   ctx = dataclasses.replace(ctx, shardings=shardings)
-  fstate = {f.name: f.init_state(ctx) for f in features}
-  by_cond = _skips_by_cond(where, features)
-  jits, user_params = compile_functions(fns, var, where, features, fstate, ctx, rows, by_cond)
-  sums = jits.pop("gradient_sums")
-  skip = step_lib.describe_skip(by_cond)
-  plan = make_plan(var, cap, where, [*features, sums, skip], fstate, jits, batch, rows)
-  state_shardings = jits.pop("state_shardings")
-  user = UserState(state_shardings=state_shardings, params_shape=var.params_shape,
-                   state_shape=var.state_shape, optimizer=fns.optimizer, feature_state=fstate,
-                   fused=where.fused)
-  return Built(var.model, cap, where.layout, where.batch_plan, state_shardings, plan=plan,
-               user_params=user_params, state_treedef=jax.tree.structure(state_shardings),
-               first_step_checks=[f.after_first_step for f in features], user_state=user,
-               **jits)
+  if where.pipe is not None:   # the pipeline's branches: its stages with the features' hooks
+    where = dataclasses.replace(where, pipe=where.pipe.with_features(features, ctx))
+  return var, cap, where, features, ctx
 
 
 def features_for(config, clip_norm: float | None = None) -> list[Feature]:
@@ -245,13 +271,14 @@ def place(fns: UserFns, var: Variables, cap: Capture, micro_shapes: Any, rows: i
       state_shape=var.state_shape, param_paths=list(var.paths[:var.num_params]),
       state_paths=list(var.paths[var.num_params:]), micro_shapes=micro_shapes,
       global_capture=cap, layout=layout, batch_axes=axes, config=config.pipeline,
-      num_devices=len(cluster.devices), capture_options=options)
+      num_devices=len(cluster.devices), param_specs=[s.spec for s in leaf_specs[:var.num_params]],
+      capture_options=options)
   named = [NamedSharding(mesh, s.spec) for s in leaf_specs]
   n_p = var.num_params
   replicated = NamedSharding(mesh, P())
   # Pipeline stages keep the user's tree too, each leaf also sharded over ``stage``.
   param_sh = (jax.tree.unflatten(jax.tree.structure(var.params_shape), named[:n_p])
-              if pipe is None else pipe.param_shardings([s.spec for s in leaf_specs[:n_p]]))
+              if pipe is None else pipe.param_shardings)
   trained_shape = var.params_shape
   opt_shape = jax.eval_shape(fns.optimizer.init, trained_shape)
   shardings = StateShardings(
@@ -286,7 +313,7 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
   # pipeline stages compute their gradients in their own shard_map (epljax.pipeline).
   make_gradients = (per_replica or (lambda fwd: step_lib.accumulate_gradients(fwd, num_micro)))
   if pipe is not None:
-    make_gradients = lambda _: pipe.gradients(features, ctx)  # noqa: E731
+    make_gradients = lambda _: pipe.gradients()  # noqa: E731
   forward, gradients, update = step_lib.build(forward, make_gradients, fns.optimizer,
                                               features, ctx, by_cond)
   user_params = where.fused.to_user   # (pipeline stages keep the user's tree too)

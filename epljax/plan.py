@@ -45,6 +45,16 @@ def leaf_bytes_per_device(shape: Sequence[int], dtype: Any, sharding: NamedShard
   return math.prod(sharding.shard_shape(tuple(shape))) * dtype.itemsize
 
 
+def render_text(sections: Sequence[tuple[str, list[Any]]]) -> str:
+  """``(title, blocks)`` sections (``Plan.sections``) as the text ``print(plan)`` shows."""
+  lines = []
+  for i, (title, blocks) in enumerate(sections):
+    lines += ([""] if i else []) + [title]
+    for block in blocks:
+      lines += [f"  {block}"] if isinstance(block, str) else _table(*block)
+  return "\n".join(lines)
+
+
 def tree_bytes_per_device(shapes: Any, shardings: Any) -> int:
   """Bytes one device holds of a tree of ``ShapeDtypeStruct`` with their shardings."""
   leaves = jax.tree.leaves(shapes)
@@ -161,12 +171,7 @@ class Plan:
         [[tg.index, tg.name, tg.strategy, tg.device_count, len(per_tg[tg.name]),
           size(sum(x.bytes_per_device for x in per_tg[tg.name]))] for tg in self.taskgraphs])])]
     if self.pipeline is not None:
-      out.append(("pipeline stages", [(
-          ["stage", "task graph", "params", "bytes/device", "activations in", "kept/micro batch",
-           "loop"],
-          [[i.index, i.name, i.num_params, size(i.param_bytes), size(i.incoming_bytes),
-            size(i.kept_bytes), i.loop] for i in self.pipeline.stage_info()]),
-          *self.pipeline.describe()]))
+      out.append(("pipeline stages", self.pipeline.blocks()))
     out.append(("variables", [(
         ["path", "shape", "dtype", "spec", "bytes/device", "task graph", "why"],
         [[leaf.path + ("" if leaf.trainable else "  (state)"), leaf.shape, leaf.dtype,
@@ -182,12 +187,7 @@ class Plan:
     return out
 
   def __str__(self) -> str:
-    lines = []
-    for i, (title, blocks) in enumerate(self.sections()):
-      lines += ([""] if i else []) + [title]
-      for block in blocks:
-        lines += [f"  {block}"] if isinstance(block, str) else _table(*block)
-    return "\n".join(lines)
+    return render_text(self.sections())
 
   def _repr_html_(self) -> str:
     """The plan as HTML tables, for Jupyter (``trainer.plan`` as a cell's last line)."""

@@ -1,5 +1,7 @@
 """Pipeline plans and what pipelines refuse, with the texts users read."""
 
+import logging
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -11,6 +13,7 @@ import epljax as epl
 from epljax.pipeline import PipelineWarning
 from helpers import (TOL, assert_trees_close, classification_batch, linen_fns,
                      reference_run)
+from epljax.build import UserFns, pipeline_plan
 from pipeline_helpers import TwoStages, run_case
 
 
@@ -45,6 +48,54 @@ def test_plan_shows_stages_schedule_and_bubble():
   # The user's structure, whatever the packing.
   assert jax.tree.structure(plan.param_specs) == jax.tree.structure(
       jax.eval_shape(linen_fns(TwoStages())[0], jax.random.key(0), classification_batch(16)))
+
+
+class _StepCompiles(logging.Handler):
+  """Counts XLA compilations of the train step (``jax.log_compiles``)."""
+
+  def __init__(self):
+    super().__init__(logging.WARNING)
+    self.steps = 0
+
+  def emit(self, record):
+    text = record.getMessage()
+    self.steps += "Finished XLA compilation" in text and "epl_step" in text
+
+
+def test_the_pipeline_plan_prints_without_compiling_the_step():
+  """Stages, schedule and parameter store are one plan built before anything compiles: the
+  pipeline's section of ``print(trainer.plan)`` and its bytes per device are read from it
+  (``build.pipeline_plan`` gives it for a configuration without a Trainer), and the step it
+  prints compiles only when first run."""
+  epl.init({"pipeline.strategy": "PreferBackward", "pipeline.num_micro_batch": 4})
+  batch = classification_batch(64)
+  trainer = trainer_for(TwoStages(), optax.adamw(1e-2))
+  handler = _StepCompiles()
+  logger = logging.getLogger("jax")
+  logger.addHandler(handler)
+  try:
+    with jax.log_compiles():
+      fns = UserFns(trainer.init_fn, trainer.loss_fn, trainer.optimizer, trainer.has_aux,
+                    trainer.mutable, trainer.clip_norm)
+      pipe = pipeline_plan(fns, trainer._config, trainer._cluster, jax.random.key(0), batch)
+      state = trainer.init(jax.random.key(0), batch)
+      text = trainer.plan.pipeline.text()
+      assert handler.steps == 0, handler.steps
+      trainer.train_step(state, batch)
+  finally:
+    logger.removeHandler(handler)
+  assert handler.steps == 1    # the handler sees compiles: the first step is the first
+  assert pipe.text() == text, (pipe.text(), text)
+  lines = text.splitlines()
+  assert lines[0] == "pipeline stages"
+  assert [row.split()[:4] for row in lines[2:4]] == [["0", "stage_0", "2", "2.6"],
+                                                      ["1", "stage_1", "4", "4.1"]]
+  assert "  schedule  PreferBackward (1F1B): 10 ticks, bubble (S-1)/(M+S-1) = 1/5 = 20%" in text
+  assert "  stash     residuals: 2 micro batches (+1 scratch slot)" in text
+  assert "packed for the largest stage inside the step" in text
+  total = (20 * 32 + 32 + 32 * 24 + 24 + 24 * 10 + 10) * 4
+  assert pipe.param_bytes_per_device == trainer.plan.param_bytes == total // 2
+  assert text in str(trainer.plan)
 
 
 def test_bert_style_default_strategy_calls_name_stages_in_order():

@@ -31,8 +31,8 @@ from epljax.memory.offload import HOST
 from epljax.memory.recompute import refetch
 from epljax.memory.zero import device_layout, is_sharding
 from epljax.mesh import DATA, STAGE
-from epljax.sharding.program import (REMAT, bind_here, finish, in_context, inner_eqns, read,
-                                     run_scan, scan_counts, start_env, steps_of, trace_steps)
+from epljax.sharding.program import (REMAT, bind_here, finish, in_context, inner_eqns, run_scan,
+                                     run_steps, scan_counts, start_env, steps_of, trace_steps)
 
 
 class ParamUses(Feature):
@@ -166,17 +166,18 @@ class _Run:
     program = self.program
     env = start_env(program, self.flat)
     param_like = set(self.refs)       # parameters, and reshapes/casts of them
-    for step in program.steps:
+
+    def rule(step, raw):
       keys = [None if isinstance(a, jcore.Literal) else a for a in step.inputs]
       direct = [k in self.refs for k in keys]
       flags = [k in param_like for k in keys]
-      raw = [read(env, a) for a in step.inputs]
-      bind = self._nested if _rewrites_inside(step, direct) else self._bind
-      outs = in_context(step, bind, step, raw, flags, direct)
-      env.update((k, v) for k, v in zip(step.outputs, outs) if k is not None)
       if step.primitive in amp_lib.SHAPE_ONLY and any(flags) and all(
           f or k is None for f, k in zip(flags, keys)):
         param_like.update(k for k in step.outputs if k is not None)
+      bind = self._nested if _rewrites_inside(step, direct) else self._bind
+      return in_context(step, bind, step, raw, flags, direct)
+
+    run_steps(program.steps, env, rule)
     return finish(program, env, cast_back=self.policy is not None)
 
   def _nested(self, step, raw, flags, direct):

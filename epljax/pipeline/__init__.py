@@ -4,15 +4,16 @@ interleaved over virtual stages), and the ``shard_map`` loop that runs them in o
 - ``partition.py``: the traced loss -> one ``ClosedJaxpr`` per stage;
 - ``schedules.py``: ``PreferForward`` (GPipe) and ``PreferBackward`` (1F1B) as tick tables,
   interleaved with ``pipeline.num_virtual_stages > 1``;
-- ``packing.py``: stage parameters, activations and residuals as flat per-dtype buffers inside
-  the step (the stored parameters are the user's tree);
-- ``storage.py``: the stored leaves <-> the packed buffers (tied leaves: copies, summed);
-- ``slots.py``: parameters and residuals kept whole (tensor-parallel stages) and model state,
-  one row per stage;
+- ``packing.py``: activations and residuals as flat per-dtype buffers inside the step;
+- ``storage.py``: the parameter store (``ParamStore``): the stored leaves (the user's tree)
+  <-> the loop's parameter buffers (tied leaves: copies, summed), packed (``PackedStore``);
+- ``slots.py``: parameters (``SlotStore``) and residuals kept whole (tensor-parallel stages)
+  and model state, one row per stage;
 - ``roll.py``: a stage's repeated layers as one ``lax.scan`` over stacked weights;
 - ``stats.py``: batch statistics averaged over pipeline replicas (BatchNorm with several);
 - ``runtime.py``: the loop over ticks (``jax.vjp`` per micro batch, ``ppermute`` between stages);
-- ``builder.py``: what ``epl.Trainer`` calls; ``describe.py``: the pipeline's lines in the plan;
+- ``builder.py``: the plan (``Pipeline``, immutable, built before anything compiles) and what
+  ``epl.Trainer`` calls; ``describe.py``: the pipeline's lines in the plan, read from it;
   ``render.py``: the schedule as a picture.
 """
 

@@ -256,10 +256,6 @@ Use fewer stages (pipeline.num_stages), or cut the model yourself with
 `with epl.replicate(1, name="stage_0"):` scopes."""
 
 
-def stage_names(num_stages: int) -> Sequence[str]:
-  return [f"stage_{i}" for i in range(num_stages)]
-
-
 def stage_balance(capture: Capture, stage_of: Sequence[int], num_stages: int
                   ) -> tuple[list[float], list[int]]:
   """Estimated FLOPs and parameter bytes per stage (a tied parameter counts in each stage

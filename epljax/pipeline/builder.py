@@ -1,32 +1,36 @@
-"""The pipeline as the Trainer sees it: packed parameter storage and a gradient function.
+"""The pipeline as the Trainer sees it: one immutable plan, a parameter store and a gradient
+function.
 
 ``plan_pipeline`` is called by ``Trainer._build`` when the mesh has more than one stage. It
 traces the loss once more at the shapes one replica sees per micro batch, cuts the stages
 (``partition.py``), averages batch statistics over the replicas (``stats.py``), picks the
-schedule (``schedules.py``) and returns a ``Pipeline``:
+schedule (``schedules.py``), decides where every parameter is stored (``make_store``) and
+returns a frozen ``Pipeline``, which prints (``describe()``, ``stage_info()``) without
+compiling anything:
 
 - ``param_shardings``: ``TrainState.params`` is the user's parameter tree, each leaf sharded
   over ``stage`` too, so the optimizer (any optax one) and checkpoints see the user's leaves;
-- ``pack`` / ``gradients_of``: inside the step, between that tree and the loop's per-stage
-  ``{dtype: (S, size)}`` buffers, or ``{slot: (S, *shape)}`` slots when stages are
-  ``epl.split`` (``slots.py``) (a parameter used by two stages is copied to both, its two
-  gradients summed); ``pack_state`` / ``unpack_state``: the model state, in slots;
-- ``gradients(features, ctx)``: the ``GradientFn`` of the step (``runtime.py``), with every
-  feature's ``forward`` hook around each stage's forward;
-- ``stage_info()`` / ``describe()``: its rows and lines in the plan (``describe.py``).
+- ``store`` (``storage.ParamStore``): inside the step, between that tree and the loop's
+  per-stage ``{dtype: (S, size)}`` buffers (``storage.PackedStore``), or ``{slot: (S,
+  *shape)}`` slots when stages are ``epl.split`` (``slots.SlotStore``) (a parameter used by two
+  stages is copied to both, its two gradients summed); ``pack_state`` / ``unpack_state``: the
+  model state, in slots;
+- ``with_features(features, ctx)``: the same plan with its loop's branches (every feature's
+  ``forward`` hook around each stage's forward; traced, not compiled), whose ``gradients()``
+  is the ``GradientFn`` of the step (``runtime.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from epljax.config import PipelineConfig
@@ -45,122 +49,95 @@ from epljax.step import in_device_memory
 from epljax.strategy import SPLIT
 
 
-# What the loop keeps between a micro batch's forward and backward: "residuals" (the forward
-# runs once) or "inputs" (the stage's forward runs again in the backward). bench/pipeline.py
-# measures both; gradient checkpointing features give the policies in between.
-STASH = "residuals"
-
-
+@dataclasses.dataclass(frozen=True, eq=False)
 class Pipeline:
-  """What ``plan_pipeline`` worked out (see the module doc)."""
-
-  def __init__(self, stages: Sequence[Stage], param_avals: Sequence[Any], params_def: Any,
-               batch_avals: Sequence[Any], aux_avals: Sequence[Any], aux_def: Any,
-               schedule: Schedule, layout: Layout, batch_axes: tuple[str, ...],
-               stash: str | None = None, split: Sequence[int] = (),
-               state_avals: Sequence[Any] = (), state_def: Any = None):
-    self.stages = tuple(stages)
-    self.param_avals = list(param_avals)
-    self.params_def = params_def
-    self.batch_avals = list(batch_avals)
-    self.aux_avals = list(aux_avals)
-    self.aux_def = aux_def
-    self.schedule = schedule
-    self.mesh = layout.mesh
-    self.batch_axes = batch_axes
-    # Stacked leaves read by each stage in its own row chunk (``chunks.py``): part index ->
-    # leaf, and the avals of the user's leaves then of the parts (what the stages take).
-    self.parts = dict(sorted({v: i for s in stages for v, i in s.parts}.items()))
-    self.all_avals = self.param_avals + [   # a part: one chunk's rows
-        jax.ShapeDtypeStruct((param_avals[i].shape[0] // len(stages), *param_avals[i].shape[1:]),
-                             param_avals[i].dtype) for i in self.parts.values()]
-    if list(self.parts) != list(range(len(param_avals), len(self.all_avals))):  # invariant
-      raise AssertionError(f"pipeline parts are not numbered after the leaves: {self.parts}")
-    self.layouts = [packing.Layout.of([self.all_avals[i] for i in s.params]) for s in stages]
-    self.sizes = packing.padded_sizes(self.layouts)
-    # Packed row r holds chunk rows[r]: stage s's v chunks s, s + S, ... are rows sv..sv+v-1.
-    self.rows = chunk_rows(schedule.num_stages, schedule.num_virtual_stages)
-    self.buffers: runtime.Buffers | None = None
-    self.branches: list[runtime.Branch] = []
-    self.branch_of: list[int] = []
-    self._stored: list[NamedSharding] | None = None
-    self.param_paths: list[str] = [f"leaf {i}" for i in range(len(self.param_avals))]
-    self.balance: list[str] = []   # per stage: estimated FLOPs and parameter bytes
-    self.constraints: list[str] = []   # what became of the model's own sharding constraints
-    # Tensor-parallel stages (``split[s]`` > 1: epl.split(k)) keep their parameters whole, in
-    # slots (``slots.py``), and leave the ``model`` axis to GSPMD inside the loop.
-    self.split = tuple(split) or (1,) * len(self.stages)
-    # Residuals of tensor-parallel stages are stashed in slots (``runtime.distinct_branches``),
-    # which keep GSPMD's ``model`` split.
-    self.stash = stash or STASH
-    self.slot_layouts: list[slots.SlotLayout] | None = None
-    self.param_specs: list[P] = [P()] * len(self.param_avals)
-    # Model state (BatchNorm statistics): each leaf kept by the stage that updates it, in slots,
-    # and threaded through the micro batches in order; with several replicas the batch means
-    # are averaged over them (``stats.py``), so they are those of the micro batch, as on one
-    # device.
-    self.state_avals = list(state_avals)
-    self.state_def = state_def
-    self.state_layouts = slots.assign([
-        [slots.SlotType.of(slots.data_aval(self.state_avals[j])) for j in s.state]
-        for s in self.stages]) if self.state_avals else None
+  """What ``plan_pipeline`` worked out (see the module doc); ``with_features`` adds the loop's
+  branches. Immutable: every property is read from the fields."""
+  stages: tuple[Stage, ...]
+  schedule: Schedule
+  mesh: Mesh
+  batch_axes: tuple[str, ...]
+  params_def: Any
+  param_paths: tuple[str, ...]
+  batch_avals: tuple[Any, ...]
+  aux_avals: tuple[Any, ...]
+  aux_def: Any
+  # Tensor-parallel stages (``split[s]`` > 1: epl.split(k)) keep their parameters whole, in
+  # slots (``slots.SlotStore``), and leave the ``model`` axis to GSPMD inside the loop.
+  split: tuple[int, ...]
+  store: storage.ParamStore
+  # Model state (BatchNorm statistics): each leaf kept by the stage that updates it, in slots,
+  # and threaded through the micro batches in order; with several replicas the batch means
+  # are averaged over them (``stats.py``), so they are those of the micro batch, as on one
+  # device.
+  state_avals: tuple[Any, ...]
+  state_def: Any
+  state_layouts: tuple[slots.SlotLayout, ...] | None
+  balance: tuple[str, ...]       # per stage: estimated FLOPs and parameter bytes
+  constraints: tuple[str, ...]   # what became of the model's own sharding constraints
+  loop: runtime.Loop | None = None    # the distinct stage functions (``with_features``)
 
   @property
   def slotted(self) -> bool:
     return any(k > 1 for k in self.split)
 
-  # -- storage ------------------------------------------------------------------------------
-  # TrainState.params is the user's parameter tree itself: any optax optimizer (masks,
-  # multi_transform, adafactor), ZeRO and checkpoints see the user's leaves. Each leaf is also
-  # sharded over ``stage`` (on its largest dimension the stage count divides), so a device holds
-  # about 1/S of the parameters and of the optimizer state. Inside the step the leaves are
-  # packed into the loop's ``{dtype: (S, size)}`` buffers (``pack``) and the packed gradients
-  # come back as the user's tree (``gradients_of``: a leaf held by several stages gets the sum).
-  def param_shardings(self, specs: Sequence[P]) -> Any:
-    """Per user leaf: its spec (from the stage's strategy) with ``stage`` added."""
-    size = self.mesh.shape[STAGE]
-    chunked = set(self.parts.values())
-    out = [NamedSharding(self.mesh, self._rows_over_stage(i, spec) if i in chunked else
-                         storage.add_axis(spec, tuple(a.shape), STAGE, size) or spec)
-           for i, (spec, a) in enumerate(zip(specs, self.param_avals))]
-    self._stored = out
-    self.param_specs = list(specs)
-    # Where each stage's leaves arrive in its buffer (``storage.exchange``); parts stay put.
-    self.dims = [storage.stage_dim(sh.spec) for sh in out]
-    self.layouts = storage.exchange_layouts(self._exchanged(), self.param_avals, self.dims, size)
-    self.sizes = self.layouts[0].sizes
-    if self.parts:
-      types = tuple((storage.part_key(v - len(self.param_avals)),
-                     slots.SlotType.of(self.all_avals[v])) for v in self.parts)
-      self.layouts = [storage.WithParts(layout, tuple(
-          storage.part_key(v - len(self.param_avals)) for v, _ in stage.parts), types)
-          for layout, stage in zip(self.layouts, self.stages)]
-    if self.slotted:   # the exchanged leaves in shared slots, then each part in its own
-      self._leaf_slots = slots.assign([[self._slot_type(i) for i in leaves]
-                                       for leaves in self._exchanged()])
-      parts = tuple((storage.part_key(v - len(self.param_avals)), self._slot_type(v))
-                    for v in self.parts)
-      self.slot_layouts = [slots.SlotLayout(
-          layout.keys + tuple(storage.part_key(v - len(self.param_avals)) for v, _ in s.parts),
-          layout.types + parts) for layout, s in zip(self._leaf_slots, self.stages)]
-    return jax.tree.unflatten(self.params_def, out)
-
-  def _rows_over_stage(self, i: int, spec: P) -> P:
-    """A chunked leaf's stored spec: its rows (layers) over ``stage``, stage ``s`` holding
-    chunk ``s``."""
-    if len(spec) and spec[0] is not None:
-      raise PlanError(_ROWS_TAKEN.format(path=self.param_paths[i], spec=spec,
-                                         shape=tuple(self.param_avals[i].shape)))
-    return P(STAGE, *tuple(spec)[1:])
+  @property
+  def param_avals(self) -> tuple[Any, ...]:
+    return self.store.avals
 
   @property
-  def _exchange_layouts(self) -> list[storage.ExchangeLayout]:
-    """Per stage, the layout of what the exchange brings (``layouts`` without the parts)."""
-    return [getattr(x, "exchanged", x) for x in self.layouts]
+  def param_specs(self) -> tuple[P, ...]:
+    return self.store.specs
 
-  def _exchanged(self) -> list[tuple[int, ...]]:
-    """Per stage, the leaves the exchange brings (its parameters but its parts)."""
-    return [tuple(i for i in s.params if i not in self.parts) for s in self.stages]
+  @property
+  def parts(self) -> Mapping[int, int]:
+    """Stacked leaves read by each stage in its own row chunk (``chunks.py``): part -> leaf."""
+    return self.store.parts
+
+  @property
+  def all_avals(self) -> list[Any]:
+    """The avals of the user's leaves then of the parts (one chunk's rows): what stages take."""
+    return [*self.param_avals, *(jax.ShapeDtypeStruct(t.shape, t.dtype)
+                                 for t in self.store.part_types.values())]
+
+  @property
+  def rows(self) -> list[int]:
+    return chunk_rows(self.schedule.num_stages, self.schedule.num_virtual_stages)
+
+  @property
+  def slot_layouts(self) -> tuple[slots.SlotLayout, ...] | None:
+    return self.store.layouts if self.slotted else None
+
+  @property
+  def branches(self) -> tuple[runtime.Branch, ...]:
+    return self.loop.branches if self.loop else ()
+
+  @property
+  def branch_of(self) -> tuple[int, ...]:
+    return self.loop.branch_of if self.loop else ()
+
+  @property
+  def buffers(self) -> runtime.Buffers | None:
+    return self.loop.buffers if self.loop else None
+
+  @property
+  def stash(self) -> str:
+    return "residuals"   # what the loop keeps for a backward (``runtime.py``)
+
+  @property
+  def shared(self) -> dict[int, tuple[int, ...]]:
+    """Parameter leaf -> its stages, for the leaves held by several stages (tied weights)."""
+    return shared_params(self.stages)
+
+  # -- storage ------------------------------------------------------------------------------
+  # TrainState.params is the user's parameter tree itself: any optax optimizer (masks,
+  # multi_transform, adafactor), ZeRO and checkpoints see the user's leaves, each also sharded
+  # over ``stage``; inside the step the store packs them into the loop's buffers and brings
+  # the packed gradients back as the user's tree (``storage.ParamStore``).
+  @property
+  def param_shardings(self) -> Any:
+    """Per user leaf: its spec (from the stage's strategy) with ``stage`` added."""
+    return jax.tree.unflatten(self.params_def, list(self.store.shardings))
 
   def state_sharding(self, leaf: Any, param_sharding: NamedSharding) -> NamedSharding:
     """An optimizer-state leaf of a parameter: the parameter's sharding when the shapes agree,
@@ -173,34 +150,6 @@ class Pipeline:
     size = self.mesh.shape[STAGE]
     return NamedSharding(self.mesh, storage.add_axis(P(), tuple(leaf.shape), STAGE, size) or P(),
                          memory_kind=param_sharding.memory_kind)
-
-  def _slot_type(self, i: int) -> slots.SlotType:
-    """Leaf (or part: one chunk's rows, with its leaf's spec) ``i`` in a slot."""
-    a = self.all_avals[i]
-    spec = tuple(self.param_specs[self.parts.get(i, i)])
-    return slots.SlotType(tuple(a.shape), packing.dtype_name(a.dtype),
-                          spec + (None,) * (len(a.shape) - len(spec)))
-
-  def pack(self, params: Any) -> dict[str, jax.Array]:
-    """The user's parameter tree -> ``{dtype: (S x v, size)}`` (traceable; rows: ``rows``);
-    with tensor-parallel stages ``{slot: (S, *shape)}`` sharded ``P(stage, *spec)``."""
-    leaves = jax.tree.leaves(params)
-    if self.slotted:
-      stacked = slots.stack(leaves, self._exchanged(), self._leaf_slots)
-      stacked.update((storage.part_key(v - len(leaves)),
-                      storage.interleave(leaves[i], self.schedule.num_virtual_stages,
-                                         self.mesh))
-                     for v, i in self.parts.items())
-      types = dict(self.slot_layouts[0].types)
-      return {k: jax.lax.with_sharding_constraint(
-          v, NamedSharding(self.mesh, types[k].stacked_spec(STAGE))) for k, v in stacked.items()}
-    out = storage.exchange(leaves, self._by_row(self._exchange_layouts),
-                           self._by_row(self._exchanged()), self.dims, self.mesh)
-    for v, i in self.parts.items():   # scanned layers, where stored (or interleaved)
-      out[storage.part_key(v - len(leaves))] = jax.lax.with_sharding_constraint(
-          storage.interleave(leaves[i], self.schedule.num_virtual_stages, self.mesh),
-          NamedSharding(self.mesh, P(STAGE)))
-    return out
 
   def pack_state(self, model_state: Any) -> dict[str, jax.Array]:
     """The model state tree -> ``{slot: (S, *shape)}`` over ``stage`` (empty without state)."""
@@ -221,30 +170,6 @@ class Pipeline:
                         missing=[slots.as_data(x) for x in old])
     new = [slots.as_key(x, a) for x, a in zip(new, self.state_avals)]
     return jax.tree.unflatten(jax.tree.structure(model_state), new)
-
-  def gradients_of(self, packed: dict[str, jax.Array]) -> Any:
-    """Packed gradients -> the user's tree; a leaf held by several stages gets their sum (the
-    transpose of ``pack``, which copies it to each)."""
-    n = len(self.param_avals)
-    parts = {storage.part_key(v - n): i for v, i in self.parts.items()}
-    if self.slotted:
-      leaves = slots.unstack(packed, self._exchanged(), self._leaf_slots, self.param_avals,
-                             total=True)
-    else:
-      leaves = list(storage.exchange_gradients(
-          {k: g for k, g in packed.items() if k not in parts}, self._by_row(self._exchange_layouts),
-          self._by_row(self._exchanged()), self.dims, self.param_avals, self.mesh))
-    for k, i in parts.items():
-      leaves[i] = storage.deinterleave(packed[k], tuple(self.param_avals[i].shape), self.mesh)
-    return jax.tree.unflatten(self.params_def, leaves)
-
-  def _by_row(self, per_chunk: Sequence[Any]) -> list[Any]:
-    return [per_chunk[c] for c in self.rows]
-
-  @property
-  def shared(self) -> dict[int, tuple[int, ...]]:
-    """Parameter leaf -> its stages, for the leaves held by several stages (tied weights)."""
-    return shared_params(self.stages)
 
   # -- the step -----------------------------------------------------------------------------
   def check_compiled(self, hlo_text: str) -> None:
@@ -271,35 +196,46 @@ class Pipeline:
           splits=", ".join(f"'{s.name}': split({k})" for s, k in zip(self.stages, self.split)
                            if k > 1)))
 
-  def gradients(self, features: Sequence[Feature], ctx: BuildContext) -> GradientFn:
-    """The step's ``GradientFn`` over the user's parameter tree (packed inside the step)."""
+  def _manual(self) -> tuple[tuple[str, ...], frozenset[str]]:
+    """The loop's data axes and the axes it is written for: tensor-parallel stages leave
+    ``model`` to GSPMD."""
+    if self.slotted:
+      return (DATA,), frozenset({DATA, STAGE})
+    return (DATA, MODEL), frozenset(self.mesh.axis_names)
+
+  def with_features(self, features: Sequence[Feature], ctx: BuildContext) -> Pipeline:
+    """This pipeline with its loop's branches: every feature's ``forward`` hook around each
+    stage's forward, one branch per distinct result (traced, not compiled)."""
     fns = []
     for stage in self.stages:
       fn = stage
       for f in features:
         fn = f.forward(fn, ctx)
       fns.append(fn)
-    # Tensor-parallel stages: the loop is written for (data, stage); GSPMD splits ``model``.
-    data_axes, manual = ((DATA,), frozenset({DATA, STAGE})) if self.slotted else (
-        (DATA, MODEL), frozenset(self.mesh.axis_names))
-    self.branches, self.branch_of = runtime.distinct_branches(
-        self.stages, fns, self.all_avals, self.batch_avals, self.stash,
-        param_layouts=self.slot_layouts if self.slotted else self.layouts,
-        state_avals=self.state_avals,
-        state_layouts=self.state_layouts, loop=(self.mesh, manual))
-    self.buffers = runtime.buffer_sizes(self.branches)
+    loop = runtime.make_loop(
+        self.stages, fns, self.all_avals, self.batch_avals, self.store.layouts,
+        self.store.buffers, residuals_in_slots=self.slotted, state_avals=self.state_avals,
+        state_layouts=self.state_layouts, loop=(self.mesh, self._manual()[1]))
+    return dataclasses.replace(self, loop=loop)
+
+  def gradients(self) -> GradientFn:
+    """The step's ``GradientFn`` over the user's parameter tree (packed inside the step)."""
+    if self.loop is None:   # internal invariant: build.py adds the features first
+      raise AssertionError("Pipeline.gradients before with_features")
+    data_axes, manual = self._manual()
     run = runtime.pipelined_gradients(
-        self.branches, self.branch_of, self.aux_avals, self.schedule, self.mesh,
-        data_axes, P(None, self.batch_axes), manual=manual)
+        self.loop, self.aux_avals, self.schedule, self.mesh, data_axes,
+        P(None, self.batch_axes), manual=manual)
     single = self.schedule.num_micro_batch == 1
-    aux_def = self.aux_def
+    aux_def, store, params_def = self.aux_def, self.store, self.params_def
 
     def gradients(params, model_state, micro, fstate):
       scale = loss_scale(fstate)
       seed = jnp.ones((), jnp.float32) if scale is None else jnp.asarray(scale, jnp.float32)
-      loss, aux, packed, state = run(self.pack(in_device_memory(params)),
-                                     self.pack_state(model_state), jax.tree.leaves(micro), seed)
-      grads = self.gradients_of(packed)
+      leaves = jax.tree.leaves(in_device_memory(params))
+      loss, aux, packed, state = run(store.pack(leaves), self.pack_state(model_state),
+                                     jax.tree.leaves(micro), seed)
+      grads = jax.tree.unflatten(params_def, store.gradients_of(packed))
       aux = None if aux_def is None else jax.tree.unflatten(
           aux_def, [a[0] for a in aux] if single else aux)
       return loss, aux, grads, self.unpack_state(state, model_state)
@@ -313,7 +249,7 @@ class Pipeline:
 
   @property
   def packed_bytes_per_device(self) -> int:
-    return describe.packed_bytes_per_device(self)
+    return self.store.bytes_inside()
 
   def stage_info(self) -> list[StageInfo]:
     return describe.stage_info(self)
@@ -321,15 +257,67 @@ class Pipeline:
   def describe(self) -> list[str]:
     return describe.describe(self)
 
+  def blocks(self) -> list[Any]:
+    return describe.blocks(self)
+
+  def text(self) -> str:
+    return describe.text(self)
+
+
+def make_store(stages: Sequence[Stage], avals: Sequence[Any], specs: Sequence[P],
+               paths: Sequence[str], mesh: Mesh, split: Sequence[int],
+               virtual: int) -> storage.ParamStore:
+  """Where each parameter leaf is stored (its spec with ``stage`` added; a stacked leaf read
+  in row chunks: its rows over ``stage``) and how the loop's buffers hold it: packed, or in
+  slots when a stage is tensor-parallel."""
+  size, n = mesh.shape[STAGE], len(avals)
+  parts = dict(sorted({v: i for s in stages for v, i in s.parts}.items()))
+  if list(parts) != list(range(n, n + len(parts))):  # internal invariant
+    raise AssertionError(f"pipeline parts are not numbered after the leaves: {parts}")
+  shardings = tuple(NamedSharding(mesh, _rows_over_stage(spec, paths[i], avals[i])
+                                  if i in parts.values() else
+                                  storage.add_axis(spec, tuple(a.shape), STAGE, size) or spec)
+                    for i, (spec, a) in enumerate(zip(specs, avals)))
+  members = tuple(tuple(i for i in s.params if i not in parts) for s in stages)
+  part_keys = [tuple(storage.part_key(v - n) for v, _ in s.parts) for s in stages]
+  part_types = {storage.part_key(v - n): packing.SlotType.of(jax.ShapeDtypeStruct(
+      (avals[i].shape[0] // len(stages), *avals[i].shape[1:]), avals[i].dtype), tuple(specs[i]))
+      for v, i in parts.items()}
+  common = dict(mesh=mesh, avals=tuple(avals), specs=tuple(specs), shardings=shardings,
+                members=members, parts=parts, part_types=part_types, virtual=virtual)
+  if any(k > 1 for k in split):   # the exchanged leaves in shared slots, then each part its own
+    leaf_slots = tuple(slots.assign([[packing.SlotType.of(avals[i], tuple(specs[i]))
+                                      for i in leaves] for leaves in members]))
+    layouts = tuple(slots.SlotLayout(lay.keys + keys, lay.types + tuple(part_types.items()))
+                    for lay, keys in zip(leaf_slots, part_keys))
+    return slots.SlotStore(**common, layouts=layouts, buffers=dict(layouts[0].types),
+                           leaf_slots=leaf_slots)
+  # Where each stage's leaves arrive in its buffer (``storage.exchange``); parts stay put.
+  dims = tuple(storage.stage_dim(sh.spec) for sh in shardings)
+  layouts = tuple(storage.exchange_layouts(members, avals, dims, size, part_keys,
+                                           tuple(part_types.items())))
+  return storage.PackedStore(**common, layouts=layouts, buffers={**layouts[0].sizes,
+                                                                 **part_types},
+                             dims=dims, rows=tuple(chunk_rows(size, virtual)))
+
+
+def _rows_over_stage(spec: P, path: str, aval: Any) -> P:
+  """A chunked leaf's stored spec: its rows (layers) over ``stage``, stage ``s`` holding
+  chunk ``s``."""
+  if len(spec) and spec[0] is not None:
+    raise PlanError(_ROWS_TAKEN.format(path=path, spec=spec, shape=tuple(aval.shape)))
+  return P(STAGE, *tuple(spec)[1:])
+
 
 def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, state_shape: Any,
                   param_paths: Sequence[str], state_paths: Sequence[str], micro_shapes: Any,
                   global_capture: Capture, layout: Layout, batch_axes: tuple[str, ...],
-                  config: PipelineConfig, num_devices: int,
+                  config: PipelineConfig, num_devices: int, param_specs: Sequence[P],
                   capture_options: dict | None = None) -> Pipeline:
-  """Checks, local capture, stages, schedule (see the module doc). ``micro_shapes``: one
-  micro batch of all replicas; ``capture_options``: as the Trainer's own capture had them, so
-  the per-replica trace finds the same task graphs."""
+  """Checks, local capture, stages, schedule, parameter store (see the module doc).
+  ``micro_shapes``: one micro batch of all replicas; ``param_specs``: per parameter leaf, its
+  spec from its stage's strategy; ``capture_options``: as the Trainer's own capture had them,
+  so the per-replica trace finds the same task graphs."""
   s_leaves, s_def = jax.tree.flatten(state_shape)
   split = [1] * (layout.num_stages * layout.num_virtual_stages)   # per stage (chunk)
   for tg in global_capture.taskgraphs:
@@ -386,14 +374,19 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
     warnings.warn(_FEW_MICRO.format(m=config.num_micro_batch, s=layout.num_stages,
                                     bubble=schedule.bubble_fraction), PipelineWarning,
                   stacklevel=3)
-  pipe = Pipeline(stages, p_leaves, p_def, b_leaves, aux_avals,
-                  found["aux_def"] if has_aux else None, schedule, layout, batch_axes,
-                  split=split, state_avals=s_leaves, state_def=s_def)
-  pipe.param_paths = list(param_paths)
-  pipe.constraints = constraints.plan_lines(notes)
-  pipe.balance = check_balance(global_capture, layout.stage_of, len(stages),
-                               [s.name for s in stages])
-  return pipe
+  state_layouts = tuple(slots.assign([
+      [packing.SlotType.of(slots.data_aval(s_leaves[j])) for j in s.state]
+      for s in stages])) if s_leaves else None
+  return Pipeline(
+      stages=stages, schedule=schedule, mesh=layout.mesh, batch_axes=batch_axes,
+      params_def=p_def, param_paths=tuple(param_paths), batch_avals=tuple(b_leaves),
+      aux_avals=tuple(aux_avals), aux_def=found["aux_def"] if has_aux else None,
+      split=tuple(split), store=make_store(stages, p_leaves, param_specs, param_paths,
+                                           layout.mesh, split, layout.num_virtual_stages),
+      state_avals=tuple(s_leaves), state_def=s_def, state_layouts=state_layouts,
+      balance=tuple(check_balance(global_capture, layout.stage_of, len(stages),
+                                  [s.name for s in stages])),
+      constraints=tuple(constraints.plan_lines(notes)))
 
 
 def chunk_rows(num_stages: int, num_virtual_stages: int) -> list[int]:

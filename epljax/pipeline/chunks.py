@@ -29,7 +29,8 @@ from jax.extend import source_info_util
 
 from epljax.errors import PipelineWarning, listing, size
 from epljax.sharding import dims
-from epljax.sharding.program import Node, Program, bind_eqn, scan_counts
+from epljax.sharding.program import (Node, Program, Step, bind, evaluate, scan_counts, steps_of,
+                                     top_level)
 
 
 def scan_splitter(closed: jcore.ClosedJaxpr, position: int, parts: int, num_params: int,
@@ -74,21 +75,17 @@ def split_scan(closed: jcore.ClosedJaxpr, *, position: int, parts: int,
     raise AssertionError(f"equation {position} is no longer the scan to split "
                          f"({eqn.primitive.name if eqn else 'no equation'})")
 
-  def fn(*args):
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
-    env.update(zip(jaxpr.invars, args))
-    read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
-    for k, eqn in enumerate(jaxpr.eqns):
-      values = [read(v) for v in eqn.invars]
-      outs = _in_parts(eqn, values, parts) if k == position else bind_eqn(eqn, values)
-      env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+  program = steps_of(closed, enter=top_level)
 
-  return jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-                              for v in jaxpr.invars])
+  def rule(step: Step, values: list[Any]) -> list[Any]:
+    return _in_parts(step, values, parts) if step.index == position else bind(step, values)
+
+  avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
+  return jax.make_jaxpr(lambda *args: evaluate(program, args, rule))(*avals)
 
 
-def _in_parts(eqn: jcore.JaxprEqn, values: Sequence[Any], parts: int) -> list[Any]:
+def _in_parts(step: Step, values: Sequence[Any], parts: int) -> list[Any]:
+  eqn = step.eqn
   n_consts, n_carry = scan_counts(eqn)
   consts, carry = values[:n_consts], values[n_consts:n_consts + n_carry]
   xs = values[n_consts + n_carry:]
@@ -98,7 +95,7 @@ def _in_parts(eqn: jcore.JaxprEqn, values: Sequence[Any], parts: int) -> list[An
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
       chunk = [lax.slice_in_dim(x, j * length, (j + 1) * length, axis=0) for x in xs]
-    outs = bind_eqn(eqn, [*consts, *carry, *chunk], length=length)
+    outs = bind(step, [*consts, *carry, *chunk], length=length)
     carry, ys = outs[:n_carry], outs[n_carry:]
     stacked_outs.append(ys)
   return [*carry, *(lax.concatenate(list(ys), 0) for ys in zip(*stacked_outs))]

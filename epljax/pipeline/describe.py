@@ -2,20 +2,20 @@
 parameters, parts, model splits, state, balance, tied leaves), with the bytes a device keeps.
 
 ``epl.Plan`` reads them through the ``Pipeline``'s ``stage_info()``, ``describe()`` and
-``param_bytes_per_device`` (``builder.py``); nothing here changes the pipeline.
+``param_bytes_per_device`` (``builder.py``); all of it is read from the plan, nothing compiled
+(the stash line and the kept bytes once ``with_features`` has traced the loop's branches).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from epljax.errors import listing, size
-from epljax.pipeline import packing, runtime, slots, storage
+from epljax.pipeline import packing, slots
 from epljax.pipeline.partition import Stage
-from epljax.plan import leaf_bytes_per_device
+from epljax.plan import leaf_bytes_per_device, render_text
 
 if TYPE_CHECKING:
   from epljax.pipeline.builder import Pipeline
@@ -36,26 +36,8 @@ class StageInfo:
 # -- bytes per device -----------------------------------------------------------------------
 def param_bytes_per_device(pipe: Pipeline) -> int:
   """The user's leaves as stored (sharded over ``stage``)."""
-  if pipe._stored is None:
-    return packing.nbytes(pipe.sizes)
   return sum(leaf_bytes_per_device(a.shape, a.dtype, sh)
-             for a, sh in zip(pipe.param_avals, pipe._stored))
-
-
-def packed_bytes_per_device(pipe: Pipeline) -> int:
-  """One stage's packed parameters inside the step (the largest stage); with slots, one
-  row of every slot (split over ``model`` where the slot is)."""
-  if pipe.slotted:
-    return sum(t.nbytes // _split_of(pipe, t.spec) for _, t in pipe.slot_layouts[0].types)
-  return packing.nbytes(pipe.sizes) + part_bytes_per_device(pipe)
-
-
-def part_bytes_per_device(pipe: Pipeline) -> int:
-  """The stage's chunks of stacked leaves (kept where they are stored; ``v`` chunks each with
-  virtual stages)."""
-  return pipe.schedule.num_virtual_stages * sum(
-      math.prod(pipe.all_avals[v].shape) * pipe.all_avals[v].dtype.itemsize
-      // _leaf_split(pipe, v) for v in pipe.parts)
+             for a, sh in zip(pipe.param_avals, pipe.store.shardings))
 
 
 def stage_param_bytes(pipe: Pipeline, stage: Stage) -> int:
@@ -64,16 +46,25 @@ def stage_param_bytes(pipe: Pipeline, stage: Stage) -> int:
              // _leaf_split(pipe, i) for i in stage.params)
 
 
-def _split_of(pipe: Pipeline, spec: Sequence[Any]) -> int:
-  return math.prod(storage.axis_size(pipe.mesh, e) for e in spec if e is not None)
-
-
 def _leaf_split(pipe: Pipeline, i: int) -> int:
   """Devices leaf (or part) ``i`` is split over (its spec, without ``stage``)."""
-  return _split_of(pipe, pipe.param_specs[pipe.parts.get(i, i)])
+  return pipe.store.split_of(pipe.param_specs[pipe.parts.get(i, i)])
 
 
 # -- the plan -------------------------------------------------------------------------------
+def blocks(pipe: Pipeline) -> list[Any]:
+  """The plan's "pipeline stages" section: the stage table, then the lines."""
+  return [(["stage", "task graph", "params", "bytes/device", "activations in",
+            "kept/micro batch", "loop"],
+           [[i.index, i.name, i.num_params, size(i.param_bytes), size(i.incoming_bytes),
+             size(i.kept_bytes), i.loop] for i in stage_info(pipe)]), *describe(pipe)]
+
+
+def text(pipe: Pipeline) -> str:
+  """The section as ``print(trainer.plan)`` shows it (read from the plan, nothing compiled)."""
+  return render_text([("pipeline stages", blocks(pipe))])
+
+
 def stage_info(pipe: Pipeline) -> list[StageInfo]:
   rows = []
   for stage in pipe.stages:
@@ -114,22 +105,20 @@ def describe(pipe: Pipeline) -> list[str]:
         f"stage {s}: " + ", ".join(f"'{pipe.stages[c].name}'" for c in pipe.rows[
             s * virtual:(s + 1) * virtual]) for s in range(n_stages)))
   if pipe.buffers is not None:
-    per_slot = runtime.buffer_nbytes(pipe.buffers.residuals) + (
+    per_slot = packing.nbytes(pipe.buffers.residuals) + (
         packing.nbytes(pipe.buffers.payload) if pipe.buffers.keep_inputs else 0)
     kept = "micro batches" if virtual == 1 else "micro batch chunks"
     lines.append(
-        f"stash     {pipe.stash}: {pipe.schedule.num_slots} {kept} (+1 scratch slot) x "
+        f"stash     residuals: {pipe.schedule.num_slots} {kept} (+1 scratch slot) x "
         f"{size(per_slot)} per device{' before the model split' if pipe.slotted else ''}; "
         f"{len(pipe.branches)} distinct stage functions")
-  inside = ("in slots (whole arrays, split over model) inside the step" if pipe.slotted else
-            "packed for the largest stage inside the step")
   lines.append(f"params    {size(param_bytes_per_device(pipe))} per device as stored (the "
-               f"user's leaves, sharded over stage); {size(packed_bytes_per_device(pipe))} "
-               + inside)
+               f"user's leaves, sharded over stage); {size(pipe.store.bytes_inside())} "
+               + pipe.store.inside)
   if pipe.parts:
     lines.append(
         f"parts     {len(pipe.parts)} stacked leaves (scanned layers) stored split over stage "
-        f"on their layers axis; each stage reads its own {size(part_bytes_per_device(pipe))} "
+        f"on their layers axis; each stage reads its own {size(pipe.store.part_bytes())} "
         + ("where stored, never exchanged: " if pipe.schedule.num_virtual_stages == 1 else
            f"(chunks s, s + {pipe.schedule.num_stages}, ...), moved from where stored "
            "(contiguous layers per stage) once per step each way (at most "

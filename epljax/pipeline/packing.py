@@ -19,6 +19,30 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotType:
+  """A whole array of a buffer (a slot, ``slots.py``; a stacked leaf's chunk, ``storage.py``)."""
+  shape: tuple[int, ...]
+  dtype: str
+  spec: tuple[Any, ...]     # the leaf's PartitionSpec entries (model axis), without ``stage``
+
+  @staticmethod
+  def of(aval: Any, spec: tuple[Any, ...] = ()) -> SlotType:
+    return SlotType(tuple(aval.shape), dtype_name(aval.dtype),
+                    tuple(spec) + (None,) * (len(aval.shape) - len(spec)))
+
+  @property
+  def nbytes(self) -> int:
+    return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
+
+  def zeros(self, lead: tuple[int, ...] = ()) -> jax.Array:
+    return jnp.zeros((*lead, *self.shape), self.dtype)
+
+  def stacked_spec(self, stage_axis: str) -> P:
+    return P(stage_axis, *self.spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,9 +119,13 @@ def padded_sizes(layouts: Sequence[Layout], *, inexact_only: bool = False) -> di
   return dict(sorted(out.items()))
 
 
-def zeros(sizes: Mapping[str, int], lead: tuple[int, ...] = ()) -> dict[str, jax.Array]:
-  return {name: jnp.zeros((*lead, size), name) for name, size in sizes.items()}
+def zeros(sizes: Mapping[str, int | SlotType], lead: tuple[int, ...] = ()) -> dict[str, jax.Array]:
+  """Zero buffers of packed sizes (``{dtype: size}``) or slot types, ``lead`` in front."""
+  return {k: t.zeros(lead) if isinstance(t, SlotType) else jnp.zeros((*lead, t), k)
+          for k, t in sizes.items()}
 
 
-def nbytes(sizes: Mapping[str, int]) -> int:
-  return sum(size * jnp.dtype(name).itemsize for name, size in sizes.items())
+def nbytes(sizes: Mapping[str, int | SlotType]) -> int:
+  """Bytes of buffers of packed sizes or slot types."""
+  return sum(t.nbytes if isinstance(t, SlotType) else t * jnp.dtype(k).itemsize
+             for k, t in sizes.items())

@@ -40,8 +40,8 @@ from epljax.pipeline import roll
 from epljax.pipeline.roll import Run, roll_repeats
 from epljax.sharding import constraints
 from epljax.sharding.capture import Capture
-from epljax.sharding.program import (CALLS, DERIVATIVE_CALLS, _sub_calls, bind, in_context,
-                                     inner_eqns, read, run_scan, run_steps, start_env, steps_of)
+from epljax.sharding.program import (CALLS, DERIVATIVE_CALLS, Key, Visit, bind, evaluate,
+                                     in_context, inner_eqns, run_scan, walk)
 
 # Call-like primitives whose body may be cut between stages (inlined). Inlining a custom
 # derivative rule or a checkpoint that straddles two stages falls back to differentiating its
@@ -63,7 +63,7 @@ class _Item:
   inputs: list[Any]            # _Key or jcore.Literal per operand
   outputs: list[_Key | None]   # None for a dropped output
   stage: int | None
-  prefix: Any                  # name stack of the calls this equation was inlined from
+  name_stack: Any              # its name stack, under the calls it was inlined from
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,8 +124,6 @@ def _averaging(closed: jcore.ClosedJaxpr, averaged: frozenset[int], axes: Sequen
   """``closed`` evaluated on ``args``, the results of the equations ``averaged`` (their ids)
   replaced by their mean over the mesh ``axes`` (inside the pipeline's ``shard_map``). A scan
   holding one runs with its body evaluated the same way: every iteration averages its own."""
-  program = steps_of(closed)
-
   def rule(step, invals):
     if step.primitive == "scan" and any(id(e) in averaged for e in inner_eqns(step.eqn)):
       body = lambda consts, carry, x: _averaging(  # noqa: E731
@@ -135,9 +133,7 @@ def _averaging(closed: jcore.ClosedJaxpr, averaged: frozenset[int], axes: Sequen
       outs = bind(step, invals)
     return [lax.pmean(o, tuple(axes)) for o in outs] if id(step.eqn) in averaged else outs
 
-  env = start_env(program, args)
-  run_steps(program.steps, env, rule)
-  return [read(env, a) for a in program.outputs]
+  return evaluate(closed, args, rule)
 
 
 def cut_stages(cap: Capture, stage_of: Sequence[int], num_params: int,
@@ -190,7 +186,6 @@ class _Cutter:
     self.state_outputs: list[Any] = []
     self.items: list[_Item] = []
     self.producer: dict[_Key, int] = {}   # key -> item index
-    self.cursor = 0
     self.outputs: list[Any] = []
     self.batch_only: set[_Key] = set()
     self.part_nodes, self.chunked = self._find_parts()
@@ -238,57 +233,50 @@ class _Cutter:
   # -- walking ------------------------------------------------------------------------------
   def run(self) -> None:
     closed = self.cap.program.closed_jaxpr
-    alias: dict[Any, Any] = dict(zip(closed.jaxpr.invars, self.inputs))
-    alias.update({v: _Key(v.aval, "const", value=c)
-                  for v, c in zip(closed.jaxpr.constvars, closed.consts)})
-    self._walk(closed.jaxpr, alias, source_info_util.new_name_stack())
-    self.outputs = [_resolve(alias, v) for v in closed.jaxpr.outvars]
+    flat = walk(closed, self._enter)
+    keys: dict[Key, Any] = {(0, v): k for v, k in zip(closed.jaxpr.invars, self.inputs)}
+    keys.update({key: _Key(key[1].aval, "const", value=c) for key, c in flat.consts})
+    for visit in flat.visits:
+      self._add(visit, keys)
+    self.outputs = [_resolve(keys, r) for r in flat.outputs]
     if self.num_state:
       self.state_outputs = self.outputs[-self.num_state:]
       self.outputs = self.outputs[:-self.num_state]
-    if self.cursor != len(self.cap.program.nodes):  # internal invariant
-      raise AssertionError("stage cutting lost track of the capture's equations")
     self._assign_untagged()
     self.batch_only = self._find_batch_only()
     self._check_order()
 
-  def _walk(self, jaxpr: jcore.Jaxpr, alias: dict, prefix) -> None:
-    for eqn in jaxpr.eqns:
-      count = _count_nodes(eqn)
-      if count == 1 and self.cursor in self.part_nodes:   # a stage's chunk of a stacked leaf
-        leaf, c = self.part_nodes[self.cursor]
-        key = self.part_keys.setdefault((leaf, c), _Key(eqn.outvars[0].aval, "part", leaf, c))
-        alias[eqn.outvars[0]] = key
-        self.cursor += 1
-        continue
-      tgs = {t for t in self.node_tg[self.cursor:self.cursor + count] if t >= 0}
-      stages = sorted({self.stage_of[t] for t in tgs})
-      if len(stages) > 1:
-        self._inline(eqn, alias, prefix, stages)
-        continue
-      self.cursor += count
-      outs = [None if isinstance(v, jcore.DropVar) else _Key(v.aval, "node", len(self.items))
-              for v in eqn.outvars]
-      for v, k in zip(eqn.outvars, outs):
-        if k is not None:
-          alias[v] = k
-          self.producer[k] = len(self.items)
-      self.items.append(_Item(eqn, [_resolve(alias, v) for v in eqn.invars], outs,
-                              stages[0] if stages else None, prefix))
+  def _stages(self, nodes: range) -> list[int]:
+    """The stages of the capture's ``nodes``' task graphs."""
+    return sorted({self.stage_of[t] for t in self.node_tg[nodes.start:nodes.stop] if t >= 0})
 
-  def _inline(self, eqn, alias, prefix, stages) -> None:
-    body = _inline_body(eqn)
-    if body is None:
+  def _enter(self, eqn: jcore.JaxprEqn, nodes: range) -> bool:
+    """A call-like equation is inlined where its body spans stages (module doc)."""
+    stages = self._stages(nodes)
+    if len(stages) < 2:
+      return False
+    if eqn.primitive.name not in _INLINABLE or any(
+        isinstance(v, jcore.Jaxpr) and v.constvars for v in eqn.params.values()):
       names = ", ".join(f"'{self.names[s]}'" for s in stages)
       raise PlanError(_SPANS.format(prim=eqn.primitive.name, where=_where(eqn), names=names))
-    inner, consts = body
-    inner_alias = {v: _resolve(alias, o) for v, o in zip(inner.invars, eqn.invars)}
-    inner_alias.update({v: _Key(v.aval, "const", value=c)
-                        for v, c in zip(inner.constvars, consts)})
-    self._walk(inner, inner_alias, prefix + eqn.source_info.name_stack)
-    for v, o in zip(eqn.outvars, inner.outvars):
-      if not isinstance(v, jcore.DropVar):
-        alias[v] = _resolve(inner_alias, o)
+    return True
+
+  def _add(self, visit: Visit, keys: dict) -> None:
+    eqn, nodes = visit.eqn, visit.nodes
+    if len(nodes) == 1 and nodes.start in self.part_nodes:   # a stage's chunk of a stacked leaf
+      leaf, c = self.part_nodes[nodes.start]
+      keys[visit.outputs[0]] = self.part_keys.setdefault(
+          (leaf, c), _Key(eqn.outvars[0].aval, "part", leaf, c))
+      return
+    stages = self._stages(nodes)
+    outs = [None if o is None else _Key(v.aval, "node", len(self.items))
+            for v, o in zip(eqn.outvars, visit.outputs)]
+    for o, k in zip(visit.outputs, outs):
+      if k is not None:
+        keys[o] = k
+        self.producer[k] = len(self.items)
+    self.items.append(_Item(eqn, [_resolve(keys, r) for r in visit.inputs], outs,
+                            stages[0] if stages else None, visit.name_stack))
 
   # -- stages of untagged equations, and the order check -------------------------------------
   def _stage_of_key(self, key: Any) -> int:
@@ -423,7 +411,7 @@ class _Cutter:
       ins = [use(k) for k in item.inputs]
       outs = [jcore.DropVar(v.aval) if k is None else new(k)
               for v, k in zip(item.eqn.outvars, item.outputs)]
-      info = item.eqn.source_info.replace(name_stack=item.prefix + item.eqn.source_info.name_stack)
+      info = item.eqn.source_info.replace(name_stack=item.name_stack)
       eqns.append(jcore.new_jaxpr_eqn(ins, outs, item.eqn.primitive, item.eqn.params,
                                       item.eqn.effects, info, item.eqn.ctx))
     outgoing = [] if last else boundary[s]
@@ -478,31 +466,10 @@ def shared_params(stages: Sequence[Stage]) -> dict[int, tuple[int, ...]]:
   return {i: tuple(h) for i, h in holders.items() if len(h) > 1}
 
 
-def _resolve(alias: dict, v: Any) -> Any:
-  return v if isinstance(v, jcore.Literal) else alias[v]
-
-
-def _count_nodes(eqn: jcore.JaxprEqn) -> int:
-  """How many capture nodes ``eqn`` stands for (mirrors ``Program``'s walk)."""
-  calls = _sub_calls(eqn)
-  if calls is None:
-    return 1
-  return sum(_count_nodes(e) for inner, _, _ in calls for e in inner.eqns)
-
-
-def _inline_body(eqn: jcore.JaxprEqn):
-  """(inner jaxpr, its consts) of a call-like equation, or None when it cannot be inlined."""
-  if eqn.primitive.name not in _INLINABLE:
-    return None
-  calls = _sub_calls(eqn)
-  if calls is None or len(calls) != 1:
-    return None
-  for v in eqn.params.values():
-    if isinstance(v, jcore.ClosedJaxpr) and v.jaxpr is calls[0][0]:
-      return v.jaxpr, list(v.consts)
-    if isinstance(v, jcore.Jaxpr) and v is calls[0][0] and not v.constvars:
-      return v, []
-  return None
+def _resolve(keys: dict, resolved: Any) -> Any:
+  """The ``_Key`` of a walked value (one key: only single-body calls are entered), or its
+  Literal."""
+  return resolved if isinstance(resolved, jcore.Literal) else keys[resolved[0]]
 
 
 def _where(eqn: jcore.JaxprEqn) -> str:

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
-from epljax.sharding.program import any_eqn, bind_eqn
+from epljax.sharding.program import any_eqn, read, run_steps, start_env, steps_of, top_level
 
 _LAYER = frozenset({"dot_general", "conv_general_dilated"})
 
@@ -230,36 +230,37 @@ def _source(atoms, made, carry, carry_init, xs) -> _Source | None:
 def _rolled(closed: jcore.ClosedJaxpr, loop: _Loop, num_params: int) -> jcore.ClosedJaxpr:
   jaxpr = closed.jaxpr
   a, p, n = loop.run.start, loop.run.length, loop.run.repeats
-  template = jaxpr.eqns[a:a + p]
+  program = steps_of(closed, enter=top_level)
+  # The first block's steps, each operand read from where every block finds it (``_Source``):
+  # the block's own values keep their keys, the others are named by their source.
+  own = {(j, i): k for j, step in enumerate(program.steps[a:a + p])
+         for i, k in enumerate(step.outputs)}
+  where = {"lit": lambda s: s, "own": own.__getitem__, "carry": lambda s: ("carry", s),
+           "same": lambda v: (0, v), "xs": lambda s: ("xs", s)}
+  template = [dataclasses.replace(step, inputs=tuple(where[kind](s) for kind, s in sources))
+              for step, sources in zip(program.steps[a:a + p], loop.sources)]
   k = len(loop.xs)
 
   def fn(*args):
     stacked = list(args[num_params:num_params + k])
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
-    env.update(zip(jaxpr.invars, args[:num_params] + args[num_params + k:]))
-    read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
-    for eqn in jaxpr.eqns[:a]:
-      env.update(zip(eqn.outvars, bind_eqn(eqn, [read(v) for v in eqn.invars])))
+    env = start_env(program, args[:num_params] + args[num_params + k:])
+    run_steps(program.steps[:a], env)
 
     def block(carried, xs):
-      own: dict[tuple[int, int], Any] = {}
-      pick = {"lit": lambda s: s.val, "own": own.__getitem__, "carry": carried.__getitem__,
-              "same": read, "xs": xs.__getitem__}
-      for j, eqn in enumerate(template):
-        outs = bind_eqn(eqn, [pick[kind](s) for kind, s in loop.sources[j]])
-        own.update(((j, i), x) for i, x in enumerate(outs))
-      return [own[slot] for slot in loop.carry], None
+      inner = {**env, **{("carry", s): c for s, c in enumerate(carried)},
+               **{("xs", s): x for s, x in enumerate(xs)}}
+      run_steps(template, inner)
+      return [inner[own[slot]] for slot in loop.carry], None
 
     init = []
     for (j, i), atom in zip(loop.carry, loop.carry_init):
-      aval = template[j].outvars[i].aval
+      aval = template[j].eqn.outvars[i].aval
       init.append(jnp.zeros(aval.shape, aval.dtype) if atom is None else
-                  lax.convert_element_type(read(atom), aval.dtype))
+                  lax.convert_element_type(env[(0, atom)], aval.dtype))
     final, _ = lax.scan(block, init, stacked, length=n)
-    env.update((v, final[slot]) for v, slot in loop.results.items())
-    for eqn in jaxpr.eqns[a + n * p:]:
-      env.update(zip(eqn.outvars, bind_eqn(eqn, [read(v) for v in eqn.invars])))
-    return [read(v) for v in jaxpr.outvars]
+    env.update(((0, v), final[slot]) for v, slot in loop.results.items())
+    run_steps(program.steps[a + n * p:], env)
+    return [read(env, x) for x in program.outputs]
 
   sds = lambda aval, *lead: jax.ShapeDtypeStruct((*lead, *aval.shape), aval.dtype)  # noqa: E731
   avals = [sds(v.aval) for v in jaxpr.invars]

@@ -27,10 +27,8 @@ the packed buffer before the ``jax.vjp`` (``Stage.with_stacks``) and the backwar
 again, so they are never stashed. With tensor-parallel stages
 every slot holds the largest residual of its shape over the distinct stage functions, so a
 stage whose residuals are all small still carries the others' slots (the plan's ``stash`` line
-gives the bytes). ``stash="inputs"`` stashes
-only the stage inputs and recomputes the forward in the backward (``jax.checkpoint`` of the
-stage), trading one more forward for the residual memory; gradient checkpointing features
-(their ``forward`` hook) give the policies in between.
+gives the bytes). Gradient checkpointing features (their ``forward`` hook) trade recomputation
+for stash memory.
 """
 
 from __future__ import annotations
@@ -51,11 +49,11 @@ from epljax.cost import compiled_flops
 from epljax.errors import PlanError
 from epljax.mesh import STAGE
 from epljax.pipeline import packing, slots
+from epljax.pipeline.packing import SlotType
 from epljax.pipeline.partition import Stage, same_consts
 from epljax.pipeline.schedules import Schedule
 
 StageFn = Callable[[Sequence[Any], Sequence[Any], Sequence[Any]], tuple[Any, Any, Any]]
-STASH_MODES = ("residuals", "inputs")
 
 
 @dataclasses.dataclass
@@ -69,15 +67,13 @@ class _Residuals:
 class Branch:
   """One distinct stage function and the layouts of its buffers."""
 
-  def __init__(self, stage: Stage, fn: StageFn, param_avals: Sequence[Any], stash: str,
-               param_layout: Any = None,
-               state_avals: Sequence[Any] = (), state_layout: Any = None,
-               loop: tuple[Mesh, frozenset[str]] | None = None):
+  def __init__(self, stage: Stage, fn: StageFn, param_layout: Any, state_avals: Sequence[Any],
+               state_layout: Any, loop: tuple[Mesh, frozenset[str]]):
     self.stage = stage
     self.loop = loop     # the loop's mesh and manual axes, for trial traces of collectives
-    self.fn = jax.checkpoint(fn) if stash == "inputs" else fn
-    # Packed buffers, or whole arrays in slots (tensor-parallel stages: ``slots.py``).
-    self.params = param_layout or packing.Layout.of([param_avals[i] for i in stage.params])
+    self.fn = fn
+    # The stage's layout in the parameter buffers (``storage.ParamStore.layouts``).
+    self.params = param_layout
     self.incoming = packing.Layout.of(stage.incoming)
     self.outgoing = packing.Layout.of(stage.outgoing)
     # Model state (BatchNorm statistics) in slots, threaded through the micro batches in order.
@@ -158,9 +154,6 @@ class Branch:
     that binds the axis names, and the pullback's static parts are those the loop reuses."""
     if not self.stage.averaged:
       return fn
-    if self.loop is None:    # internal invariant: distinct_branches passes the loop's axes
-      raise AssertionError(f"stage '{self.stage.name}' averages batch statistics, but its "
-                           "branch was made without the loop's mesh")
     mesh, manual = self.loop
     return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False,
                          axis_names=manual)
@@ -181,33 +174,37 @@ class Branch:
 @dataclasses.dataclass(frozen=True)
 class Buffers:
   """Sizes (per dtype) of every buffer the loop carries."""
-  params: dict[str, Any]    # {dtype: size} packed (and {part: slots.SlotType}), or slots
+  params: dict[str, Any]    # {dtype: size} packed (and {part: SlotType}), or slots
   payload: dict[str, int]
   grad_payload: dict[str, int]
-  residuals: dict[str, Any]  # {dtype: size} packed, or {slot: slots.SlotType} (split stages)
+  residuals: dict[str, Any]  # {dtype: size} packed, or {slot: SlotType} (split stages)
   keep_inputs: bool
-  state: dict[str, Any] = dataclasses.field(default_factory=dict)   # {slot: slots.SlotType}
+  state: dict[str, Any]     # {slot: SlotType}
 
 
-def distinct_branches(stages: Sequence[Stage], fns: Sequence[StageFn], param_avals,
-                      batch_avals, stash: str,
-                      param_layouts: Sequence[Any] | None = None, state_avals: Sequence[Any] = (),
-                      state_layouts: Sequence[Any] | None = None,
-                      loop: tuple[Mesh, frozenset[str]] | None = None
-                      ) -> tuple[list[Branch], list[int]]:
+@dataclasses.dataclass(frozen=True)
+class Loop:
+  """The loop's distinct stage functions, the branch of every stage (chunk) and its buffers."""
+  branches: tuple[Branch, ...]
+  branch_of: tuple[int, ...]
+  buffers: Buffers
+
+
+def make_loop(stages: Sequence[Stage], fns: Sequence[StageFn], param_avals, batch_avals,
+              param_layouts: Sequence[Any], param_buffers: dict[str, Any], *,
+              residuals_in_slots: bool, state_avals: Sequence[Any],
+              state_layouts: Sequence[Any] | None, loop: tuple[Mesh, frozenset[str]]) -> Loop:
   """One ``Branch`` per distinct stage function, and the branch of every stage.
-  ``param_layouts``: per stage, a ``slots.SlotLayout`` instead of packed buffers;
-  ``state_avals`` / ``state_layouts``: the model state leaves, and per stage its state slots;
-  ``loop``: the mesh and manual axes of ``pipelined_gradients``' loop, for stages with
-  collectives of their own (batch statistics)."""
-  if stash not in STASH_MODES:
-    raise ValueError(f"stash must be one of {STASH_MODES}, got {stash!r}")
+  ``param_layouts`` / ``param_buffers``: per stage, its layout in the parameter buffers, and
+  their type (``storage.ParamStore``); ``residuals_in_slots``: stash whole residuals (tensor-
+  parallel stages); ``state_avals`` / ``state_layouts``: the model state leaves, and per stage
+  its state slots; ``loop``: the mesh and manual axes of ``pipelined_gradients``' loop, for
+  stages with collectives of their own (batch statistics)."""
   branches: list[Branch] = []
   seen: list[tuple[tuple, list]] = []
   branch_of = []
   for i, (stage, fn) in enumerate(zip(stages, fns)):
-    branch = Branch(stage, fn, param_avals, stash,
-                    None if param_layouts is None else param_layouts[i], state_avals,
+    branch = Branch(stage, fn, param_layouts[i], state_avals,
                     None if state_layouts is None else state_layouts[i], loop)
     sig, consts = branch.signature(param_avals, batch_avals)
     match = [i for i, (s, c) in enumerate(seen) if s == sig and same_consts(c, consts)]
@@ -218,28 +215,22 @@ def distinct_branches(stages: Sequence[Stage], fns: Sequence[StageFn], param_ava
     branches.append(branch)
     seen.append((sig, consts))
     branch_of.append(len(branches) - 1)
-  if param_layouts is not None and isinstance(param_layouts[0], slots.SlotLayout):
+  if residuals_in_slots:
     # Tensor-parallel stages stash whole residuals in slots, which keep GSPMD's ``model``
     # split (a packed buffer would gather them), shared by the branches like their parameters.
-    layouts = slots.assign([[slots.SlotType(e.shape, e.dtype, (None,) * len(e.shape))
+    layouts = slots.assign([[SlotType(e.shape, e.dtype, (None,) * len(e.shape))
                              for e in b.residuals.layout.entries] for b in branches])
     for b, layout in zip(branches, layouts):
       b.residuals = dataclasses.replace(b.residuals, layout=layout)
-  return branches, branch_of
-
-
-def buffer_sizes(branches: Sequence[Branch]) -> Buffers:
   edges = [b.incoming for b in branches] + [b.outgoing for b in branches]
-  slotted = isinstance(branches[0].params, slots.SlotLayout)
-  return Buffers(
-      params=(dict(branches[0].params.types) if slotted else
-              {**packing.padded_sizes([b.params for b in branches]),
-               **dict(getattr(branches[0].params, "part_types", ()))}),
+  buffers = Buffers(
+      params=dict(param_buffers),
       payload=packing.padded_sizes(edges),
       grad_payload=packing.padded_sizes(edges, inexact_only=True),
-      residuals=(dict(branches[0].residuals.layout.types) if slotted else
+      residuals=(dict(branches[0].residuals.layout.types) if residuals_in_slots else
                  packing.padded_sizes([b.residuals.layout for b in branches])),
       keep_inputs=any(b.needs_inputs for b in branches), state=dict(branches[0].state.types))
+  return Loop(tuple(branches), tuple(branch_of), buffers)
 
 
 def _forward_branch(branch: Branch, sizes: Buffers, aux_avals):
@@ -293,28 +284,15 @@ def _backward_branch(branch: Branch, sizes: Buffers):
 def _idle_forward(sizes: Buffers, aux_avals):
   def run(params, incoming, batch, state):
     return (packing.zeros(sizes.payload), jnp.zeros((), jnp.float32),
-            [jnp.zeros(a.shape, a.dtype) for a in aux_avals], _zeros(sizes.residuals),
+            [jnp.zeros(a.shape, a.dtype) for a in aux_avals], packing.zeros(sizes.residuals),
             state)
   return run
 
 
 def _idle_backward(sizes: Buffers):
   def run(params, stash_x, stash_r, slot, batch, grad_out, seed):
-    return _zeros(sizes.params), packing.zeros(sizes.grad_payload)
+    return packing.zeros(sizes.params), packing.zeros(sizes.grad_payload)
   return run
-
-
-def _zeros(sizes: dict[str, Any], *lead: int) -> dict[str, jax.Array]:
-  """Zero buffers (packed sizes or slot types: parameter gradients, residuals), ``lead`` in
-  front."""
-  return {k: t.zeros(lead) if isinstance(t, slots.SlotType) else jnp.zeros((*lead, t), k)
-          for k, t in sizes.items()}
-
-
-def buffer_nbytes(sizes: dict[str, Any]) -> int:
-  """Bytes of buffers given as packed sizes or slot types."""
-  return sum(t.nbytes if isinstance(t, slots.SlotType) else t * jnp.dtype(k).itemsize
-             for k, t in sizes.items())
 
 
 def _take(buffers: dict, index) -> dict:
@@ -367,19 +345,18 @@ def _gather_aux(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   return lax.all_gather(x, axes, axis=1, tiled=True)
 
 
-def pipelined_gradients(branches: Sequence[Branch], branch_of: Sequence[int], aux_avals,
-                        schedule: Schedule, mesh: Mesh, data_axes: tuple[str, ...],
-                        batch_spec: P, manual: frozenset[str] | None = None):
+def pipelined_gradients(loop: Loop, aux_avals, schedule: Schedule, mesh: Mesh,
+                        data_axes: tuple[str, ...], batch_spec: P, manual: frozenset[str]):
   """``(params {dtype: (S v, size)}, state {slot: (S, ...)}, micro batch leaves (M, rows, ...),
   seed) -> (mean loss, aux (M, ...), summed-over-data mean gradients {dtype: (S v, size)}, new
   state)``, as one shard_map. Row ``s v + j`` holds chunk ``s + jS`` (stage ``s``'s ``j``-th;
   ``v = 1``: row ``s``).
 
-  ``manual``: the mesh axes the loop is written for (default: all). Tensor-parallel stages
+  ``manual``: the mesh axes the loop is written for. Tensor-parallel stages
   leave ``model`` to GSPMD: their parameters come in whole (slots, ``v = 1``), with a
   ``model`` split. ``state``: model state per stage (``v = 1``), updated by each
   forward in micro batch order."""
-  sizes = buffer_sizes(branches)
+  branches, sizes = loop.branches, loop.buffers
   fwd = [_forward_branch(b, sizes, aux_avals) for b in branches] + [
       _idle_forward(sizes, aux_avals)]
   bwd = [_backward_branch(b, sizes) for b in branches] + [_idle_backward(sizes)]
@@ -388,7 +365,7 @@ def pipelined_gradients(branches: Sequence[Branch], branch_of: Sequence[int], au
   n_virtual = schedule.num_virtual_stages
   slots = schedule.num_slots
   shards = int(np.prod([mesh.shape[a] for a in data_axes]))
-  tables = tick_tables(schedule, branch_of, idle)   # (T, S, 8)
+  tables = tick_tables(schedule, loop.branch_of, idle)   # (T, S, 8)
   down = _hops(n_stages, 1, n_virtual > 1)
   up = _hops(n_stages, -1, n_virtual > 1)
 
@@ -399,8 +376,8 @@ def pipelined_gradients(branches: Sequence[Branch], branch_of: Sequence[int], au
         # One slot more than the schedule keeps: idle forwards write there, so a write needs
         # no read of the old slot and updates the loop's buffer in place.
         stash_x=packing.zeros(sizes.payload if sizes.keep_inputs else {}, (slots + 1,)),
-        stash_r=_zeros(sizes.residuals, slots + 1),
-        grads=_zeros(sizes.params, n_virtual), losses=jnp.zeros((n_micro,), jnp.float32),
+        stash_r=packing.zeros(sizes.residuals, (slots + 1,)),
+        grads=packing.zeros(sizes.params, (n_virtual,)), losses=jnp.zeros((n_micro,), jnp.float32),
         aux=[jnp.zeros((n_micro, *a.shape), a.dtype) for a in aux_avals],
         state={k: v[0] for k, v in state.items()})
 
@@ -434,24 +411,22 @@ def pipelined_gradients(branches: Sequence[Branch], branch_of: Sequence[int], au
   # calls, scans and custom rules carry no varying-axes types); every reduction is explicit.
   return jax.shard_map(local, mesh=mesh, in_specs=(stage_spec, stage_spec, batch_spec, P()),
                        out_specs=(P(), P(), stage_spec, stage_spec), check_vma=False,
-                       axis_names=frozenset(mesh.axis_names if manual is None else manual))
+                       axis_names=manual)
 
 
-def branch_flops(branches: Sequence[Branch], aux_avals, batch_avals) -> list[tuple[float, float]]:
+def branch_flops(loop: Loop, aux_avals, batch_avals) -> list[tuple[float, float]]:
   """``(forward, backward)`` FLOPs of one tick of each branch, from ``cost_analysis`` of the
   branch compiled alone, with the matmuls of its loops (rolled layers) counted per iteration
   (``cost.compiled_flops``). (The compiled step counts a loop body once and a switch as its
   costliest branch, so the executed FLOPs are these times the busy slots of the schedule.)"""
-  sizes = buffer_sizes(branches)
+  sizes = loop.buffers
   sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
-  def bufs(d, lead=()):    # packed sizes or slot types
-    return {k: jax.ShapeDtypeStruct((*lead, *t.shape), t.dtype) if isinstance(t, slots.SlotType)
-            else jax.ShapeDtypeStruct((*lead, t), k) for k, t in d.items()}
+  bufs = lambda d, lead=(): jax.eval_shape(lambda: packing.zeros(d, lead))  # noqa: E731
 
   batch = [sds(a) for a in batch_avals]
   params, state = bufs(sizes.params), bufs(sizes.state)
   out = []
-  for b in branches:
+  for b in loop.branches:
     fwd = jax.jit(b._bound(_forward_branch(b, sizes, aux_avals))).lower(
         params, bufs(sizes.payload), batch, state).compile()
     bwd = jax.jit(b._bound(_backward_branch(b, sizes))).lower(

@@ -19,35 +19,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax import lax
+from jax.sharding import NamedSharding
 
-
-@dataclasses.dataclass(frozen=True)
-class SlotType:
-  shape: tuple[int, ...]
-  dtype: str
-  spec: tuple[Any, ...]     # the leaf's PartitionSpec entries (model axis), without ``stage``
-
-  @staticmethod
-  def of(aval: Any) -> SlotType:
-    """A replicated leaf (model state)."""
-    return SlotType(tuple(aval.shape), jnp.dtype(aval.dtype).name, (None,) * len(aval.shape))
-
-  @property
-  def nbytes(self) -> int:
-    return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
-
-  def zeros(self, lead: tuple[int, ...] = ()) -> jax.Array:
-    return jnp.zeros((*lead, *self.shape), self.dtype)
-
-  def stacked_spec(self, stage_axis: str) -> P:
-    return P(stage_axis, *self.spec)
+from epljax.mesh import STAGE
+from epljax.pipeline.packing import SlotType
+from epljax.pipeline.storage import ParamStore
 
 
 @dataclasses.dataclass(frozen=True)
 class SlotLayout:
   """One stage's leaves -> their slots; ``types``: every slot of the pipeline (the buffer
-  type, the same for all stages). Same interface as ``packing.Layout`` for the runtime."""
+  type, the same for all stages). A stage layout for the runtime (``storage.ParamStore``)."""
   keys: tuple[str, ...]
   types: tuple[tuple[str, SlotType], ...]
 
@@ -70,6 +53,29 @@ class SlotLayout:
       t = types[k]
       out[t.dtype] = out.get(t.dtype, 0) + math.prod(t.shape)
     return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SlotStore(ParamStore):
+  """Tensor-parallel stages' parameters: ``{slot: (S, *shape)}`` sharded ``P(stage, *spec)``,
+  so each keeps its ``model`` split inside the loop (``v = 1``); ``leaf_slots``: per stage,
+  the slots of its exchanged leaves (``layouts`` add its parts)."""
+  leaf_slots: tuple[SlotLayout, ...]
+
+  inside = "in slots (whole arrays, split over model) inside the step"
+
+  def _pack(self, leaves: Sequence[Any]) -> dict[str, jax.Array]:
+    return stack(leaves, self.members, self.leaf_slots)
+
+  def _constrained(self, packed: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    return {k: lax.with_sharding_constraint(v, NamedSharding(
+        self.mesh, self.buffers[k].stacked_spec(STAGE))) for k, v in packed.items()}
+
+  def _gradients(self, packed: Mapping[str, jax.Array]) -> list[Any]:
+    return unstack(packed, self.members, self.leaf_slots, self.avals, total=True)
+
+  def bytes_inside(self) -> int:
+    return sum(t.nbytes // self.split_of(t.spec) for t in self.buffers.values())
 
 
 def assign(stage_leaves: Sequence[Sequence[SlotType]]) -> list[SlotLayout]:

@@ -16,8 +16,8 @@ number of collectives and a few static slices per leaf, however deep the model.
 A stacked leaf whose stage ``s`` reads only its ``s``-th row chunk (scanned layers split per
 stage, ``chunks.py``) is stored split over ``stage`` on its rows, so each stage device already
 holds its chunk: it skips the exchange and rides beside the buffers as ``{"part<j>": (S, rows,
-...)}`` (``WithParts``; its own slot in tensor-parallel stages), a free reshape of the stored
-leaf, its gradient likewise. Interleaved (``v`` chunks per stage) stage ``s`` stores chunks
+...)}`` (its own slot in tensor-parallel stages), a free reshape of the stored leaf, its
+gradient likewise. Interleaved (``v`` chunks per stage) stage ``s`` stores chunks
 ``s v ...`` but runs ``s, s + S, ...``: ``interleave`` moves them there with ``ppermute``, and
 ``deinterleave`` their gradients back.
 """
@@ -34,11 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from epljax.mesh import STAGE
-from epljax.pipeline import packing, slots
+from epljax.pipeline import packing
+from epljax.pipeline.packing import SlotType
 
 
 def axis_size(mesh, entry) -> int:
@@ -68,56 +69,127 @@ class Piece:
   size: int
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ParamStore:
+  """The user's parameter leaves as stored (``shardings``: each also split over ``stage``) <->
+  the loop's parameter buffers (``buffers``: their type; ``layouts``: per chunk, where its
+  parameters sit, its exchanged leaves then its parts). Two kinds: ``PackedStore`` (flat
+  per-dtype buffers) and ``slots.SlotStore`` (whole arrays, for tensor-parallel stages); both
+  carry the stacked leaves' chunks (``parts``) beside their buffers (see the module doc)."""
+  mesh: Mesh
+  avals: tuple[Any, ...]                  # the user's leaves
+  specs: tuple[P, ...]                    # their specs without ``stage``
+  shardings: tuple[NamedSharding, ...]    # as stored
+  members: tuple[tuple[int, ...], ...]    # per chunk (in row order), its exchanged leaves
+  parts: Mapping[int, int]                # part index (after the leaves) -> its stacked leaf
+  part_types: Mapping[str, SlotType]      # part key -> one chunk of its leaf
+  layouts: tuple[Any, ...]                # per chunk: ``unpack(buffers)``, ``pack(values, type)``
+  buffers: Mapping[str, Any]              # {dtype: size} (packed) and {key: SlotType}
+  virtual: int
+
+  inside = ""   # how the parameters are held inside the step, for the plan
+
+  def pack(self, leaves: Sequence[Any]) -> dict[str, jax.Array]:
+    """The stored leaves -> the loop's ``(S v, ...)`` buffers (traceable)."""
+    out = self._pack(leaves)
+    out.update((part_key(v - len(leaves)), interleave(leaves[i], self.virtual, self.mesh))
+               for v, i in self.parts.items())
+    return self._constrained(out)
+
+  def gradients_of(self, packed: Mapping[str, jax.Array]) -> list[Any]:
+    """The buffers' gradients -> per stored leaf, the sum over the stages that read it (the
+    transpose of ``pack``)."""
+    keys = {part_key(v - len(self.avals)): i for v, i in self.parts.items()}
+    leaves = self._gradients({k: g for k, g in packed.items() if k not in keys})
+    for k, i in keys.items():
+      leaves[i] = deinterleave(packed[k], tuple(self.avals[i].shape), self.mesh)
+    return leaves
+
+  def split_of(self, spec: Sequence[Any]) -> int:
+    """Devices a spec splits over."""
+    return math.prod(axis_size(self.mesh, e) for e in spec if e is not None)
+
+  def part_bytes(self) -> int:
+    """A stage's chunks of stacked leaves per device (``v`` chunks with virtual stages)."""
+    return self.virtual * sum(t.nbytes // self.split_of(t.spec)
+                              for t in self.part_types.values())
+
+  def bytes_inside(self) -> int:
+    """One stage's parameters per device inside the step."""
+    raise NotImplementedError
+
+  def _pack(self, leaves: Sequence[Any]) -> dict[str, jax.Array]:
+    raise NotImplementedError
+
+  def _constrained(self, packed: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    raise NotImplementedError
+
+  def _gradients(self, packed: Mapping[str, jax.Array]) -> list[Any]:
+    raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PackedStore(ParamStore):
+  """Each chunk's exchanged leaves in ``{dtype: (S v, S slot)}`` buffers, filled by one
+  ``all_to_all`` per dtype (``exchange``); ``dims``: per leaf, the dimension stored split
+  over ``stage``; ``rows``: the chunk of each buffer row (``chunk_rows``)."""
+  dims: tuple[int | None, ...]
+  rows: tuple[int, ...]
+
+  inside = "packed for the largest stage inside the step"
+
+  def _pack(self, leaves: Sequence[Any]) -> dict[str, jax.Array]:
+    return exchange(leaves, self._by_row(self.layouts), self._by_row(self.members), self.dims,
+                    self.mesh)
+
+  def _constrained(self, packed: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    return {k: lax.with_sharding_constraint(v, NamedSharding(self.mesh, P(STAGE)))
+            if k in self.part_types else v for k, v in packed.items()}
+
+  def _gradients(self, packed: Mapping[str, jax.Array]) -> list[Any]:
+    return list(exchange_gradients(packed, self._by_row(self.layouts),
+                                   self._by_row(self.members), self.dims, self.avals, self.mesh))
+
+  def _by_row(self, per_chunk: Sequence[Any]) -> list[Any]:
+    return [per_chunk[c] for c in self.rows]
+
+  def bytes_inside(self) -> int:
+    return packing.nbytes({k: n for k, n in self.buffers.items() if k not in self.part_types}
+                           ) + self.part_bytes()
+
+
 @dataclasses.dataclass(frozen=True)
 class ExchangeLayout:
-  """A stage's leaves in its exchanged buffer ``{dtype: (S * slot,)}`` (see the module doc)."""
+  """A stage's exchanged leaves in its buffer ``{dtype: (S * slot,)}`` (see the module doc),
+  then its chunks of stacked leaves (``part_keys``; ``part_types``: every part, the buffer
+  type). A stage layout for the runtime (``ParamStore.layouts``)."""
   entries: tuple[Piece, ...]
   stages: int
   slots: tuple[tuple[str, int], ...]    # (dtype, slot size), the same for every stage
+  part_keys: tuple[str, ...]
+  part_types: tuple[tuple[str, SlotType], ...]
 
   @property
   def sizes(self) -> dict[str, int]:
     return {name: self.stages * slot for name, slot in self.slots}
 
   def unpack(self, buffers: Mapping[str, jax.Array]) -> list[jax.Array]:
-    slot = dict(self.slots)
-    rows = {k: v.reshape(self.stages, slot[k]) for k, v in buffers.items()}
+    rows = {k: buffers[k].reshape(self.stages, slot) for k, slot in self.slots}
     return [_whole(lax.slice_in_dim(rows[e.dtype], e.offset, e.offset + e.size, axis=1), e)
-            for e in self.entries]
+            for e in self.entries] + [buffers[k] for k in self.part_keys]
 
-  def pack(self, values: Sequence[Any], padded: Mapping[str, int]) -> dict[str, jax.Array]:
-    """Whole leaves (the stage's gradients) -> its buffer: the transpose of ``unpack``."""
-    parts: dict[str, list[jax.Array]] = {name: [] for name in padded}
-    for e, v in zip(self.entries, values, strict=True):
-      parts[e.dtype].append(_pieces(jnp.asarray(v).astype(e.dtype), e, self.stages))
-    return {name: _fill(parts[name], self.stages, size // self.stages, name).reshape(size)
-            for name, size in padded.items()}
-
-
-@dataclasses.dataclass(frozen=True)
-class WithParts:
-  """A stage's parameters: its exchanged leaves (in ``exchanged``'s order), then its chunks of
-  stacked leaves, ``keys`` into the buffers (see the module doc); ``part_types``: every part
-  of the pipeline (the buffer type). Same interface as ``ExchangeLayout`` for the runtime."""
-  exchanged: ExchangeLayout
-  keys: tuple[str, ...]
-  part_types: tuple[tuple[str, slots.SlotType], ...]
-
-  @property
-  def sizes(self) -> dict[str, int]:
-    return self.exchanged.sizes
-
-  def unpack(self, buffers: Mapping[str, jax.Array]) -> list[jax.Array]:
-    own = {k: buffers[k] for k, _ in self.exchanged.slots}
-    return self.exchanged.unpack(own) + [buffers[k] for k in self.keys]
-
-  def pack(self, values: Sequence[Any], padded: Mapping[str, Any]) -> dict[str, Any]:
+  def pack(self, values: Sequence[Any], padded: Mapping[str, Any]) -> dict[str, jax.Array]:
+    """Whole leaves and parts (the stage's gradients) -> its buffers: the transpose of
+    ``unpack``, zeros in the parts it does not read."""
     types = dict(self.part_types)
-    n = len(self.exchanged.entries)
-    out: dict[str, Any] = self.exchanged.pack(
-        values[:n], {k: v for k, v in padded.items() if k not in types})
+    n = len(self.entries)
+    parts: dict[str, list[jax.Array]] = {name: [] for name in padded if name not in types}
+    for e, v in zip(self.entries, values[:n], strict=True):
+      parts[e.dtype].append(_pieces(jnp.asarray(v).astype(e.dtype), e, self.stages))
+    out = {name: _fill(parts[name], self.stages, padded[name] // self.stages, name).reshape(
+        padded[name]) for name in parts}
     out.update((k, t.zeros()) for k, t in types.items())
-    out.update((k, jnp.asarray(v, types[k].dtype)) for k, v in zip(self.keys, values[n:],
+    out.update((k, jnp.asarray(v, types[k].dtype)) for k, v in zip(self.part_keys, values[n:],
                                                                    strict=True))
     return out
 
@@ -127,7 +199,9 @@ def part_key(j: int) -> str:
 
 
 def exchange_layouts(members: Sequence[Sequence[int]], avals: Sequence[Any],
-                     dims: Sequence[int | None], stages: int) -> list[ExchangeLayout]:
+                     dims: Sequence[int | None], stages: int,
+                     part_keys: Sequence[tuple[str, ...]],
+                     part_types: tuple[tuple[str, SlotType], ...]) -> list[ExchangeLayout]:
   """Per stage (its leaf indices ``members``): where each of its leaves' pieces sit; ``dims``:
   per leaf, the dimension its storage splits over ``stage`` (None: not split)."""
   offsets = []
@@ -144,7 +218,8 @@ def exchange_layouts(members: Sequence[Sequence[int]], avals: Sequence[Any],
     for name, n in at.items():
       used[name] = max(used.get(name, 0), n)
   slots = tuple(sorted(used.items()))
-  return [ExchangeLayout(tuple(Piece(*e) for e in entries), stages, slots) for entries in offsets]
+  return [ExchangeLayout(tuple(Piece(*e) for e in entries), stages, slots, tuple(keys), part_types)
+          for entries, keys in zip(offsets, part_keys)]
 
 
 def exchange(leaves: Sequence[Any], rows: Sequence[ExchangeLayout],

@@ -39,8 +39,8 @@ from jax.extend import core as jcore
 
 from epljax.errors import PlanError
 from epljax.sharding import dims as D
-from epljax.sharding.program import (REMAT, Step, bind, finish, in_context, inner_eqns, read,
-                                     run_steps, start_env, steps_of, trace_steps)
+from epljax.sharding.program import (REMAT, Step, bind, evaluate, in_context, inner_eqns,
+                                     steps_of, trace_steps)
 
 
 class FusedLayoutError(PlanError):
@@ -147,9 +147,7 @@ class FusedLayouts:
     def stored_order(params, model_state, batch):
       program, flat = trace_steps(loss_call, params, (model_state, batch))
       stored = {program.param_keys[i]: _Stored(f, f.dim) for i, f in self.fused.items()}
-      env = start_env(program, flat)
-      run_steps(program.steps, env, lambda step, invals: _run(step, invals, stored))
-      return finish(program, env)
+      return evaluate(program, flat, lambda step, invals: _run(step, invals, stored))
 
     return stored_order
 
@@ -228,11 +226,10 @@ def _remat(step: Step, invals: list, marked: dict, stored: dict) -> list:
 
   def inner(*args):
     inside = {body.inputs[pos]: m for pos, m in marked.items()}
-    env = start_env(body, args)
-    run_steps(body.steps, env, lambda s, vals: _run(s, vals, inside))
+    outs = evaluate(body, args, lambda s, vals: _run(s, vals, inside))
     found.update((i, inside[a]) for i, a in enumerate(body.outputs)
                  if not isinstance(a, jcore.Literal) and a in inside)
-    return [read(env, a) for a in body.outputs]
+    return outs
 
   outs = jax.checkpoint(inner, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
   for i, m in found.items():

@@ -1,8 +1,9 @@
 """The one jaxpr walker: a traced program flattened into equations, across call boundaries.
 
 JAX nests equations inside ``jit``, ``custom_jvp_call``, ``checkpoint``, ``scan``, ``cond`` and
-``while``. Every part of epljax that reads a traced program walks it here (``walk``), deciding
-only which nested bodies to enter:
+``while``. Every part of epljax that reads or re-runs a traced program walks it here (``walk``),
+deciding only which nested bodies to enter, and re-runs it here (``run_steps``, ``evaluate``),
+deciding only how each equation runs (a *rule* per ``Step``):
 
 - the capture (``Program``: strategy tagging, split rules, stage cutting) enters every body,
   so each innermost equation (a ``Node``) gets its full name stack and its inputs resolved to
@@ -10,11 +11,15 @@ only which nested bodies to enter:
 - the memory features and the gradient-sum rewrite (``sharding.reductions``) enter plain
   calls only (``CALLS``, ``steps_of``) and re-run every other equation as one ``Step``
   (``trace_steps``, ``run_steps``: the evaluation section at the end of this file);
-- the pipeline (``pipeline.partition``, ``pipeline.auto``) inlines ``CALLS`` and
-  ``DERIVATIVE_CALLS`` and never cuts inside ``LOOPS`` or branches.
+- the stage cut (``pipeline.partition``) enters ``CALLS`` and ``DERIVATIVE_CALLS`` whose nodes
+  span stages and never cuts inside ``LOOPS`` or branches; the rewrites of a stage's program
+  (``pipeline.roll``, ``pipeline.chunks``) enter nothing (``top_level``).
 
-``sub_calls`` is the one list of how a call-like equation maps its operands and results to its
-bodies; ``inner_eqns`` and ``any_eqn`` look inside nested bodies without flattening.
+Whatever it enters, a walk numbers equations as the capture does: each ``Visit`` (and ``Step``)
+knows the ``Node`` indices it stands for (``nodes``), so a partial walk lines up with the
+capture's per-node decisions. ``sub_calls`` is the one list of how a call-like equation maps its
+operands and results to its bodies; ``inner_eqns`` and ``any_eqn`` look inside nested bodies
+without flattening.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class Visit:
   outputs: tuple[Key | None, ...]    # None for a dropped output
   name_stack: Any                    # source_info_util.NameStack, from the walk's root
   enclosing: tuple[jcore.JaxprEqn, ...]   # the entered equations around it, outermost first
+  nodes: range                       # the capture's nodes (every body entered) it stands for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,14 +71,18 @@ class Walk:
   outputs: tuple[Any, ...]           # per root output: a tuple of Keys, or a Literal
 
 
-def walk(closed: Any, enter: Callable[[jcore.JaxprEqn], bool] = lambda eqn: True) -> Walk:
+def walk(closed: Any, enter: Callable[[jcore.JaxprEqn, range], bool] | None = None,
+         start: int = 0) -> Walk:
   """Flattens ``closed`` (a ClosedJaxpr or Jaxpr) in trace order, entering the bodies of the
-  equations ``enter`` accepts and ``sub_calls`` can map."""
+  equations that ``sub_calls`` can map and ``enter(eqn, nodes)`` accepts (default: all);
+  ``nodes`` are the capture's node indices the equation stands for, numbered from ``start``."""
   jaxpr, consts = _body(closed)
   visits: list[Visit] = []
   alias: dict[Key, Any] = {}      # inner value -> the outer Keys (or Literal) it stands for
   all_consts = [((0, v), c) for v, c in zip(jaxpr.constvars, consts)]
   scopes = [0]
+  cursor = [start]
+  spans: dict[int, int] = {}
 
   def resolve(scope: int, v: Any):
     if isinstance(v, jcore.Literal):
@@ -82,12 +92,16 @@ def walk(closed: Any, enter: Callable[[jcore.JaxprEqn], bool] = lambda eqn: True
   def go(jaxpr, scope, prefix, enclosing):
     for eqn in jaxpr.eqns:
       stack = prefix + eqn.source_info.name_stack
-      calls = sub_calls(eqn) if enter(eqn) else None
+      calls = sub_calls(eqn)
+      nodes = range(cursor[0], cursor[0] + (1 if calls is None else _span(eqn, spans)))
+      if calls is not None and enter is not None and not enter(eqn, nodes):
+        calls = None
       if calls is None:
         visits.append(Visit(
             eqn, tuple(resolve(scope, v) for v in eqn.invars),
             tuple(None if isinstance(v, jcore.DropVar) else (scope, v) for v in eqn.outvars),
-            stack, enclosing))
+            stack, enclosing, nodes))
+        cursor[0] = nodes.stop
         continue
       outer_outs: dict[Any, list] = defaultdict(list)
       for inner, in_map, out_map in calls:
@@ -108,11 +122,14 @@ def walk(closed: Any, enter: Callable[[jcore.JaxprEqn], bool] = lambda eqn: True
               tuple(resolve(0, v) for v in jaxpr.outvars))
 
 
-def bind_eqn(eqn: jcore.JaxprEqn, values: Any, **params: Any) -> list[Any]:
-  """Replays ``eqn`` on ``values`` in the current trace, under its own name stack (the capture
-  reads scopes from it) and context; ``params`` override the equation's."""
-  with _context(eqn, eqn.source_info.name_stack):
-    return bind_here(eqn, values, **params)
+def _span(eqn: jcore.JaxprEqn, spans: dict[int, int]) -> int:
+  """How many capture nodes ``eqn`` stands for: its innermost equations, every body entered."""
+  n = spans.get(id(eqn))
+  if n is None:
+    calls = sub_calls(eqn)
+    n = 1 if calls is None else sum(_span(e, spans) for inner, _, _ in calls for e in inner.eqns)
+    spans[id(eqn)] = n
+  return n
 
 
 def bind_here(eqn: jcore.JaxprEqn, values: Any, **params: Any) -> list[Any]:
@@ -158,9 +175,6 @@ def sub_calls(eqn: jcore.JaxprEqn) -> list[Call] | None:
   if len(j.invars) != len(eqn.invars) or len(j.outvars) != len(outs):
     return None
   return [(j, list(zip(j.invars, eqn.invars)), list(zip(outs, j.outvars)))]
-
-
-_sub_calls = sub_calls   # the name pipeline.partition imports
 
 
 def rewrite_eqns(closed: jcore.ClosedJaxpr,
@@ -231,12 +245,17 @@ def _rewrite_param(v: Any, fn, aval_fn) -> Any:
   return v
 
 
+def eqns_in(jaxpr: jcore.Jaxpr) -> Iterator[jcore.JaxprEqn]:
+  """Every equation of ``jaxpr`` and of its nested bodies, at any depth."""
+  for e in jaxpr.eqns:
+    yield e
+    yield from inner_eqns(e)
+
+
 def inner_eqns(eqn: jcore.JaxprEqn) -> Iterator[jcore.JaxprEqn]:
   """Every equation nested in ``eqn``'s bodies, at any depth."""
   for sub in jcore.jaxprs_in_params(eqn.params):
-    for e in sub.eqns:
-      yield e
-      yield from inner_eqns(e)
+    yield from eqns_in(sub)
 
 
 def any_eqn(eqn: jcore.JaxprEqn, pred: Callable[[jcore.JaxprEqn], bool]) -> bool:
@@ -347,6 +366,7 @@ class Step:
   inputs: tuple[Any, ...]                    # Key, or a jcore.Literal
   outputs: tuple[Key | None, ...]            # None for a dropped output
   name_stack: Any                            # source_info_util.NameStack, relative to fn
+  nodes: range = range(0)                    # the capture's nodes it stands for (``Visit``)
 
   @property
   def primitive(self) -> str:
@@ -377,18 +397,26 @@ class Steps:
     return self.inputs[:self.num_params]
 
 
-def steps_of(closed, num_params: int = 0, in_tree=None, out_tree=None) -> Steps:
+def steps_of(closed, num_params: int = 0, in_tree=None, out_tree=None, *,
+             enter: Callable[[jcore.JaxprEqn], bool] | None = None, start: int = 0) -> Steps:
   """The flattened program of a (closed) jaxpr, e.g. the body of a loop; its inputs and
-  outputs are flat lists unless trees are given. Plain calls are entered (``inlinable``),
-  every other equation is one step."""
-  flat = walk(closed, enter=inlinable)
-  steps = tuple(Step(i, v.eqn, tuple(map(_one, v.inputs)), v.outputs, v.name_stack)
+  outputs are flat lists unless trees are given. The equations ``enter`` accepts (default:
+  plain calls, ``inlinable``) are entered, every other equation is one step; its capture
+  nodes are numbered from ``start``."""
+  enter = enter or inlinable
+  flat = walk(closed, lambda eqn, nodes: enter(eqn), start)
+  steps = tuple(Step(i, v.eqn, tuple(map(_one, v.inputs)), v.outputs, v.name_stack, v.nodes)
                 for i, v in enumerate(flat.visits))
   outs = tuple(map(_one, flat.outputs))
   out_tree = out_tree or tree_structure([0] * len(outs))
   jaxpr = closed.jaxpr if isinstance(closed, jcore.ClosedJaxpr) else closed
   return Steps(steps, flat.inputs, tuple(flat.consts), outs,
                  tuple(v.aval for v in jaxpr.outvars), num_params, in_tree, out_tree)
+
+
+def top_level(eqn: jcore.JaxprEqn) -> bool:
+  """``steps_of``'s ``enter`` that enters nothing: a step per top-level equation."""
+  return False
 
 
 def _one(resolved):
@@ -447,9 +475,9 @@ def nbytes(aval) -> int:
 
 # -- evaluation: re-running a traced function step by step ------------------------------------
 # A feature that changes *how* ``fn(params, *args)`` runs, never *what* it computes (the memory
-# features, the gradient-sum rewrite), traces it (``trace_steps``) and evaluates the steps
-# itself; a re-bound equation keeps its name stack and context, so strategy frames stay
-# visible and the HLO reads as before.
+# features, the gradient-sum rewrite, a stage's rolled layers or split scan), traces it
+# (``trace_steps``) and evaluates the steps with its own rule; a re-bound equation keeps its
+# name stack and context, so strategy frames stay visible and the HLO reads as before.
 
 def trace_steps(fn: Callable, params: Any, args: Sequence[Any], *,
                 in_device_memory: bool = False) -> tuple[Steps, list[Any]]:
@@ -505,6 +533,17 @@ def run_steps(steps: Sequence[Step], env: dict,
   for step in steps:
     outs = rule(step, [read(env, a) for a in step.inputs])
     env.update((k, v) for k, v in zip(step.outputs, outs) if k is not None)
+
+
+def evaluate(program: Steps | Any, flat_args: Sequence[Any],
+             rule: Callable[[Step, list], list] = bind) -> list[Any]:
+  """The outputs of ``program`` (``Steps``, or a closed jaxpr whose plain calls are entered:
+  a flat list) on ``flat_args``, each step evaluated by ``rule`` (``run_steps``)."""
+  if not isinstance(program, Steps):
+    program = steps_of(program)
+  env = start_env(program, flat_args)
+  run_steps(program.steps, env, rule)
+  return finish(program, env)
 
 
 def start_env(program: Steps, flat_args: Sequence[Any]) -> dict:

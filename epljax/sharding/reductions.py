@@ -49,9 +49,9 @@ from jax.sharding import PartitionSpec as P
 from epljax.errors import PlanError
 from epljax.sharding import dims as D
 from epljax.sharding import split_rules
-from epljax.sharding.program import (CALLS, Program, Step, bind, bind_here, in_context, inlinable,
-                                     inner_eqns, read, run_scan, start_env, steps_of, sub_calls,
-                                     walk)
+from epljax.sharding.program import (CALLS, Program, Step, bind, bind_here, eqns_in, finish,
+                                     in_context, inlinable, read, run_scan, run_steps, start_env,
+                                     steps_of)
 
 
 PLATFORMS = ("cpu",)   # where XLA lacks all-reduce reassociation (module doc)
@@ -121,7 +121,7 @@ def row_uses(program: Program, rows_inputs: Sequence[int], replicas: int, leaf_s
   transpose, whose other operand keeps its rows; outside loops, branches and ``jit``s with
   shardings of their own (the evaluation does not enter those)."""
   state = split_rules.row_dims(program, rows_inputs, leaf_shapes, leaf_paths)
-  sealed = {id(e) for e in _all_eqns(program.closed_jaxpr.jaxpr)
+  sealed = {id(e) for e in eqns_in(program.closed_jaxpr.jaxpr)
             if e.primitive.name in CALLS and not inlinable(e)}
   uses: dict[int, dict[int, _RowUse]] = {}
   for node in program.nodes:
@@ -164,14 +164,6 @@ def _parameter_read(program: Program, node, pos: int, num_params: int):
       and len(producer.inputs[0]) == 1 and producer.inputs[0][0] in params):
     return params[producer.inputs[0][0]], tuple(producer.eqn.params["permutation"])
   return None
-
-
-def _all_eqns(jaxpr) -> list:
-  out = []
-  for eqn in jaxpr.eqns:
-    out.append(eqn)
-    out.extend(inner_eqns(eqn))
-  return out
 
 
 def shared_reduction(fn, *, mesh: jax.sharding.Mesh, model: str, data: str,
@@ -245,44 +237,30 @@ class _Run:
     self.groups = self.fused = self.row_uses = 0   # per run of the program
     self.trips = 1            # iterations of the scans around the body being evaluated
     self.copies: dict[int, Any] = {}     # parameter leaf -> its (replicas, ...) varying copy
-    self._spans: dict[int, int] = {}
-
-  def span(self, eqn) -> int:
-    """How many innermost equations (``Program`` nodes) ``eqn`` stands for."""
-    n = self._spans.get(id(eqn))
-    if n is None:
-      calls = sub_calls(eqn)
-      n = 1 if calls is None else sum(len(walk(inner).visits) for inner, _, _ in calls)
-      self._spans[id(eqn)] = n
-    return n
 
   def __call__(self, closed, flat_args: Sequence[Any], offset: int) -> list[Any]:
     """Runs ``closed`` on ``flat_args``; its first innermost equation is node ``offset``."""
-    program = steps_of(closed)
-    nodes, cursor = [], offset
-    for step in program.steps:
-      nodes.append(cursor)
-      cursor += self.span(step.eqn)
-    siblings = self._siblings(program, nodes)
+    program = steps_of(closed, start=offset)
+    siblings = self._siblings(program)
     env = start_env(program, flat_args)
     ready: dict[int, list] = {}
-    for pos, step in enumerate(program.steps):
-      invals = [read(env, a) for a in step.inputs]
-      use = self.rows.get(nodes[pos]) if self.span(step.eqn) == 1 else None
-      if pos in ready:
-        outs = ready.pop(pos)
-      elif pos in siblings:
-        outs = self._columns(program, siblings[pos], env, ready)
-      elif use is not None:
-        outs = [self._row_use(step, use, invals)]
-      elif step.primitive == "scan" and self._inside(step, nodes[pos]):
-        outs = in_context(step, run_scan, step, invals, self._body(step, nodes[pos]))
-      else:
-        outs = bind(step, invals)
-      env.update((k, v) for k, v in zip(step.outputs, outs) if k is not None)
-    return [read(env, a) for a in program.outputs]
 
-  def _body(self, step: Step, first: int):
+    def rule(step: Step, invals: list) -> list:
+      use = self.rows.get(step.nodes.start) if len(step.nodes) == 1 else None
+      if step.index in ready:
+        return ready.pop(step.index)
+      if step.index in siblings:
+        return self._columns(program, siblings[step.index], env, ready)
+      if use is not None:
+        return [self._row_use(step, use, invals)]
+      if step.primitive == "scan" and any(n in step.nodes for n in self.columns):
+        return in_context(step, run_scan, step, invals, self._body(step))
+      return bind(step, invals)
+
+    run_steps(program.steps, env, rule)
+    return finish(program, env)
+
+  def _body(self, step: Step):
     """The scan ``step``'s body, run by this evaluation (its groups count once per
     iteration)."""
     body, length = step.eqn.params["jaxpr"], step.eqn.params["length"]
@@ -290,24 +268,21 @@ class _Run:
     def run(consts, carry, x):
       self.trips *= length
       try:
-        return self(body, [*consts, *carry, *x], first)
+        return self(body, [*consts, *carry, *x], step.nodes.start)
       finally:
         self.trips //= length
 
     return run
 
-  def _inside(self, step: Step, first: int) -> bool:
-    return any(first <= n < first + self.span(step.eqn) for n in self.columns)
-
   # -- sibling column matmuls, over ``model`` --------------------------------------------
-  def _siblings(self, program, nodes: list[int]) -> dict[int, list[tuple[int, _Column]]]:
+  def _siblings(self, program) -> dict[int, list[tuple[int, _Column]]]:
     """First step position -> the column matmuls (positions) that read its activation, each
     of whose weights exists by then."""
     defined_at = {k: pos for pos, s in enumerate(program.steps) for k in s.outputs}
     by_input: dict[Any, list[tuple[int, _Column]]] = {}
     for pos, step in enumerate(program.steps):
-      member = self.columns.get(nodes[pos])
-      if member is None or self.span(step.eqn) != 1:
+      member = self.columns.get(step.nodes.start)
+      if member is None or len(step.nodes) != 1:
         continue
       x = step.inputs[1 - member.side]
       if isinstance(x, jcore.Literal):
