@@ -46,6 +46,7 @@ from epljax import cost as cost_lib
 from epljax import estimate as estimate_lib
 from epljax import strategy as strategy_lib
 from epljax.errors import PlanError, size
+from epljax.memory import offload
 from epljax.mesh import MODEL
 from epljax.sharding import annotations
 
@@ -90,9 +91,12 @@ def search(fns, config, cluster, rng, batch, build: Callable) -> Any:
   fixed = {name: config.to_dict()[key] for name, key in SEARCHED_KEYS.items()
            if key in config.changed()}
   notes = [STAGES_NOT_SEARCHED]
-  if cluster.platform == "cpu" and "offload" not in fixed:
+  if "offload" not in fixed and (cluster.platform == "cpu"
+                                 or offload.host_memory_kind(cluster.devices[0]) is None):
     fixed["offload"] = ""
-    notes.append("offload candidates not searched: on CPU host memory is the device's memory")
+    notes.append("offload candidates not searched: " + (
+        "on CPU host memory is the device's memory" if cluster.platform == "cpu" else
+        f"the {cluster.platform} devices address no {offload.HOST!r} memory"))
   make = functools.partial(_build_with, build, fns, config.replace({"auto.auto_parallel": False}),
                            cluster, rng, batch)
   bases = _base_builds(make, len(cluster.devices), fixed, notes)
