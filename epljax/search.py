@@ -25,8 +25,9 @@ and a user's scope, default strategy or ``epl.annotate`` rule are fixed, not sea
    activation estimate of the rows still to weigh by its measured activations
    (``_calibrated``). A row that was only estimated says so.
 
-Pipeline stages are not searched: each stage plan compiles its pipeline before it can be
-measured, which is too slow for this search. Cut stages with ``pipeline.num_stages``.
+Pipeline stages are not searched yet: a stage plan is made without compiling
+(``build.pipeline_plan``), but its bytes and bubble are not estimated here. Cut stages with
+``pipeline.num_stages``.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ CHECKPOINTING = ("", "auto")
 OFFLOAD = ("", "v0", "v1")
 SEARCHED_KEYS = {"num_micro_batch": "pipeline.num_micro_batch", "zero_level": "zero.level",
                  "gradient_checkpoint": "gradient_checkpoint.type", "offload": "offload.level"}
-STAGES_NOT_SEARCHED = ("stage candidates not searched: a pipeline plan compiles its pipeline "
-                       "before it can be measured (set pipeline.num_stages to cut stages)")
+STAGES_NOT_SEARCHED = ("stage candidates not searched yet: no estimate of a stage plan's bytes "
+                       "and bubble (set pipeline.num_stages to cut stages)")
 
 
 @dataclasses.dataclass(frozen=True)
