@@ -134,7 +134,7 @@ class Plan:
   # -- derived -----------------------------------------------------------------------------
   @property
   def param_bytes(self) -> int:
-    if self.pipeline is not None:   # each device holds its stage's packed buffer
+    if self.pipeline is not None:   # the stored leaves, each also split over stage
       return self.pipeline.param_bytes_per_device
     return sum(leaf.bytes_per_device for leaf in self.leaves if leaf.trainable)
 

@@ -134,3 +134,14 @@ def kill_9_and_resume(worker: str, tmp_path, steps: int) -> tuple[str, str, str,
   start = int(resumed.stdout.split("RESUMED ")[1].split()[0])
   assert start in (2, 4)   # the last committed save: 4, or 2 if 4 was still being written
   return reference.stdout, "".join(seen), resumed.stdout, start
+
+
+def share_compiles(monkeypatch, directory) -> None:
+  """The workers this test starts (``worker_env`` copies the environment) share one compilation
+  cache in ``directory``, the test's own: the first run compiles, the runs after it load the
+  same programs instead of compiling them again (a shakespeare_resume.py run: 10.5 s alone,
+  5.5 s from the cache). One worker at a time writes it; the suite's own cache stays
+  per-process (conftest.py)."""
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(directory))
+  monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")

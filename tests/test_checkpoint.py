@@ -16,7 +16,7 @@ import pytest
 
 import epljax as epl
 from helpers import (TOL, assert_trees_close, classification_batch, cross_entropy,
-                     kill_9_and_resume, printed)
+                     kill_9_and_resume, printed, share_compiles)
 
 ROWS, STEPS, SAVED = 64, 4, 2
 BATCHES = [classification_batch(ROWS, seed=i) for i in range(STEPS)]
@@ -175,7 +175,8 @@ WORKER = os.path.join(os.path.dirname(__file__), "launch_scripts", "ckpt_worker.
 
 
 @pytest.mark.slow
-def test_resume_after_kill_9_gives_the_uninterrupted_losses(tmp_path):
+def test_resume_after_kill_9_gives_the_uninterrupted_losses(tmp_path, monkeypatch):
+  share_compiles(monkeypatch, tmp_path / "compiled")
   steps = 8
   reference, killed, resumed, start = kill_9_and_resume(WORKER, tmp_path, steps)
   expected = printed(reference, "LOSS")

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from helpers import share_compiles
 from test_launch_jobs import REPO, clean_env, kill_group
 
 WORKER = os.path.join(os.path.dirname(__file__), "launch_scripts", "ckpt_worker.py")
@@ -55,7 +56,11 @@ def losses(out):
 
 
 @pytest.mark.slow
-def test_sigterm_saves_on_every_worker_at_the_same_step_and_a_relaunch_resumes(tmp_path):
+def test_sigterm_saves_on_every_worker_at_the_same_step_and_a_relaunch_resumes(tmp_path,
+                                                                              monkeypatch):
+  # The three jobs run the same programs: the first compiles them (its worker 0 writes the
+  # cache), the relaunches load them.
+  share_compiles(monkeypatch, tmp_path / "compiled")
   run_dir = tmp_path / "run"
   proc = subprocess.Popen(launcher(run_dir, "--steps", 1000, "--every", 1000, "--sleep", 0.3),
                           cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,

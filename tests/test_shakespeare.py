@@ -13,7 +13,7 @@ import pytest
 
 import epljax as epl
 from epljax.data import CharVocab, split_train_val, windows
-from helpers import kill_9_and_resume, printed
+from helpers import kill_9_and_resume, printed, share_compiles
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 # Beside the checkout on these machines; a missing file fails the tests (it is always there).
@@ -105,7 +105,9 @@ WORKER = os.path.join(os.path.dirname(__file__), "launch_scripts", "shakespeare_
 
 
 @pytest.mark.slow
-def test_resume_after_kill_9_reads_the_same_batches_and_gives_the_same_losses(tmp_path):
+def test_resume_after_kill_9_reads_the_same_batches_and_gives_the_same_losses(tmp_path,
+                                                                              monkeypatch):
+  share_compiles(monkeypatch, tmp_path / "compiled")
   steps = 8
   reference, killed, resumed, start = kill_9_and_resume(WORKER, tmp_path, steps)
   expected = {kind: printed(reference, kind) for kind in ("LOSS", "DATA")}

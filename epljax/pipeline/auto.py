@@ -142,8 +142,8 @@ def _opaque_groups(capture: Capture) -> dict[int, tuple[str, str, float]]:
           for i, (name, path, f, b) in groups.items()}
 
 
-def _warn_opaque_giants(capture: Capture, num_stages: int, not_split: str | None = None,
-                        unit: str = "stages", limit: float = 1.5) -> None:
+def _warn_opaque_giants(capture: Capture, num_stages: int, not_split: str | None, unit: str,
+                        limit: float = 1.5) -> None:
   """Warns (``StageBalanceWarning``) when one loop, branch or custom-derivative call the cut
   cannot enter holds more than ``limit`` stages' shares of the FLOPs or parameter bytes (a
   scan ``scan_split`` could not split)."""

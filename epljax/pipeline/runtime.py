@@ -86,7 +86,7 @@ class Branch:
     self.forward: tuple[jcore.ClosedJaxpr, Any] | None = None
 
   # -- forward: outputs and pullback -------------------------------------------------------
-  def pullback(self, params, acts, batch, state=()):
+  def pullback(self, params, acts, batch, state):
     """Outputs, loss, aux, pullback and the new model state of one forward. The state is not
     differentiated; a state value the pullback needs is stashed (it changes per micro batch)."""
     def f(p, a):
