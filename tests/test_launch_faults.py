@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from helpers import share_compiles
 from test_launch_jobs import REPO, clean_env, kill_group, wait_gone
 
 FAULTS = os.path.join(os.path.dirname(__file__), "launch_scripts", "faults.py")
@@ -59,8 +60,16 @@ class Job:
     return str(self.logs / f"worker_{i}.log")
 
 
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+  """One compilation cache for the module's jobs, which run the same programs: the first job
+  compiles them (its worker 0 writes the cache), the others load them."""
+  return tmp_path_factory.mktemp("compiled")
+
+
 @pytest.fixture
-def job(tmp_path):
+def job(tmp_path, monkeypatch, compiled):
+  share_compiles(monkeypatch, compiled)
   jobs = []
 
   def start(spec, *flags, workers=2):
