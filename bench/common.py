@@ -56,6 +56,38 @@ def time_against_hand(trainer, state, batch, hand_jit, hand_state, hand_batch, *
   return paired_ratio(run_epl, run_hand, pairs=pairs), box["epl"], box["hand"]
 
 
+def hand_step(loss_fn: Callable, optimizer) -> Callable:
+  """The hand-written training step the benchmarks compare with: ``(params, opt_state), batch
+  -> ((params, opt_state), loss)``, value_and_grad and the optax update, nothing else."""
+
+  def step(state, batch):
+    params, opt_state = state
+    loss, grads = jax.value_and_grad(lambda p: loss_fn({"params": p}, batch))(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+  return step
+
+
+def step_cost(compiled, key: str) -> float:
+  """``cost_analysis()[key]`` of a compiled step, each conditional's results counted once
+  (``epljax.hlo``). A compile-only executable (``gpu_aot.py``) has no cost analysis: XLA's HLO
+  cost analysis, run by the CPU client, reads its optimized module instead."""
+  from epljax import hlo
+
+  costs = compiled.cost_analysis()
+  costs = costs[0] if isinstance(costs, list) else costs
+  if costs is None:
+    from jax._src import xla_bridge
+    from jax._src.lib import xla_client
+
+    (module,) = compiled.runtime_executable().hlo_modules()
+    costs = xla_client._xla.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)
+  if key == "bytes accessed":
+    return costs[key] - hlo.conditional_result_bytes(compiled.as_text())
+  return costs[key]
+
+
 def machine() -> str:
   devices = jax.devices()
   kind = devices[0].device_kind

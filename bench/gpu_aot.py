@@ -78,16 +78,3 @@ def as_devices(devices: list) -> Iterator[None]:
   finally:
     jax.devices = saved
 
-
-def cost_analysis(compiled) -> dict[str, float]:
-  """``compiled.cost_analysis()``; a compile-only executable has none, so XLA's HLO cost
-  analysis (run by the CPU client) reads its optimized module instead."""
-  costs = compiled.cost_analysis()
-  costs = costs[0] if isinstance(costs, list) else costs
-  if costs is not None:
-    return costs
-  from jax._src import xla_bridge
-  from jax._src.lib import xla_client
-
-  (module,) = compiled.runtime_executable().hlo_modules()
-  return xla_client._xla.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)

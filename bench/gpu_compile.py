@@ -36,10 +36,10 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import epljax as epl  # noqa: E402
-from common import mlp_problem, record, table  # noqa: E402
+from common import hand_step, mlp_problem, record, step_cost, table  # noqa: E402
 from epljax import hlo  # noqa: E402
 from epljax.sharding import reductions  # noqa: E402
-from gpu_aot import as_devices, cost_analysis, h100s  # noqa: E402
+from gpu_aot import as_devices, h100s  # noqa: E402
 from memory import gpt_problem  # noqa: E402
 from overhead import SIZES  # noqa: E402
 
@@ -81,7 +81,7 @@ def sums_row(name: str, cpus: list, gpus: list) -> list[str]:
       sums = [c for c in hlo.executed_collectives(compiled.as_text()) if c.kind == "all-reduce"]
       figures.append((len(sums), sum(c.bytes for c in sums),
                       compiled.memory_analysis().temp_size_in_bytes,
-                      _cost(compiled, "bytes accessed")))
+                      step_cost(compiled, "bytes accessed")))
     (n0, b0, t0, a0), (n1, b1, t1, a1) = figures
     row += [f"{n0} → {n1}", f"{b0 / 2**10:.0f} → {b1 / 2**10:.0f}",
             f"{t1 / t0:.3f}", f"{a1 / a0:.3f}"]
@@ -101,34 +101,20 @@ def dp_row(name: str, gpus: list) -> list[str]:
     mesh = built.plan.mesh
   replicated, split_rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 
-  def hand_step(state, b):
-    params, opt_state = state
-    loss, grads = jax.value_and_grad(lambda p: loss_fn({"params": p}, b))(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), loss
-
   params = jax.eval_shape(lambda k: model.init(k, batch["x"][:1])["params"], jax.random.key(0))
   state = (params, jax.eval_shape(optimizer.init, params))
   abstract = lambda tree, s: jax.tree.map(  # noqa: E731
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree)
-  hand = jax.jit(hand_step, out_shardings=((replicated, replicated), replicated),
-                 donate_argnums=0).lower(abstract(state, replicated),
-                                         abstract(batch, split_rows)).compile()
+  hand = jax.jit(hand_step(loss_fn, optimizer),
+                 out_shardings=((replicated, replicated), replicated), donate_argnums=0
+                 ).lower(abstract(state, replicated), abstract(batch, split_rows)).compile()
   temp = lambda c: c.memory_analysis().temp_size_in_bytes  # noqa: E731
   rows = jax.tree.leaves(batch)[0].shape[0]
   what = f"MLP {shape[1]}x{shape[0]}" if kind == "mlp" else "GPT 4x128, 128 tokens"
   return [f"{what}, batch {rows}", f"{temp(ours) / 2**20:.2f} / {temp(hand) / 2**20:.2f}",
           f"{temp(ours) / temp(hand):.3f}",
-          f"{_cost(ours, 'bytes accessed') / _cost(hand, 'bytes accessed'):.3f}",
-          f"{_cost(ours, 'flops') / _cost(hand, 'flops'):.3f}"]
-
-
-def _cost(compiled, key: str) -> float:
-  """As ``overhead._cost``: each conditional's results counted once."""
-  value = cost_analysis(compiled)[key]
-  if key == "bytes accessed":
-    value -= hlo.conditional_result_bytes(compiled.as_text())
-  return value
+          f"{step_cost(ours, 'bytes accessed') / step_cost(hand, 'bytes accessed'):.3f}",
+          f"{step_cost(ours, 'flops') / step_cost(hand, 'flops'):.3f}"]
 
 
 def main(argv=None):

@@ -24,8 +24,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import epljax as epl  # noqa: E402
-from epljax import hlo  # noqa: E402
-from common import machine, mlp_problem, record, table, time_against_hand  # noqa: E402
+from common import (hand_step, machine, mlp_problem, record, step_cost, table,  # noqa: E402
+                    time_against_hand)
 from memory import gpt_problem  # noqa: E402
 
 
@@ -50,13 +50,8 @@ def measure(name: str) -> list[str]:
   hand_state = (params, jax.jit(optimizer.init, out_shardings=replicated)(params))
   hand_batch = jax.device_put(batch, split_rows)
 
-  def hand_step(state, b):
-    params, opt_state = state
-    loss, grads = jax.value_and_grad(lambda p: loss_fn({"params": p}, b))(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), loss
-
-  hand_jit = jax.jit(hand_step, in_shardings=((replicated, replicated), split_rows),
+  hand_jit = jax.jit(hand_step(loss_fn, optimizer),
+                     in_shardings=((replicated, replicated), split_rows),
                      out_shardings=((replicated, replicated), replicated), donate_argnums=0)
   timing, epl_state, hand_state = time_against_hand(trainer, epl_state, epl_batch, hand_jit,
                                                     hand_state, hand_batch, pairs=pairs)
@@ -70,17 +65,8 @@ def measure(name: str) -> list[str]:
           f"{timing['second_s'] * 1e3:.2f}",
           f"**{timing['ratio']:.3f}** ({timing['ratio_q1']:.3f}-{timing['ratio_q3']:.3f})",
           str(pairs), mib(epl_c.memory_analysis()), mib(hand_c.memory_analysis()),
-          f"{_cost(epl_c, 'bytes accessed') / _cost(hand_c, 'bytes accessed'):.3f} / "
-          f"{_cost(epl_c, 'flops') / _cost(hand_c, 'flops'):.3f}"]
-
-
-def _cost(compiled, key: str) -> float:
-  """``cost_analysis()[key]``, each conditional's results counted once (epljax.hlo)."""
-  costs = compiled.cost_analysis()
-  costs = costs[0] if isinstance(costs, list) else costs
-  if key == "bytes accessed":
-    return costs[key] - hlo.conditional_result_bytes(compiled.as_text())
-  return costs[key]
+          f"{step_cost(epl_c, 'bytes accessed') / step_cost(hand_c, 'bytes accessed'):.3f} / "
+          f"{step_cost(epl_c, 'flops') / step_cost(hand_c, 'flops'):.3f}"]
 
 
 # name: (kind, *problem arguments, timed pairs)

@@ -29,6 +29,7 @@ import jax
 
 from epljax import cost
 
+
 def peak_tflops(device: jax.Device | None = None) -> float | None:
   """The table's peak for ``device`` (default: the first device), or None when unknown."""
   device = device or jax.devices()[0]
