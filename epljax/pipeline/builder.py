@@ -23,6 +23,7 @@ compiling anything:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -79,7 +80,7 @@ class Pipeline:
 
   @property
   def slotted(self) -> bool:
-    return any(k > 1 for k in self.split)
+    return isinstance(self.store, slots.SlotStore)   # (``make_store`` decides)
 
   @property
   def param_avals(self) -> tuple[Any, ...]:
@@ -94,11 +95,11 @@ class Pipeline:
     """Stacked leaves read by each stage in its own row chunk (``chunks.py``): part -> leaf."""
     return self.store.parts
 
-  @property
-  def all_avals(self) -> list[Any]:
+  @functools.cached_property
+  def all_avals(self) -> tuple[Any, ...]:
     """The avals of the user's leaves then of the parts (one chunk's rows): what stages take."""
-    return [*self.param_avals, *(jax.ShapeDtypeStruct(t.shape, t.dtype)
-                                 for t in self.store.part_types.values())]
+    return (*self.param_avals, *(jax.ShapeDtypeStruct(t.shape, t.dtype)
+                                 for t in self.store.part_types.values()))
 
   @property
   def rows(self) -> list[int]:

@@ -234,7 +234,7 @@ class _Cutter:
   def run(self) -> None:
     closed = self.cap.program.closed_jaxpr
     flat = walk(closed, self._enter)
-    keys: dict[Key, Any] = {(0, v): k for v, k in zip(closed.jaxpr.invars, self.inputs)}
+    keys: dict[Key, Any] = dict(zip(flat.inputs, self.inputs))
     keys.update({key: _Key(key[1].aval, "const", value=c) for key, c in flat.consts})
     for visit in flat.visits:
       self._add(visit, keys)

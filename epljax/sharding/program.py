@@ -366,7 +366,7 @@ class Step:
   inputs: tuple[Any, ...]                    # Key, or a jcore.Literal
   outputs: tuple[Key | None, ...]            # None for a dropped output
   name_stack: Any                            # source_info_util.NameStack, relative to fn
-  nodes: range = range(0)                    # the capture's nodes it stands for (``Visit``)
+  nodes: range                               # the capture's nodes it stands for (``Visit``)
 
   @property
   def primitive(self) -> str:
