@@ -176,12 +176,18 @@ def compiled_flops(compiled, hlo_text: str | None = None) -> float:
   showed half the FLOPs of 1); the matmuls and convolutions of each body are added again for
   the iterations it left out (``known_trip_count``, ``hlo.executed_collectives``' reading).
   ``hlo_text``: ``compiled.as_text()``, where the caller has it already."""
+  if hlo_text is None:
+    hlo_text = compiled.as_text()
+  return analysed_flops(compiled) + loop_matmul_flops(hlo_text)
+
+
+def analysed_flops(compiled) -> float:
+  """``cost_analysis()`` FLOPs as XLA counts them: a loop body once, a switch as its costliest
+  branch."""
   cost = compiled.cost_analysis()
   if isinstance(cost, Sequence):   # older jax: one dict per program
     cost = cost[0] if cost else {}
-  if hlo_text is None:
-    hlo_text = compiled.as_text()
-  return float((cost or {}).get("flops", 0.0)) + loop_matmul_flops(hlo_text)
+  return float((cost or {}).get("flops", 0.0))
 
 
 _DOT = re.compile(r"lhs_contracting_dims=\{(?P<dims>[\d,]*)\}")

@@ -17,17 +17,22 @@ and a user's scope, default strategy or ``epl.annotate`` rule are fixed, not sea
 1. One trace per mesh (no compile) gives every parameter's spec; parameter, gradient and
    optimizer bytes per device follow from them and the features, exactly; activations, FLOPs
    and collectives are estimated from the traced program (``estimate.step_cost``; activations
-   from the residuals of the loss's ``jax.vjp``).
+   from the residuals of the loss's ``jax.vjp``). Stage candidates (data x stage, model 1, for
+   S = 2, 4, ... while ``auto.auto_parallel``'s cut gives S balanced stages) are estimated from
+   their pipeline plans, made without compiling (``build.pipeline_plan``,
+   ``estimate.stage_cost``: the bubble from the schedule's tick table).
 2. Candidates estimated over ``auto.memory_limit`` are dropped; the others are compiled in the
-   order of their estimated step time, at most ``MAX_COMPILES``, until one compiled step's
-   ``memory_analysis()`` is within the limit: that one is chosen, its cost read from the
-   compiled program (``cost.compiled_cost``). A compiled step over the limit rescales the
-   activation estimate of the rows still to weigh by its measured activations
-   (``_calibrated``). A row that was only estimated says so.
+   order of their estimated step time, at most ``MAX_COMPILES``. A compiled step over the limit
+   rescales the activation estimate of the rows still to weigh by its measured activations
+   (``_calibrated``). Once one compiled step fits, a row is compiled only if its estimate,
+   scaled by compiled / estimated time of the last compiled row of its kind (pipeline or
+   not: an estimate leaves out the optimizer's update), is clearly (``BETTER``) below the
+   fitting step's compiled time. Of the compiled steps within the limit the fastest is chosen,
+   by costs read from the compiled program (``cost.compiled_cost``; a pipeline's FLOPs and
+   bubble from its branches' FLOPs times the schedule's busy slots, ``_pipeline_compute``).
+   A row that was only estimated says so.
 
-Pipeline stages are not searched yet: a stage plan is made without compiling
-(``build.pipeline_plan``), but its bytes and bubble are not estimated here. Cut stages with
-``pipeline.num_stages``.
+Not searched: stages with a model axis (3D), virtual stages, ``amp``.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import dataclasses
 import functools
 import itertools
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -48,7 +54,10 @@ from epljax import estimate as estimate_lib
 from epljax import strategy as strategy_lib
 from epljax.errors import PlanError, size
 from epljax.memory import offload
-from epljax.mesh import MODEL
+from epljax.mesh import MODEL, STAGE
+from epljax.pipeline import runtime
+from epljax.pipeline.auto import StageBalanceWarning
+from epljax.pipeline.schedules import IDLE
 from epljax.sharding import annotations
 
 MAX_COMPILES = 5
@@ -58,8 +67,9 @@ CHECKPOINTING = ("", "auto")
 OFFLOAD = ("", "v0", "v1")
 SEARCHED_KEYS = {"num_micro_batch": "pipeline.num_micro_batch", "zero_level": "zero.level",
                  "gradient_checkpoint": "gradient_checkpoint.type", "offload": "offload.level"}
-STAGES_NOT_SEARCHED = ("stage candidates not searched yet: no estimate of a stage plan's bytes "
-                       "and bubble (set pipeline.num_stages to cut stages)")
+# Once a compiled step fits, another row is compiled only if its estimate is below this share
+# of that step's compiled time (an estimate a few percent lower is within the model's error).
+BETTER = 0.95
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +91,14 @@ class Candidate:
   cost: Any = dataclasses.field(default=None, repr=False, compare=False)  # compiled, or None
 
   @property
+  def stages(self) -> int:
+    return self.mesh_shape.get(STAGE, 1)
+
+  @property
   def overrides(self) -> dict[str, Any]:
-    return {SEARCHED_KEYS[k]: v for k, v in self.features.items()}
+    stages = ({"auto.auto_parallel": True, "pipeline.num_stages": self.stages}
+              if self.stages > 1 else {})   # (EPL's meaning: cut this many stages)
+    return {**{SEARCHED_KEYS[k]: v for k, v in self.features.items()}, **stages}
 
 
 def search(fns, config, cluster, rng, batch, build: Callable) -> Any:
@@ -91,7 +107,7 @@ def search(fns, config, cluster, rng, batch, build: Callable) -> Any:
   limit = config.auto.memory_limit or chip.memory_bytes
   fixed = {name: config.to_dict()[key] for name, key in SEARCHED_KEYS.items()
            if key in config.changed()}
-  notes = [STAGES_NOT_SEARCHED]
+  notes = []
   if "offload" not in fixed and (cluster.platform == "cpu"
                                  or offload.host_memory_kind(cluster.devices[0]) is None):
     fixed["offload"] = ""
@@ -105,11 +121,14 @@ def search(fns, config, cluster, rng, batch, build: Callable) -> Any:
       np.size(x) * np.asarray(x).dtype.itemsize for x in jax.tree.leaves(batch))
   residuals = estimate_lib.residual_bytes(
       next(iter(bases.values())).capture.program.closed_jaxpr) if bases else 0
-  rows = sorted((_estimate(built, facts, features, chip, batch_bytes, split, residuals)
-                 for (_, split), built in bases.items()
-                 for facts in [estimate_lib.program_facts(built, split)]
-                 for features in _feature_grid(fixed, built)),
-                key=_order)
+  rows = [_estimate(built, facts, features, chip, batch_bytes, split, residuals)
+          for (_, split), built in bases.items()
+          for facts in [estimate_lib.program_facts(built, split)]
+          for features in _feature_grid(fixed, built)]
+  if (1, "") in bases:   # (a mesh the user fixed has no stage axis to search)
+    rows += _stage_rows(functools.partial(_pipeline_plan, fns, config, cluster, rng, batch),
+                        bases[(1, "")], fixed, chip, batch_bytes, notes)
+  rows.sort(key=_order)
   if not rows:
     raise PlanError("auto.auto_parallel found no candidate plan: " + "; ".join(notes[1:]))
   rows, chosen, compiles = _compile_in_order(rows, bases, make, chip, limit)
@@ -203,38 +222,123 @@ def _dominant_module(built) -> str | None:
 
 
 def _compile_in_order(rows: list[Candidate], bases: dict, make: Callable, chip, limit: int):
-  """Compiles the rows within the limit in order, at most ``MAX_COMPILES``, until one compiled
-  step fits: (rows, (its index, its Built) or None, compiles)."""
-  compiles = 0
+  """Compiles the rows within the limit in order, at most ``MAX_COMPILES``, while a row's
+  estimate can beat the fastest compiled step that fits (module doc): (rows, (the fastest
+  fitting row's index, its Built) or None, compiles)."""
+  compiles, best = 0, None
+  pace: dict[bool, float] = {}   # pipeline or not -> compiled / estimated step time
   for i in range(len(rows)):
     row = rows[i]   # (rows are recalibrated as compiles go)
     if row.bytes_per_device > limit or compiles == MAX_COMPILES:
       continue
-    k, split = next(key for key, b in bases.items()
-                    if dict(b.plan.mesh.shape) == row.mesh_shape and key[1] == row.split)
+    if best is not None and (row.predicted_step_s * pace.get(row.stages > 1, 1.0)
+                             >= BETTER * rows[best[0]].predicted_step_s):
+      continue
+    k, split = (None, "") if row.stages > 1 else next(
+        key for key, b in bases.items()
+        if dict(b.plan.mesh.shape) == row.mesh_shape and key[1] == row.split)
     try:
       built = make(k, split, row.overrides)
       with _model_split(k, split):   # (the step is traced when compiled)
-        step = cost_lib.compiled_cost(built.plan.compiled, built.plan.mesh, chip,
-                                      _host_bytes(built, row.features))
+        step = _compiled_cost(built, row.features, chip)
     except PlanError as e:   # a feature this model refuses: the row says why
       rows[i] = dataclasses.replace(row, refused=str(e).splitlines()[0])
       continue
     compiles += 1
+    pace[row.stages > 1] = step.step_s / row.predicted_step_s
     rows[i] = row = _measured(row, step)
-    if row.bytes_per_device <= limit:
-      return rows, (i, built), compiles
-    rows = _calibrated(rows, row)
-  return rows, None, compiles
+    if row.bytes_per_device > limit:
+      rows = _calibrated(rows, row)
+    elif best is None or row.predicted_step_s < rows[best[0]].predicted_step_s:
+      best = (i, built)
+  return rows, best, compiles
+
+
+def _compiled_cost(built, features: dict[str, Any], chip) -> cost_lib.StepCost:
+  compiled = built.plan.compiled
+  step = cost_lib.compiled_cost(compiled, built.plan.mesh, chip, _host_bytes(built, features))
+  pipe = built.plan.pipeline
+  return step if pipe is None else _pipeline_compute(step, pipe, compiled, chip)
+
+
+def _pipeline_compute(step: cost_lib.StepCost, pipe, compiled, chip) -> cost_lib.StepCost:
+  """``step`` with the FLOPs, compute and bubble its schedule executes.
+
+  XLA's cost analysis counts the tick loop once and its switch as the costliest branch, so the
+  loss and gradient FLOPs are each branch's forward and backward (``runtime.branch_flops``,
+  compiled alone) times its busy slots, per device; the rest of the step (the optimizer
+  update) is what the analysis counts beyond one tick of the costliest branches. A tick runs
+  at the pace of its busiest stage: the bubble is the ticks' paces less the device's work."""
+  costs = runtime.branch_flops(pipe.loop, pipe.aux_avals, pipe.batch_avals)
+  sched = pipe.schedule
+  stages = sched.num_stages
+  per_tick = np.zeros(sched.forward.shape)   # (ticks, stages)
+  for c in range(sched.num_chunks):   # chunk c runs on stage c % S as its chunk c // S
+    s, j = c % stages, c // stages
+    fwd, bwd = costs[pipe.branch_of[c]]
+    per_tick[:, s] += (((sched.forward[:, s] != IDLE) & (sched.forward_chunk[:, s] == j)) * fwd
+                       + ((sched.backward[:, s] != IDLE) & (sched.backward_chunk[:, s] == j))
+                       * bwd)
+  rest = max(0.0, cost_lib.analysed_flops(compiled) - max(f for f, _ in costs)
+             - max(b for _, b in costs))
+  rate = chip.peak_flops * chip.efficiency
+  work = per_tick.sum() / stages
+  return dataclasses.replace(step, flops=work + rest, compute_s=(work + rest) / rate,
+                             bubble_s=(per_tick.max(axis=1).sum() - work) / rate)
 
 
 def _order(row: Candidate) -> tuple:
   """Estimated time first; among equals the simpler plan (fewer devices on the model axis,
   fewer micro batches, no ZeRO, no checkpointing, no offload)."""
   f = row.features
-  return (round(row.predicted_step_s, 12), row.mesh_shape.get(MODEL, 1), f["num_micro_batch"],
+  return (round(row.predicted_step_s, 12), row.stages, row.mesh_shape.get(MODEL, 1),
+          f["num_micro_batch"],
           ZERO_LEVELS.index(f["zero_level"]), CHECKPOINTING.index(f["gradient_checkpoint"]),
           OFFLOAD.index(f["offload"]))
+
+
+def _pipeline_plan(fns, config, cluster, rng, batch, stages: int, micro: int):
+  from epljax import build as build_lib   # (build imports this module)
+
+  return build_lib.pipeline_plan(fns, config.replace(
+      {"auto.auto_parallel": True, "pipeline.num_stages": stages,
+       "pipeline.num_micro_batch": micro}), cluster, rng, batch)
+
+
+def _stage_rows(make_pipe: Callable, dp, fixed: dict[str, Any], chip, batch_bytes: int,
+                notes: list[str]) -> list[Candidate]:
+  """data x stage candidates (model 1) for S = 2, 4, ... stages while the model cuts into S
+  balanced stages (``auto.auto_parallel``'s cut), with S, 2S and 4S micro batches (or the
+  user's); estimated from each plan made without compiling (``estimate.stage_cost``)."""
+  features = {name: fixed.get(name, "") for name in ("zero_level", "gradient_checkpoint",
+                                                     "offload")}
+  if any(features.values()):
+    notes.append("stage candidates not searched: with " + ", ".join(
+        f"{SEARCHED_KEYS[k]}={v!r}" for k, v in features.items() if v))
+    return []
+  devices, rows = dp.plan.mesh.size, dp.plan.global_rows
+  facts = estimate_lib.program_facts(dp, "")
+  out = []
+  for stages in _divisors(devices)[1:]:
+    replicas = devices // stages
+    micros = ([fixed["num_micro_batch"]] if "num_micro_batch" in fixed else
+              [m for m in (stages, 2 * stages, 4 * stages) if rows % (replicas * m) == 0])
+    try:
+      with warnings.catch_warnings():
+        warnings.simplefilter("error", StageBalanceWarning)
+        pipes = [(m, make_pipe(stages, m)) for m in micros]
+    except (PlanError, StageBalanceWarning) as e:
+      notes.append(f"stage={stages} not searched: "
+                   + re.split(r"; |\. ", str(e).splitlines()[0])[0])
+      break   # (a model that does not cut into S balanced stages does not cut into 2S)
+    for micro, pipe in pipes:
+      step = estimate_lib.stage_cost(dp, facts, pipe, {**features, "num_micro_batch": micro},
+                                     chip, batch_bytes)
+      out.append(Candidate(dict(pipe.mesh.shape), {"num_micro_batch": micro, **features},
+                           step.bytes_per_device, step.step_s, step.compute_s,
+                           step.communication_s, step.bubble_s, compiled=False,
+                           estimate=step))
+  return out
 
 
 def _feature_grid(fixed: dict[str, Any], built) -> Iterator[dict[str, Any]]:
@@ -329,7 +433,7 @@ def _calibrated(rows: list[Candidate], measured: Candidate) -> list[Candidate]:
   scale = (measured.bytes_per_device - exact) / parts["activations"]
   out = []
   for r in rows:
-    if not r.compiled:
+    if not r.compiled and (r.stages > 1) == (measured.stages > 1):   # (like with like)
       acts = int(r.estimate.parts["activations"] * scale)
       est = dataclasses.replace(r.estimate, parts={**r.estimate.parts, "activations": acts},
                                 bytes_per_device=r.estimate.bytes_per_device
