@@ -147,10 +147,15 @@ def step_cost(built, facts: ProgramFacts, features: dict[str, Any], chip, batch_
 PIPELINE_PARAM_COPIES = 6
 
 
-def stage_cost(dp, facts: ProgramFacts, pipe, features: dict[str, Any], chip,
-               batch_bytes: int) -> cost_lib.StepCost:
+def stage_cost(dp, facts: ProgramFacts, pipe, schedule, features: dict[str, Any], chip,
+               batch_bytes: int, split: cost_lib.StepCost | None = None) -> cost_lib.StepCost:
   """A pipeline candidate's bytes and time before compiling, from its plan (``pipe``, made
-  without compiling) and the data-parallel base ``dp`` of the same devices.
+  without compiling, its bytes per micro batch scaled to ``schedule``'s micro batches) and
+  ``dp``, the build of the same devices without stages (``facts``:
+  its program's unsplit reading). Stages under ``epl.split(k)``: ``split``, the estimate of
+  ``dp`` as data x model, gives the work per device and the traffic over model (the same
+  bytes per device: a stage's share of the nodes on S times the rows), and the stash is split
+  over model.
 
   Bytes (fitted to compiled steps, XLA:CPU and XLA:GPU, the zoo's GPT-2 and a conv MLP on 2
   and 4 stages: 0.87-1.0x): the stored parameters and, in the step's temp, five more copies
@@ -165,15 +170,20 @@ def stage_cost(dp, facts: ProgramFacts, pipe, features: dict[str, Any], chip,
   mesh = dict(pipe.mesh.shape)
   d, s = mesh.get(DATA, 1), mesh.get(STAGE, 1)
   micro = features["num_micro_batch"]
-  schedule = pipe.schedule
+  per_micro = pipe.schedule.num_micro_batch / micro   # (rows per micro batch, relative)
   params = pipe.param_bytes_per_device
   opt = dp.plan.optimizer_bytes * params // max(1, dp.plan.param_bytes)
-  kept = max((info.kept_bytes for info in pipe.stage_info()), default=0)
+  m = mesh.get(MODEL, 1)
+  kept = max((info.kept_bytes for info in pipe.stage_info()), default=0) * per_micro / m
   acts = 2 * schedule.num_slots * kept
   busy = ((schedule.forward != IDLE).astype(int) + 2 * (schedule.backward != IDLE)).max(axis=1)
-  work = facts.flops * 3 / (chip.peak_flops * chip.efficiency)
-  comm: dict[tuple[str, str], float] = {}
-  nbytes: dict[tuple[str, str], int] = {}
+  flops = split.flops if split is not None else facts.flops * 3
+  work = flops / (chip.peak_flops * chip.efficiency)
+  comm: dict[tuple[str, str], float] = {
+      key: t for key, t in (split.comm_s.items() if split is not None else ()) if key[1] == MODEL}
+  nbytes: dict[tuple[str, str], int] = {
+      key: b for key, b in (split.collective_bytes.items() if split is not None else ())
+      if key[1] == MODEL}
 
   def add(kind, axis, result, group, times=1):
     nbytes[(kind, axis)] = nbytes.get((kind, axis), 0) + int(result)
@@ -183,12 +193,12 @@ def stage_cost(dp, facts: ProgramFacts, pipe, features: dict[str, Any], chip,
   if d > 1:
     add("all-reduce", DATA, params, d)
   boundary = max((sum(program_lib.nbytes(a) for a in st.outgoing) for st in pipe.stages),
-                 default=0) / d
+                 default=0) * per_micro / d   # (a split stage's output: whole on each)
   add("collective-permute", STAGE, 2 * micro * boundary, s, times=2 * micro)
   parts = {"parameters": PIPELINE_PARAM_COPIES * params, "optimizer state": opt,
            "activations": int(acts),
            "model state and batch": dp.plan.model_state_bytes + batch_bytes // d}
-  return cost_lib.StepCost(sum(parts.values()), facts.flops * 3, nbytes, work, comm,
+  return cost_lib.StepCost(sum(parts.values()), flops, nbytes, work, comm,
                            bubble_s=work * (busy.sum() / (3 * micro) - 1), parts=parts)
 
 

@@ -57,6 +57,7 @@ from epljax.memory import offload
 from epljax.mesh import MODEL, STAGE
 from epljax.pipeline import runtime
 from epljax.pipeline.auto import StageBalanceWarning
+from epljax.pipeline import schedules
 from epljax.pipeline.schedules import IDLE
 from epljax.sharding import annotations
 
@@ -127,7 +128,7 @@ def search(fns, config, cluster, rng, batch, build: Callable) -> Any:
           for features in _feature_grid(fixed, built)]
   if (1, "") in bases:   # (a mesh the user fixed has no stage axis to search)
     rows += _stage_rows(functools.partial(_pipeline_plan, fns, config, cluster, rng, batch),
-                        bases[(1, "")], fixed, chip, batch_bytes, notes)
+                        bases, fixed, chip, batch_bytes, residuals, notes)
   rows.sort(key=_order)
   if not rows:
     raise PlanError("auto.auto_parallel found no candidate plan: " + "; ".join(notes[1:]))
@@ -234,7 +235,7 @@ def _compile_in_order(rows: list[Candidate], bases: dict, make: Callable, chip, 
     if best is not None and (row.predicted_step_s * pace.get(row.stages > 1, 1.0)
                              >= BETTER * rows[best[0]].predicted_step_s):
       continue
-    k, split = (None, "") if row.stages > 1 else next(
+    k, split = (row.mesh_shape[MODEL], row.split) if row.stages > 1 else next(
         key for key, b in bases.items()
         if dict(b.plan.mesh.shape) == row.mesh_shape and key[1] == row.split)
     try:
@@ -297,47 +298,58 @@ def _order(row: Candidate) -> tuple:
           OFFLOAD.index(f["offload"]))
 
 
-def _pipeline_plan(fns, config, cluster, rng, batch, stages: int, micro: int):
+def _pipeline_plan(fns, config, cluster, rng, batch, stages: int, micro: int, k: int):
   from epljax import build as build_lib   # (build imports this module)
 
-  return build_lib.pipeline_plan(fns, config.replace(
-      {"auto.auto_parallel": True, "pipeline.num_stages": stages,
-       "pipeline.num_micro_batch": micro}), cluster, rng, batch)
+  with _model_split(k, "all"):
+    return build_lib.pipeline_plan(fns, config.replace(
+        {"auto.auto_parallel": True, "pipeline.num_stages": stages,
+         "pipeline.num_micro_batch": micro}), cluster, rng, batch)
 
 
-def _stage_rows(make_pipe: Callable, dp, fixed: dict[str, Any], chip, batch_bytes: int,
-                notes: list[str]) -> list[Candidate]:
-  """data x stage candidates (model 1) for S = 2, 4, ... stages while the model cuts into S
-  balanced stages (``auto.auto_parallel``'s cut), with S, 2S and 4S micro batches (or the
-  user's); estimated from each plan made without compiling (``estimate.stage_cost``)."""
+def _stage_rows(make_pipe: Callable, bases: dict, fixed: dict[str, Any], chip,
+                batch_bytes: int, residuals: int, notes: list[str]) -> list[Candidate]:
+  """data x stage x model candidates for S = 2, 4, ... stages while the model cuts into S
+  balanced stages (``auto.auto_parallel``'s cut), each stage the whole of it under
+  ``epl.split(k)`` for the k of the whole-model splits searched (and k = 1), with S, 2S and 4S
+  micro batches (or the user's); estimated from one plan per S and k made without compiling
+  (``estimate.stage_cost``; the other micro batch counts from its schedule and its bytes per
+  micro batch scaled), a split stage's traffic over model from its data x model base."""
   features = {name: fixed.get(name, "") for name in ("zero_level", "gradient_checkpoint",
                                                      "offload")}
   if any(features.values()):
     notes.append("stage candidates not searched: with " + ", ".join(
         f"{SEARCHED_KEYS[k]}={v!r}" for k, v in features.items() if v))
     return []
+  dp = bases[(1, "")]
   devices, rows = dp.plan.mesh.size, dp.plan.global_rows
   facts = estimate_lib.program_facts(dp, "")
   out = []
-  for stages in _divisors(devices)[1:]:
-    replicas = devices // stages
-    micros = ([fixed["num_micro_batch"]] if "num_micro_batch" in fixed else
-              [m for m in (stages, 2 * stages, 4 * stages) if rows % (replicas * m) == 0])
-    try:
-      with warnings.catch_warnings():
-        warnings.simplefilter("error", StageBalanceWarning)
-        pipes = [(m, make_pipe(stages, m)) for m in micros]
-    except (PlanError, StageBalanceWarning) as e:
-      notes.append(f"stage={stages} not searched: "
-                   + re.split(r"; |\. ", str(e).splitlines()[0])[0])
-      break   # (a model that does not cut into S balanced stages does not cut into 2S)
-    for micro, pipe in pipes:
-      step = estimate_lib.stage_cost(dp, facts, pipe, {**features, "num_micro_batch": micro},
-                                     chip, batch_bytes)
-      out.append(Candidate(dict(pipe.mesh.shape), {"num_micro_batch": micro, **features},
-                           step.bytes_per_device, step.step_s, step.compute_s,
-                           step.communication_s, step.bubble_s, compiled=False,
-                           estimate=step))
+  for k in [1] + [k for k, split in bases if k and k > 1 and split == "all"]:
+    base = bases[(k, "all")] if k > 1 else dp
+    base_facts = estimate_lib.program_facts(base, "all") if k > 1 else facts
+    for stages in _divisors(devices // k)[1:]:
+      replicas = devices // (stages * k)
+      micros = ([fixed["num_micro_batch"]] if "num_micro_batch" in fixed else
+                [m for m in (stages, 2 * stages, 4 * stages) if rows % (replicas * m) == 0])
+      try:
+        with warnings.catch_warnings():
+          warnings.simplefilter("error", StageBalanceWarning)
+          pipe = make_pipe(stages, micros[0], k) if micros else None
+      except (PlanError, StageBalanceWarning) as e:
+        notes.append(f"stage={stages}" + (f" x model={k}" if k > 1 else "") + " not searched: "
+                     + re.split(r"; |\. ", str(e).splitlines()[0])[0])
+        break   # (a model that does not cut into S balanced stages does not cut into 2S)
+      for micro in micros:
+        feats = {**features, "num_micro_batch": micro}
+        split = (estimate_lib.step_cost(base, base_facts, feats, chip, batch_bytes, residuals)
+                 if k > 1 else None)
+        schedule = schedules.make_schedule(pipe.schedule.strategy, stages, micro)
+        step = estimate_lib.stage_cost(base, facts, pipe, schedule, feats, chip, batch_bytes,
+                                       split)
+        out.append(Candidate(dict(pipe.mesh.shape), feats, step.bytes_per_device, step.step_s,
+                             step.compute_s, step.communication_s, step.bubble_s,
+                             compiled=False, split="all" if k > 1 else "", estimate=step))
   return out
 
 

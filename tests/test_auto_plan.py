@@ -328,6 +328,9 @@ def test_gpt2_under_a_limit_trains_like_the_reference():
   assert row.bytes_per_device <= limit
   axes = {axis for _, axis in row.cost.collective_bytes}
   assert axes == {a for a in ("data", "model") if row.mesh_shape[a] > 1}, axes
+  # Stages were weighed, with and without a model axis (each stage under epl.split(k)).
+  meshes = {(r.stages, r.mesh_shape["model"]) for r in trainer.plan.search}
+  assert {(2, 1), (2, 2), (4, 1), (4, 2)} <= meshes
   history, expected = reference_run(model.init_fn, model.loss_fn, optimizer, jax.random.key(0),
                                     batch, 2)
   for step in range(2):
