@@ -9,7 +9,8 @@ True
 Candidates are config overrides on a mesh: every factorization of the devices into data x
 model, with under ``epl.split(k)`` either the whole model or only the module holding most of
 the parameter bytes (``_dominant_module``: EPL's large classifier split by its classes, the rest
-data-parallel), each kept only where the split rules split some parameter;
+data-parallel), each kept only where the split rules split some parameter; data x stage x model
+where the model cuts into balanced stages (``_stage_rows``);
 ``pipeline.num_micro_batch`` (1, 2, 4 where the batch divides), ``zero.level``,
 ``gradient_checkpoint.type`` ("" or "auto") and, off CPU, ``offload.level``. A key the user set
 and a user's scope, default strategy or ``epl.annotate`` rule are fixed, not searched.
@@ -32,7 +33,7 @@ and a user's scope, default strategy or ``epl.annotate`` rule are fixed, not sea
    bubble from its branches' FLOPs times the schedule's busy slots, ``_pipeline_compute``).
    A row that was only estimated says so.
 
-Not searched: stages with a model axis (3D), virtual stages, ``amp``.
+Not searched: virtual stages, a module split inside stages, features on stage rows, ``amp``.
 """
 
 from __future__ import annotations
