@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax.extend import core as jcore
 
 from epljax import cost as cost_lib
@@ -30,6 +31,25 @@ _CHECKPOINTED_SHARE = 1 / 3
 # Outputs whose share split over model scales the residuals: matmuls, nonlinear functions.
 _KEPT = {"dot_general", "conv_general_dilated", "exp", "log", "tanh", "logistic", "erf", "div",
          "integer_pow", "rsqrt", "sqrt", "max", "pow"}
+
+
+# Equations XLA's cost analysis counts a FLOP per output element of (``update_flops``).
+_ARITHMETIC = {"add", "add_any", "sub", "mul", "div", "max", "min", "neg", "sqrt", "rsqrt", "pow",
+               "integer_pow", "abs", "exp", "log", "square", "sign", "tanh", "logistic",
+               "reduce_sum", "reduce_max", "select_n"}
+
+
+def update_flops(optimizer: optax.GradientTransformation, params_shape: Any) -> float:
+  """FLOPs per parameter byte of one ``optimizer`` update applied to the parameters
+  (``params_shape``: their avals), from its jaxpr, nothing compiled: each arithmetic
+  equation's output elements. A step runs it on each device's share of the parameters."""
+  state = jax.eval_shape(optimizer.init, params_shape)
+  closed = jax.make_jaxpr(lambda g, st, p: optax.apply_updates(
+      p, optimizer.update(g, st, p)[0]))(params_shape, state, params_shape)
+  flops = sum(math.prod(getattr(v.aval, "shape", ())) for e in program_lib.eqns_in(closed.jaxpr)
+              if e.primitive.name in _ARITHMETIC for v in e.outvars)
+  total = sum(program_lib.nbytes(a) for a in jax.tree.leaves(params_shape))
+  return flops / max(1, total)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,14 +83,15 @@ def program_facts(built, split: str) -> ProgramFacts:
 
 
 def step_cost(built, facts: ProgramFacts, features: dict[str, Any], chip, batch_bytes: int,
-              residuals: int) -> cost_lib.StepCost:
+              residuals: int, update: float = 0.0) -> cost_lib.StepCost:
   """A candidate's bytes and time before compiling: parameters, gradients, optimizer and
   model state per device exactly from the specs; activations (the vjp's ``residuals``, split
   like the batch and like the model's split outputs), FLOPs (``node_flops``, x3 for the
   backward, x4 with checkpointing) and collectives (gradient reduction over data; over model,
   an all-reduce of the output of each matmul that contracts a split dimension, and of the
   input gradient of each that does not) estimated from the traced program, as ``facts``
-  (``program_facts``) read it."""
+  (``program_facts``) read it; and ``update`` FLOPs per byte of the parameters a device
+  updates (``update_flops``: ZeRO shards the update over data)."""
   plan = built.plan
   mesh = dict(plan.mesh.shape)
   d, m = mesh.get(DATA, 1), mesh.get(MODEL, 1)
@@ -105,7 +126,7 @@ def step_cost(built, facts: ProgramFacts, features: dict[str, Any], chip, batch_
   # the residuals are freed.
   if d > 1:
     acts = max(acts, full_params // d if zero else grads)
-  flops = facts.flops * (4 if checkpointed else 3)
+  flops = facts.flops * (4 if checkpointed else 3) + update * full_params / (d if zero else 1)
   comm: dict[tuple[str, str], float] = {}
   nbytes: dict[tuple[str, str], int] = {}
 
@@ -148,14 +169,15 @@ PIPELINE_PARAM_COPIES = 6
 
 
 def stage_cost(dp, facts: ProgramFacts, pipe, schedule, features: dict[str, Any], chip,
-               batch_bytes: int, split: cost_lib.StepCost | None = None) -> cost_lib.StepCost:
+               batch_bytes: int, split: cost_lib.StepCost | None = None,
+               update: float = 0.0) -> cost_lib.StepCost:
   """A pipeline candidate's bytes and time before compiling, from its plan (``pipe``, made
   without compiling, its bytes per micro batch scaled to ``schedule``'s micro batches) and
   ``dp``, the build of the same devices without stages (``facts``:
   its program's unsplit reading). Stages under ``epl.split(k)``: ``split``, the estimate of
   ``dp`` as data x model, gives the work per device and the traffic over model (the same
   bytes per device: a stage's share of the nodes on S times the rows), and the stash is split
-  over model.
+  over model. ``update``: as ``step_cost``'s, on the parameters a stage's device stores.
 
   Bytes (fitted to compiled steps, XLA:CPU and XLA:GPU, the zoo's GPT-2 and a conv MLP on 2
   and 4 stages: 0.87-1.0x): the stored parameters and, in the step's temp, five more copies
@@ -177,7 +199,7 @@ def stage_cost(dp, facts: ProgramFacts, pipe, schedule, features: dict[str, Any]
   kept = max((info.kept_bytes for info in pipe.stage_info()), default=0) * per_micro / m
   acts = 2 * schedule.num_slots * kept
   busy = ((schedule.forward != IDLE).astype(int) + 2 * (schedule.backward != IDLE)).max(axis=1)
-  flops = split.flops if split is not None else facts.flops * 3
+  flops = (split.flops if split is not None else facts.flops * 3) + update * params
   work = flops / (chip.peak_flops * chip.efficiency)
   comm: dict[tuple[str, str], float] = {
       key: t for key, t in (split.comm_s.items() if split is not None else ()) if key[1] == MODEL}

@@ -27,7 +27,7 @@ and a user's scope, default strategy or ``epl.annotate`` rule are fixed, not sea
    rescales the activation estimate of the rows still to weigh by its measured activations
    (``_calibrated``). Once one compiled step fits, a row is compiled only if its estimate,
    scaled by compiled / estimated time of the last compiled row of its kind (pipeline or
-   not: an estimate leaves out the optimizer's update), is clearly (``BETTER``) below the
+   not), is clearly (``BETTER``) below the
    fitting step's compiled time. Of the compiled steps within the limit the fastest is chosen,
    by costs read from the compiled program (``cost.compiled_cost``; a pipeline's FLOPs and
    bubble from its branches' FLOPs times the schedule's busy slots, ``_pipeline_compute``).
@@ -123,13 +123,16 @@ def search(fns, config, cluster, rng, batch, build: Callable) -> Any:
       np.size(x) * np.asarray(x).dtype.itemsize for x in jax.tree.leaves(batch))
   residuals = estimate_lib.residual_bytes(
       next(iter(bases.values())).capture.program.closed_jaxpr) if bases else 0
-  rows = [_estimate(built, facts, features, chip, batch_bytes, split, residuals)
+  update = (estimate_lib.update_flops(fns.optimizer,
+                                      next(iter(bases.values())).user_state.params_shape)
+            if bases else 0.0)
+  rows = [_estimate(built, facts, features, chip, batch_bytes, split, residuals, update)
           for (_, split), built in bases.items()
           for facts in [estimate_lib.program_facts(built, split)]
           for features in _feature_grid(fixed, built)]
   if (1, "") in bases:   # (a mesh the user fixed has no stage axis to search)
     rows += _stage_rows(functools.partial(_pipeline_plan, fns, config, cluster, rng, batch),
-                        bases, fixed, chip, batch_bytes, residuals, notes)
+                        bases, fixed, chip, batch_bytes, residuals, update, notes)
   rows.sort(key=_order)
   if not rows:
     raise PlanError("auto.auto_parallel found no candidate plan: " + "; ".join(notes[1:]))
@@ -309,7 +312,8 @@ def _pipeline_plan(fns, config, cluster, rng, batch, stages: int, micro: int, k:
 
 
 def _stage_rows(make_pipe: Callable, bases: dict, fixed: dict[str, Any], chip,
-                batch_bytes: int, residuals: int, notes: list[str]) -> list[Candidate]:
+                batch_bytes: int, residuals: int, update: float,
+                notes: list[str]) -> list[Candidate]:
   """data x stage x model candidates for S = 2, 4, ... stages while the model cuts into S
   balanced stages (``auto.auto_parallel``'s cut), each stage the whole of it under
   ``epl.split(k)`` for the k of the whole-model splits searched (and k = 1), with S, 2S and 4S
@@ -347,7 +351,7 @@ def _stage_rows(make_pipe: Callable, bases: dict, fixed: dict[str, Any], chip,
                  if k > 1 else None)
         schedule = schedules.make_schedule(pipe.schedule.strategy, stages, micro)
         step = estimate_lib.stage_cost(base, facts, pipe, schedule, feats, chip, batch_bytes,
-                                       split)
+                                       split, update)
         out.append(Candidate(dict(pipe.mesh.shape), feats, step.bytes_per_device, step.step_s,
                              step.compute_s, step.communication_s, step.bubble_s,
                              compiled=False, split="all" if k > 1 else "", estimate=step))
@@ -419,9 +423,9 @@ def _divisors(n: int) -> list[int]:
 
 
 def _estimate(built, facts, features: dict[str, Any], chip, batch_bytes: int, split: str,
-              residuals: int) -> Candidate:
+              residuals: int, update: float) -> Candidate:
   """A candidate before compiling: every number is ``estimate.step_cost``'s."""
-  step = estimate_lib.step_cost(built, facts, features, chip, batch_bytes, residuals)
+  step = estimate_lib.step_cost(built, facts, features, chip, batch_bytes, residuals, update)
   return Candidate(dict(built.plan.mesh.shape), dict(features), step.bytes_per_device,
                    step.step_s, step.compute_s, step.communication_s, step.bubble_s,
                    compiled=False, split=split, estimate=step)
