@@ -81,11 +81,10 @@ class Rolled:
   why_not: str = ""
 
 
-def roll_repeats(closed: jcore.ClosedJaxpr, num_params: int | None = None) -> Rolled:
+def roll_repeats(closed: jcore.ClosedJaxpr, num_params: int) -> Rolled:
   """``closed`` with its longest loop-shaped run of equal blocks as a ``lax.scan`` over stacks
-  of its first ``num_params`` inputs (default: all), or unchanged when there is none."""
+  of its first ``num_params`` inputs, or unchanged when there is none."""
   program = steps_of(closed, enter=top_level)
-  num_params = len(program.inputs) if num_params is None else num_params
   params = {k: i for i, k in enumerate(program.inputs[:num_params])}
   sigs = _signatures([step.eqn for step in program.steps])
   why_not = ""
