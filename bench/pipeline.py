@@ -112,7 +112,7 @@ def executed_flops(trainer) -> float:
   total = 0.0
   for c in range(sched.num_chunks):   # chunk c on stage c % S as the stage's chunk c // S
     s, j = c % sched.num_stages, c // sched.num_stages
-    fwd, bwd = costs[pipe.branch_of[c]]
+    fwd, bwd = costs[pipe.loop.branch_of[c]]
     total += (((sched.forward[:, s] >= 0) & (sched.forward_chunk[:, s] == j)).sum() * fwd
               + ((sched.backward[:, s] >= 0) & (sched.backward_chunk[:, s] == j)).sum() * bwd)
   return total

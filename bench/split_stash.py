@@ -146,7 +146,7 @@ def zoo_table(rows: int = 64) -> str:
         trainer = epl.Trainer(model.init_fn, model.loss_fn, optax.sgd(0.1))
         state = trainer.init(jax.random.key(0), batch)
       compiled = trainer.lower(state, batch).compile()
-      buffers = trainer.plan.pipeline.buffers
+      buffers = trainer.plan.pipeline.loop.buffers
       per_slot = packing.nbytes(buffers.residuals) + (
           packing.nbytes(buffers.payload) if buffers.keep_inputs else 0)
       gathers = [c for c in hlo.collectives(compiled.as_text()) if c.kind == "all-gather"]

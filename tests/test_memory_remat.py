@@ -277,7 +277,7 @@ def test_auto_inside_pipeline_stages():
   # body is rematerialized per iteration.
   assert any("1 scanned layer bodies rematerialized per iteration" in f
              for f in remat.plan.features)
-  stash = lambda t: sum(t.plan.pipeline.buffers.residuals.values())  # noqa: E731
+  stash = lambda t: sum(t.plan.pipeline.loop.buffers.residuals.values())  # noqa: E731
   # Measured on jax 0.11: 1384 of 9833 bytes rolled (2048 with the blocks written out, the
   # segment inputs): what stays are the scan's inputs.
   assert stash(remat) < 0.25 * stash(plain)

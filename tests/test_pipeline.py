@@ -24,7 +24,7 @@ def test_matches_single_device_reference(case):
   plan = trainer.plan
   assert (plan.num_replicas, plan.num_stages) == (replicas, stages)
   assert dict(plan.mesh.shape) == {"data": replicas, "stage": stages, "model": per_stage}
-  assert len(plan.pipeline.branches) == distinct
+  assert len(plan.pipeline.loop.branches) == distinct
   # Activations and gradients move between stages; gradients are reduced over replicas; the
   # stored parameters (the user's leaves, sharded over stage) are gathered into their stage's
   # buffer and the gradients scattered back, moving at most the parameters' bytes each way.

@@ -44,7 +44,7 @@ def test_plan_shows_stages_schedule_and_bubble():
   # The stored parameters are the user's leaves, each sharded over the 2 stages: half of them.
   total = (20 * 32 + 32 + 32 * 24 + 24 + 24 * 10 + 10) * 4
   assert plan.param_bytes == total // 2
-  assert plan.pipeline.packed_bytes_per_device == (32 * 24 + 24 + 24 * 10 + 10) * 4
+  assert plan.pipeline.store.bytes_inside() == (32 * 24 + 24 + 24 * 10 + 10) * 4
   # The user's structure, whatever the packing.
   assert jax.tree.structure(plan.param_specs) == jax.tree.structure(
       jax.eval_shape(linen_fns(TwoStages())[0], jax.random.key(0), classification_batch(16)))

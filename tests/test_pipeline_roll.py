@@ -130,7 +130,7 @@ def test_rolled_layers_keep_no_more_per_micro_batch_than_written_out_ones():
   for roll_on in (False, True):
     trainer, text = _step_text(2, 6, **{"pipeline.roll_layers": roll_on})
     pipe = trainer.plan.pipeline
-    kept[roll_on] = (pipe.buffers.residuals, [s.rolled is not None for s in pipe.stages])
+    kept[roll_on] = (pipe.loop.buffers.residuals, [s.rolled is not None for s in pipe.stages])
   assert kept[True][1] == [True, True] and kept[False][1] == [False, False]
   assert kept[True][0] == kept[False][0], kept
 

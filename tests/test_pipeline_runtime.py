@@ -117,7 +117,7 @@ def test_features_wrap_each_stage_and_scale_its_backward(monkeypatch):
   assert len(remat.wrapped) == 3
   assert state.feature_state[LOSS_SCALE] == 1024.0
   # Rematerialized stages keep only their inputs: no residuals are stashed.
-  assert trainer.plan.pipeline.buffers.residuals == {}
+  assert trainer.plan.pipeline.loop.buffers.residuals == {}
 
 
 def test_trainer_clipping_after_the_all_reduce_and_lower_loss_work_with_stages():

@@ -151,9 +151,9 @@ def test_split_default_strategy_4_stages_gpipe_match_reference():
                                        optax.sgd(0.1, momentum=0.9))
   assert dict(trainer.plan.mesh.shape) == {"data": 1, "stage": 4, "model": 2}
   pipe = trainer.plan.pipeline
-  assert len(pipe.branches) == 3             # the two middle stages share a branch
+  assert len(pipe.loop.branches) == 3             # the two middle stages share a branch
   # identical stages fill the same slots: a device holds about one stage's parameters
-  assert pipe.packed_bytes_per_device < 2 * max(stage_param_bytes(pipe, s) for s in pipe.stages)
+  assert pipe.store.bytes_inside() < 2 * max(stage_param_bytes(pipe, s) for s in pipe.stages)
   np.testing.assert_equal(pipe.split, (2, 2, 2, 2))
 
 

@@ -36,7 +36,7 @@ from epljax.errors import PlanError
 from epljax.pipeline import chunks
 from epljax.sharding.capture import Capture
 from epljax.sharding.program import CALLS as _TRANSPARENT  # cutting through a call is fine
-from epljax.sharding.program import Node
+from epljax.sharding.program import Node, nbytes
 
 
 def auto_stage_cuts(capture: Capture, num_stages: int, not_split: str | None = None,
@@ -108,7 +108,7 @@ def _chunk_starts(capture: Capture, num_stages: int) -> tuple[int, ...] | None:
       continue   # not the layers of a split scan (a matrix sliced for another reason)
     aval = capture.program.closed_jaxpr.jaxpr.invars[leaf].aval
     for (i,), _ in groups:
-      c = chunks.chunk_of(capture.program.nodes[i].eqn, tuple(aval.shape), num_stages)
+      c = chunks.chunk_of(capture.program.nodes[i], tuple(aval.shape), num_stages)
       first[c] = min(first.get(c, i), i)
   if sorted(first) != list(range(num_stages)):
     return None
@@ -173,8 +173,8 @@ def _first_use_bytes(capture: Capture, num_stages: int) -> list[float]:
   """Per node: the bytes of the parameters (or stage chunks of stacked ones) first used there."""
   out = [0.0] * len(capture.program.nodes)
   for leaf in range(len(capture.input_paths)):
-    for uses, nbytes in param_parts(capture, leaf, num_stages):
-      out[min(uses)] += nbytes
+    for uses, held in param_parts(capture, leaf, num_stages):
+      out[min(uses)] += held
   return out
 
 
@@ -187,12 +187,10 @@ def param_parts(capture: Capture, leaf: int, num_stages: int) -> list[tuple[list
     return []
   aval = capture.program.closed_jaxpr.jaxpr.invars[leaf].aval
   nodes = capture.program.nodes
-  found = [chunks.chunk_of(nodes[i].eqn, tuple(aval.shape), num_stages)
-           if not nodes[i].enclosing else None for i in uses]
+  found = [chunks.chunk_of(nodes[i], tuple(aval.shape), num_stages) for i in uses]
   if num_stages > 1 and all(c is not None for c in found) and len(set(found)) == len(found):
-    part = math.prod(aval.shape) * aval.dtype.itemsize / num_stages
-    return [([i], part) for i in uses]
-  return [(uses, float(math.prod(aval.shape) * aval.dtype.itemsize))]
+    return [([i], nbytes(aval) / num_stages) for i in uses]
+  return [(uses, float(nbytes(aval)))]
 
 
 def node_flops(node: Node) -> float:
@@ -268,11 +266,11 @@ def stage_balance(capture: Capture, stage_of: Sequence[int], num_stages: int
     if tg >= 0:
       flops[stage_of[tg]] += node_flops(n)
   for leaf in range(len(capture.input_paths)):
-    for uses, nbytes in param_parts(capture, leaf, num_stages):
+    for uses, held in param_parts(capture, leaf, num_stages):
       holders = {stage_of[capture.node_taskgraph[i]] for i in uses
                  if capture.node_taskgraph[i] >= 0}
       for s in holders:
-        params[s] += int(nbytes)
+        params[s] += int(held)
   return flops, params
 
 

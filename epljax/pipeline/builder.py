@@ -38,7 +38,7 @@ from epljax.config import PipelineConfig
 from epljax import hlo
 from epljax.errors import PipelineWarning, PlanError, listing
 from epljax.features import BuildContext, Feature, GradientFn, loss_scale
-from epljax.mesh import DATA, MODEL, STAGE, Layout
+from epljax.mesh import MODEL, STAGE, Layout
 from epljax.pipeline import describe, packing, runtime, slots, stats, storage
 from epljax.pipeline.auto import check_balance
 from epljax.pipeline.describe import StageInfo
@@ -72,23 +72,15 @@ class Pipeline:
   # are averaged over them (``stats.py``), so they are those of the micro batch, as on one
   # device.
   state_avals: tuple[Any, ...]
-  state_def: Any
-  state_layouts: tuple[slots.SlotLayout, ...] | None
+  state_layouts: tuple[slots.SlotLayout, ...]
   balance: tuple[str, ...]       # per stage: estimated FLOPs and parameter bytes
   constraints: tuple[str, ...]   # what became of the model's own sharding constraints
   loop: runtime.Loop | None = None    # the distinct stage functions (``with_features``)
 
   @property
   def slotted(self) -> bool:
-    return isinstance(self.store, slots.SlotStore)   # (``make_store`` decides)
-
-  @property
-  def param_avals(self) -> tuple[Any, ...]:
-    return self.store.avals
-
-  @property
-  def param_specs(self) -> tuple[P, ...]:
-    return self.store.specs
+    """Tensor-parallel stages: parameters and residuals in slots, ``model`` left to GSPMD."""
+    return MODEL not in self.store.data_axes
 
   @property
   def parts(self) -> Mapping[int, int]:
@@ -98,32 +90,8 @@ class Pipeline:
   @functools.cached_property
   def all_avals(self) -> tuple[Any, ...]:
     """The avals of the user's leaves then of the parts (one chunk's rows): what stages take."""
-    return (*self.param_avals, *(jax.ShapeDtypeStruct(t.shape, t.dtype)
+    return (*self.store.avals, *(jax.ShapeDtypeStruct(t.shape, t.dtype)
                                  for t in self.store.part_types.values()))
-
-  @property
-  def rows(self) -> list[int]:
-    return chunk_rows(self.schedule.num_stages, self.schedule.num_virtual_stages)
-
-  @property
-  def slot_layouts(self) -> tuple[slots.SlotLayout, ...] | None:
-    return self.store.layouts if self.slotted else None
-
-  @property
-  def branches(self) -> tuple[runtime.Branch, ...]:
-    return self.loop.branches if self.loop else ()
-
-  @property
-  def branch_of(self) -> tuple[int, ...]:
-    return self.loop.branch_of if self.loop else ()
-
-  @property
-  def buffers(self) -> runtime.Buffers | None:
-    return self.loop.buffers if self.loop else None
-
-  @property
-  def stash(self) -> str:
-    return "residuals"   # what the loop keeps for a backward (``runtime.py``)
 
   @property
   def shared(self) -> dict[int, tuple[int, ...]]:
@@ -173,6 +141,11 @@ class Pipeline:
     return jax.tree.unflatten(jax.tree.structure(model_state), new)
 
   # -- the step -----------------------------------------------------------------------------
+  @property
+  def _manual(self) -> frozenset[str]:
+    """The mesh axes the loop is written for: its data axes and ``stage``."""
+    return frozenset({*self.store.data_axes, STAGE})
+
   def check_compiled(self, hlo_text: str) -> None:
     """Refuses a compiled step in which GSPMD put a collective inside a stage's branch that
     waits for devices of other stages: with ``model`` left to GSPMD (tensor-parallel stages)
@@ -197,13 +170,6 @@ class Pipeline:
           splits=", ".join(f"'{s.name}': split({k})" for s, k in zip(self.stages, self.split)
                            if k > 1)))
 
-  def _manual(self) -> tuple[tuple[str, ...], frozenset[str]]:
-    """The loop's data axes and the axes it is written for: tensor-parallel stages leave
-    ``model`` to GSPMD."""
-    if self.slotted:
-      return (DATA,), frozenset({DATA, STAGE})
-    return (DATA, MODEL), frozenset(self.mesh.axis_names)
-
   def with_features(self, features: Sequence[Feature], ctx: BuildContext) -> Pipeline:
     """This pipeline with its loop's branches: every feature's ``forward`` hook around each
     stage's forward, one branch per distinct result (traced, not compiled)."""
@@ -215,18 +181,17 @@ class Pipeline:
       fns.append(fn)
     loop = runtime.make_loop(
         self.stages, fns, self.all_avals, self.batch_avals, self.store.layouts,
-        self.store.buffers, residuals_in_slots=self.slotted, state_avals=self.state_avals,
-        state_layouts=self.state_layouts, loop=(self.mesh, self._manual()[1]))
+        self.store.buffers, stash=self.store.stash, state_avals=self.state_avals,
+        state_layouts=self.state_layouts, loop=(self.mesh, self._manual))
     return dataclasses.replace(self, loop=loop)
 
   def gradients(self) -> GradientFn:
     """The step's ``GradientFn`` over the user's parameter tree (packed inside the step)."""
     if self.loop is None:   # internal invariant: build.py adds the features first
       raise AssertionError("Pipeline.gradients before with_features")
-    data_axes, manual = self._manual()
     run = runtime.pipelined_gradients(
-        self.loop, self.aux_avals, self.schedule, self.mesh, data_axes,
-        P(None, self.batch_axes), manual=manual)
+        self.loop, self.aux_avals, self.schedule, self.mesh, self.store.data_axes,
+        P(None, self.batch_axes), manual=self._manual)
     single = self.schedule.num_micro_batch == 1
     aux_def, store, params_def = self.aux_def, self.store, self.params_def
 
@@ -247,10 +212,6 @@ class Pipeline:
   @property
   def param_bytes_per_device(self) -> int:
     return describe.param_bytes_per_device(self)
-
-  @property
-  def packed_bytes_per_device(self) -> int:
-    return self.store.bytes_inside()
 
   def stage_info(self) -> list[StageInfo]:
     return describe.stage_info(self)
@@ -377,14 +338,14 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
                   stacklevel=3)
   state_layouts = tuple(slots.assign([
       [packing.SlotType.of(slots.data_aval(s_leaves[j])) for j in s.state]
-      for s in stages])) if s_leaves else None
+      for s in stages]))
   return Pipeline(
       stages=stages, schedule=schedule, mesh=layout.mesh, batch_axes=batch_axes,
       params_def=p_def, param_paths=tuple(param_paths), batch_avals=tuple(b_leaves),
       aux_avals=tuple(aux_avals), aux_def=found["aux_def"] if has_aux else None,
       split=tuple(split), store=make_store(stages, p_leaves, param_specs, param_paths,
                                            layout.mesh, split, layout.num_virtual_stages),
-      state_avals=tuple(s_leaves), state_def=s_def, state_layouts=state_layouts,
+      state_avals=tuple(s_leaves), state_layouts=state_layouts,
       balance=tuple(check_balance(global_capture, layout.stage_of, len(stages),
                                   [s.name for s in stages])),
       constraints=tuple(constraints.plan_lines(notes)))

@@ -17,7 +17,6 @@ none of them (``builder.py``). Its optimizer state and checkpoint stay one stack
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,12 +24,11 @@ from typing import Any
 import jax
 from jax import lax
 from jax.extend import core as jcore
-from jax.extend import source_info_util
 
 from epljax.errors import PipelineWarning, listing, size
 from epljax.sharding import dims
-from epljax.sharding.program import (Node, Program, Step, bind, evaluate, scan_counts, steps_of,
-                                     top_level)
+from epljax.sharding.program import (Node, Program, Step, bind, evaluate, in_context, nbytes,
+                                     scan_counts, steps_of, top_level)
 
 
 def scan_splitter(closed: jcore.ClosedJaxpr, position: int, parts: int, num_params: int,
@@ -92,22 +90,22 @@ def _in_parts(step: Step, values: Sequence[Any], parts: int) -> list[Any]:
   length = eqn.params["length"] // parts
   stacked_outs = []
   for j in range(parts):
-    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
-      chunk = [lax.slice_in_dim(x, j * length, (j + 1) * length, axis=0) for x in xs]
+    chunk = in_context(step, lambda j=j: [lax.slice_in_dim(x, j * length, (j + 1) * length)
+                                          for x in xs])
     outs = bind(step, [*consts, *carry, *chunk], length=length)
     carry, ys = outs[:n_carry], outs[n_carry:]
     stacked_outs.append(ys)
   return [*carry, *(lax.concatenate(list(ys), 0) for ys in zip(*stacked_outs))]
 
 
-def chunk_of(node_eqn: jcore.JaxprEqn, shape: tuple[int, ...], parts: int) -> int | None:
-  """Which of ``parts`` equal row chunks a ``slice`` of a leaf of ``shape`` takes, or None
-  when it is not one (another dimension sliced, strides, a range off the chunk grid)."""
-  if (node_eqn.primitive.name != "slice" or not shape or shape[0] % parts
-      or not dims.rows_only(node_eqn)):
+def chunk_of(node: Node, shape: tuple[int, ...], parts: int) -> int | None:
+  """Which of ``parts`` equal row chunks a top-level ``slice`` of a leaf of ``shape`` takes,
+  or None when it is not one (inside a loop or call, another dimension sliced, strides, a
+  range off the chunk grid)."""
+  if (node.enclosing or node.primitive != "slice" or not shape or shape[0] % parts
+      or not dims.rows_only(node.eqn)):
     return None
-  start, limit = node_eqn.params["start_indices"], node_eqn.params["limit_indices"]
+  start, limit = node.eqn.params["start_indices"], node.eqn.params["limit_indices"]
   rows = shape[0] // parts
   if start[0] % rows or limit[0] - start[0] != rows:
     return None
@@ -124,7 +122,7 @@ def warn_whole_stacks(found: Sequence[tuple[str, Any, bool, str]], num_chunks: i
   """Warns about scanned layers' stacked parameters the pipeline cannot store one chunk per
   stage: (path, aval, whether it is also read whole, why) each; the first one's reason and
   advice are given."""
-  nbytes = sum(math.prod(a.shape) * a.dtype.itemsize for _, a, _, _ in found)
+  total = sum(nbytes(a) for _, a, _, _ in found)
   path, aval, read_whole, why = found[0]
   which = (f"{len(found)} stacked parameters ({listing([p for p, _, _, _ in found])}) are"
            if len(found) > 1 else f"Stacked parameter '{path}' (shape {tuple(aval.shape)}) is")
@@ -134,7 +132,7 @@ def warn_whole_stacks(found: Sequence[tuple[str, Any, bool, str]], num_chunks: i
   one = len(found) == 1
   warnings.warn(_WHOLE_STACK.format(
       which=which, k=num_chunks, it="it" if one else "them", it_is="it is" if one else "they are",
-      whole=size(nbytes), chunk=size(nbytes / num_chunks), reason=reason, advice=advice),
+      whole=size(total), chunk=size(total / num_chunks), reason=reason, advice=advice),
       PipelineWarning, stacklevel=5)
 
 

@@ -9,13 +9,13 @@ parameters, parts, model splits, state, balance, tied leaves), with the bytes a 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import TYPE_CHECKING, Any
 
 from epljax.errors import listing, size
 from epljax.pipeline import packing, slots
 from epljax.pipeline.partition import Stage
 from epljax.plan import leaf_bytes_per_device, render_text
+from epljax.sharding.program import nbytes
 
 if TYPE_CHECKING:
   from epljax.pipeline.builder import Pipeline
@@ -37,18 +37,17 @@ class StageInfo:
 def param_bytes_per_device(pipe: Pipeline) -> int:
   """The user's leaves as stored (sharded over ``stage``)."""
   return sum(leaf_bytes_per_device(a.shape, a.dtype, sh)
-             for a, sh in zip(pipe.param_avals, pipe.store.shardings))
+             for a, sh in zip(pipe.store.avals, pipe.store.shardings))
 
 
 def stage_param_bytes(pipe: Pipeline, stage: Stage) -> int:
   """A stage's own parameters per device of the stage (split over ``model`` where split)."""
-  return sum(math.prod(pipe.all_avals[i].shape) * pipe.all_avals[i].dtype.itemsize
-             // _leaf_split(pipe, i) for i in stage.params)
+  return sum(nbytes(pipe.all_avals[i]) // _leaf_split(pipe, i) for i in stage.params)
 
 
 def _leaf_split(pipe: Pipeline, i: int) -> int:
   """Devices leaf (or part) ``i`` is split over (its spec, without ``stage``)."""
-  return pipe.store.split_of(pipe.param_specs[pipe.parts.get(i, i)])
+  return pipe.store.split_of(pipe.store.specs[pipe.parts.get(i, i)])
 
 
 # -- the plan -------------------------------------------------------------------------------
@@ -68,9 +67,9 @@ def text(pipe: Pipeline) -> str:
 def stage_info(pipe: Pipeline) -> list[StageInfo]:
   rows = []
   for stage in pipe.stages:
-    branch = pipe.branches[pipe.branch_of[stage.index]] if pipe.branches else None
     kept = 0
-    if branch is not None:
+    if pipe.loop is not None:
+      branch = pipe.loop.branches[pipe.loop.branch_of[stage.index]]
       kept = packing.nbytes(branch.residuals.layout.sizes)
       kept += packing.nbytes(branch.incoming.sizes) if branch.needs_inputs else 0
     rows.append(StageInfo(stage.index, stage.name, len(stage.params),
@@ -88,8 +87,7 @@ def describe_split(pipe: Pipeline) -> list[str]:
     if k == 1:
       continue
     split = [i for i in stage.params if _leaf_split(pipe, i) > 1]
-    whole = sum(math.prod(pipe.all_avals[i].shape) * pipe.all_avals[i].dtype.itemsize
-                for i in stage.params)
+    whole = sum(nbytes(pipe.all_avals[i]) for i in stage.params)
     lines.append(f"split     stage {stage.index} '{stage.name}': epl.split({k}) over model; "
                  f"{len(split)} of {len(stage.params)} parameters split, "
                  f"{size(stage_param_bytes(pipe, stage))} of {size(whole)} per device")
@@ -102,16 +100,17 @@ def describe(pipe: Pipeline) -> list[str]:
   n_stages, virtual = pipe.schedule.num_stages, pipe.schedule.num_virtual_stages
   if virtual > 1:
     lines.append("chunks    " + "; ".join(
-        f"stage {s}: " + ", ".join(f"'{pipe.stages[c].name}'" for c in pipe.rows[
-            s * virtual:(s + 1) * virtual]) for s in range(n_stages)))
-  if pipe.buffers is not None:
-    per_slot = packing.nbytes(pipe.buffers.residuals) + (
-        packing.nbytes(pipe.buffers.payload) if pipe.buffers.keep_inputs else 0)
+        f"stage {s}: " + ", ".join(f"'{pipe.stages[s + j * n_stages].name}'"
+                                   for j in range(virtual)) for s in range(n_stages)))
+  if pipe.loop is not None:
+    buffers = pipe.loop.buffers
+    per_slot = packing.nbytes(buffers.residuals) + (
+        packing.nbytes(buffers.payload) if buffers.keep_inputs else 0)
     kept = "micro batches" if virtual == 1 else "micro batch chunks"
     lines.append(
         f"stash     residuals: {pipe.schedule.num_slots} {kept} (+1 scratch slot) x "
         f"{size(per_slot)} per device{' before the model split' if pipe.slotted else ''}; "
-        f"{len(pipe.branches)} distinct stage functions")
+        f"{len(pipe.loop.branches)} distinct stage functions")
   lines.append(f"params    {size(param_bytes_per_device(pipe))} per device as stored (the "
                f"user's leaves, sharded over stage); {size(pipe.store.bytes_inside())} "
                + pipe.store.inside)
@@ -129,13 +128,11 @@ def describe(pipe: Pipeline) -> list[str]:
             if s.unrolled]
   for stage in pipe.stages:
     if stage.state:
-      nbytes = sum(math.prod(slots.data_aval(pipe.state_avals[j]).shape)
-                   * slots.data_aval(pipe.state_avals[j]).dtype.itemsize
-                   for j in stage.state)
+      held = sum(nbytes(slots.data_aval(pipe.state_avals[j])) for j in stage.state)
       means = (f"; its {len(stage.averaged)} batch means averaged over the replicas "
                f"({', '.join(stage.row_axes)})" if stage.averaged else "")
       lines.append(f"state     stage {stage.index} '{stage.name}' keeps {len(stage.state)} model "
-                   f"state leaves ({size(nbytes)}), updated by each micro batch's forward in "
+                   f"state leaves ({size(held)}), updated by each micro batch's forward in "
                    f"order{means}")
   lines += [f"balance   {row}" for row in pipe.balance]
   lines += pipe.constraints

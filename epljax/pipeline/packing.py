@@ -19,7 +19,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +39,6 @@ class SlotType:
 
   def zeros(self, lead: tuple[int, ...] = ()) -> jax.Array:
     return jnp.zeros((*lead, *self.shape), self.dtype)
-
-  def stacked_spec(self, stage_axis: str) -> P:
-    return P(stage_axis, *self.spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,14 +80,7 @@ class Layout:
       if skip_missing and entry.dtype not in padded:
         continue
       parts[entry.dtype].append(jnp.ravel(v).astype(entry.dtype))
-    out = {}
-    for name, size in padded.items():
-      used = self.sizes.get(name, 0)
-      if used < size:
-        parts[name].append(jnp.zeros((size - used,), name))
-      out[name] = (jnp.concatenate(parts[name]) if len(parts[name]) > 1 else
-                   parts[name][0] if parts[name] else jnp.zeros((0,), name))
-    return out
+    return {name: fill(parts[name], size, name) for name, size in padded.items()}
 
   def unpack(self, buffers: Mapping[str, jax.Array]) -> list[jax.Array]:
     return [jax.lax.slice(buffers[e.dtype], (e.offset,), (e.offset + e.size,)).reshape(e.shape)
@@ -102,6 +91,14 @@ class Layout:
     return [jax.lax.slice(buffers[e.dtype], (e.offset,), (e.offset + e.size,)).reshape(e.shape)
             if e.dtype in buffers else np.zeros(e.shape, jax.dtypes.float0)
             for e in self.entries]
+
+
+def fill(parts: Sequence[jax.Array], size: int, dtype: str, lead: tuple[int, ...] = ()
+         ) -> jax.Array:
+  """``(*lead, n_k)`` parts side by side on their last axis, zeros after them up to ``size``."""
+  used = sum(p.shape[-1] for p in parts)
+  parts = [*parts, jnp.zeros((*lead, size - used), dtype)] if used < size or not parts else parts
+  return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
 
 
 def dtype_name(dtype: Any) -> str:

@@ -26,6 +26,7 @@ sent. A value flowing from a later stage to an earlier one is an error naming bo
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -98,11 +99,11 @@ class Stage:
     """The stage's parameter leaves -> what ``__call__`` takes: the leaves, then the stacks of
     its rolled layers. Made outside the stage's ``jax.vjp``, so its residuals refer to them
     rather than keep a stacked copy per micro batch."""
-    return roll.stack(leaves, self.stacks) if self.stacks else list(leaves)
+    return roll.stack(leaves, self.stacks)
 
   def leaf_gradients(self, grads: Sequence[Any]) -> list[Any]:
     """Gradients of ``with_stacks``' values -> of the leaves (its transpose)."""
-    return roll.unstack_gradients(grads, self.stacks) if self.stacks else list(grads)
+    return roll.unstack_gradients(grads, self.stacks)
 
   def __call__(self, params: Sequence[Any], incoming: Sequence[Any], batch: Sequence[Any],
                state: Sequence[Any] = ()):
@@ -136,8 +137,8 @@ def _averaging(closed: jcore.ClosedJaxpr, averaged: frozenset[int], axes: Sequen
   return evaluate(closed, args, rule)
 
 
-def cut_stages(cap: Capture, stage_of: Sequence[int], num_params: int,
-               num_state: int = 0, roll: bool = False) -> tuple[Stage, ...]:
+def cut_stages(cap: Capture, stage_of: Sequence[int], num_params: int, num_state: int,
+               roll: bool) -> tuple[Stage, ...]:
   """The stages of the captured program ``(params..., state..., batch...) -> (loss, aux...,
   new_state...)``.
 
@@ -165,8 +166,7 @@ def _roll(stage: Stage) -> Stage:
 
 class _Cutter:
 
-  def __init__(self, cap: Capture, stage_of: Sequence[int], num_params: int,
-               num_state: int = 0):
+  def __init__(self, cap: Capture, stage_of: Sequence[int], num_params: int, num_state: int):
     self.cap = cap
     self.node_tg = cap.node_taskgraph
     self.stage_of = list(stage_of)
@@ -204,7 +204,7 @@ class _Cutter:
       scanned = set()            # the chunks sliced for a scan over layers
       why: dict[str, str] = {}   # why the leaf is held whole: the first reason of each kind
       for n, _ in program.uses_of_input(leaf):
-        c = None if n.enclosing else chunks.chunk_of(n.eqn, shape, self.num_stages)
+        c = chunks.chunk_of(n, shape, self.num_stages)
         if c is not None and chunks.feeds_scan(program, n):
           scanned.add(c)
         # The slice and everything reading it are on stage c (else the stage holds the leaf).
@@ -356,14 +356,12 @@ class _Cutter:
           boundary[b].append(k)
     return tuple(self._stage(s, sorted(members[s]), boundary) for s in range(n_stages))
 
-  def _read_params(self) -> set[int]:
-    if not hasattr(self, "_read"):
-      self._read = {k.index for item in self.items for k in item.inputs
-                    if isinstance(k, _Key) and k.kind == "param"}
-      self._read |= {k.index for k in self.outputs + self.state_outputs
-                     if isinstance(k, _Key) and k.kind == "param"}
-      self._read |= set(self.chunked)
-    return self._read
+  @functools.cached_property
+  def read_params(self) -> set[int]:
+    """The parameter leaves some equation (or the program's outputs) reads."""
+    keys = [k for item in self.items for k in item.inputs] + self.outputs + self.state_outputs
+    return {k.index for k in keys if isinstance(k, _Key) and k.kind == "param"} | set(
+        self.chunked)
 
   def _stage(self, s: int, member: list[int], boundary: list[list[_Key]]) -> Stage:
     last = s == self.num_stages - 1
@@ -392,7 +390,7 @@ class _Cutter:
     if last:
       order += [k.index for k in self.outputs
                 if isinstance(k, _Key) and k.kind == "param" and k.index not in order]
-    read = self._read_params()
+    read = self.read_params
     # A parameter no stage reads is held (with a zero gradient) by the stage of its task graph.
     order += [i for i in range(self.num_params)
               if i not in read and self.param_stage[i] == s and i not in order]

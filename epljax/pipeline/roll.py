@@ -37,7 +37,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
-from epljax.sharding.program import any_eqn, read, run_steps, start_env, steps_of, top_level
+from epljax.sharding.program import (Steps, any_eqn, read, run_steps, start_env, steps_of,
+                                     top_level)
 
 _LAYER = frozenset({"dot_general", "conv_general_dilated"})
 
@@ -52,7 +53,7 @@ class Run:
 
 # How each operand of the block's template equation is found, in every block:
 # ("lit", Literal) | ("own", (j, i)) output i of equation j of the same block |
-# ("carry", slot) | ("same", Var) one outer value for every block | ("xs", index) stacked.
+# ("carry", slot) | ("same", Key) one outer value for every block | ("xs", index) stacked.
 _Source = tuple[str, Any]
 
 
@@ -61,8 +62,8 @@ class _Loop:
   run: Run
   sources: list[list[_Source]]           # per template equation, per operand
   carry: list[tuple[int, int]]           # slots: (j, i) of the value the previous block made
-  carry_init: list[Any]                  # per slot: the outer atom block 0 reads, or None
-  xs: list[tuple[Any, ...]]              # per stacked input: its outer var in each block
+  carry_init: list[Any]                  # per slot: the outer key block 0 reads, or None
+  xs: list[tuple[Any, ...]]              # per stacked input: its outer key in each block
   results: dict[Any, int]                # outer use of the last block's value -> carry slot
 
 
@@ -80,27 +81,26 @@ class Rolled:
   why_not: str = ""
 
 
-def roll_repeats(closed: jcore.ClosedJaxpr, num_params: int | None = None) -> Rolled:
+def roll_repeats(closed: jcore.ClosedJaxpr, num_params: int) -> Rolled:
   """``closed`` with its longest loop-shaped run of equal blocks as a ``lax.scan`` over stacks
-  of its first ``num_params`` inputs (default: all), or unchanged when there is none."""
-  eqns = closed.jaxpr.eqns
-  num_params = len(closed.jaxpr.invars) if num_params is None else num_params
-  params = {v: i for i, v in enumerate(closed.jaxpr.invars[:num_params])}
-  sigs = _signatures(eqns)
+  of its first ``num_params`` inputs, or unchanged when there is none."""
+  program = steps_of(closed, enter=top_level)
+  params = {k: i for i, k in enumerate(program.inputs[:num_params])}
+  sigs = _signatures([step.eqn for step in program.steps])
   why_not = ""
   for run in _candidates(sigs):
-    if not any(any_eqn(e, lambda q: q.primitive.name in _LAYER)
-               for e in eqns[run.start:run.start + run.length]):
+    if not any(any_eqn(step.eqn, lambda q: q.primitive.name in _LAYER)
+               for step in program.steps[run.start:run.start + run.length]):
       continue
-    loop = _as_loop(closed.jaxpr, run)
+    loop = _as_loop(program, run)
     if loop is None:
       continue
-    made = [v for vs in loop.xs for v in vs if v not in params]
+    made = [k for ks in loop.xs for k in ks if k not in params]
     if made:   # stacked inside the forward: a copy per in-flight micro batch
-      why_not = why_not or _MADE_INSIDE.format(n=run.repeats, p=run.length, aval=made[0].aval)
+      why_not = why_not or _MADE_INSIDE.format(n=run.repeats, p=run.length, aval=_aval(made[0]))
       continue
-    stacks = tuple(tuple(params[v] for v in vs) for vs in loop.xs)
-    return Rolled(_rolled(closed, loop, num_params), run, stacks)
+    stacks = tuple(tuple(params[k] for k in ks) for ks in loop.xs)
+    return Rolled(_rolled(closed, program, loop, num_params), run, stacks)
   return Rolled(closed, why_not=why_not)
 
 
@@ -150,25 +150,25 @@ def _candidates(sigs: Sequence[int]) -> list[Run]:
   return sorted(runs, key=lambda r: (-r.length * (r.repeats - 1), r.start, r.length))
 
 
-def _as_loop(jaxpr: jcore.Jaxpr, run: Run) -> _Loop | None:
+def _as_loop(program: Steps, run: Run) -> _Loop | None:
   """The loop ``run`` is, or ``None`` when its dataflow is not a loop's."""
   a, p, n = run.start, run.length, run.repeats
-  made: dict[Any, tuple[int, int, int]] = {}     # var -> (block, j, i)
+  steps = program.steps
+  made: dict[Any, tuple[int, int, int]] = {}     # key -> (block, j, i)
   for k in range(n):
     for j in range(p):
-      eqn = jaxpr.eqns[a + k * p + j]
-      if eqn.effects:
+      step = steps[a + k * p + j]
+      if step.eqn.effects:
         return None
-      for i, v in enumerate(eqn.outvars):
-        made[v] = (k, j, i)
+      made.update((o, (k, j, i)) for i, o in enumerate(step.outputs) if o is not None)
   carry: list[tuple[int, int]] = []
   carry_init: list[Any] = []
   xs: list[tuple[Any, ...]] = []
   sources: list[list[_Source]] = []
   for j in range(p):
     row = []
-    for o in range(len(jaxpr.eqns[a + j].invars)):
-      atoms = [jaxpr.eqns[a + k * p + j].invars[o] for k in range(n)]
+    for o in range(len(steps[a + j].inputs)):
+      atoms = [steps[a + k * p + j].inputs[o] for k in range(n)]
       source = _source(atoms, made, carry, carry_init, xs)
       if source is None:
         return None
@@ -176,7 +176,7 @@ def _as_loop(jaxpr: jcore.Jaxpr, run: Run) -> _Loop | None:
     sources.append(row)
   # Values of the run read after it (or returned) must be the last block's carried values.
   results: dict[Any, int] = {}
-  later = [v for e in jaxpr.eqns[a + n * p:] for v in e.invars] + list(jaxpr.outvars)
+  later = [x for step in steps[a + n * p:] for x in step.inputs] + list(program.outputs)
   for v in later:
     if isinstance(v, jcore.Literal) or v not in made:
       continue
@@ -188,8 +188,8 @@ def _as_loop(jaxpr: jcore.Jaxpr, run: Run) -> _Loop | None:
       carry_init.append(None)   # made before it is read in every block: starts as zeros
     results[v] = carry.index((j, i))
   for slot, init in zip(carry, carry_init):
-    out = jaxpr.eqns[a + slot[0]].outvars[slot[1]].aval
-    if init is not None and (init.aval.shape, init.aval.dtype) != (out.shape, out.dtype):
+    out = steps[a + slot[0]].eqn.outvars[slot[1]].aval
+    if init is not None and (_aval(init).shape, _aval(init).dtype) != (out.shape, out.dtype):
       return None
   return _Loop(run, sources, carry, carry_init, xs, results)
 
@@ -209,7 +209,7 @@ def _source(atoms, made, carry, carry_init, xs) -> _Source | None:
       return None
     slot = slots.pop()
     if slot in carry:
-      if carry_init[carry.index(slot)] is not first:
+      if carry_init[carry.index(slot)] != first:
         return None
     else:
       carry.append(slot)
@@ -217,9 +217,10 @@ def _source(atoms, made, carry, carry_init, xs) -> _Source | None:
     return ("carry", carry.index(slot))
   if any(w is not None for w in where):
     return None
-  if all(x is first for x in atoms):
+  if all(x == first for x in atoms):
     return ("same", first)
-  if any(x.aval.shape != first.aval.shape or x.aval.dtype != first.aval.dtype for x in atoms):
+  if any((_aval(x).shape, _aval(x).dtype) != (_aval(first).shape, _aval(first).dtype)
+         for x in atoms):
     return None
   key = tuple(atoms)
   if key not in xs:
@@ -227,17 +228,17 @@ def _source(atoms, made, carry, carry_init, xs) -> _Source | None:
   return ("xs", xs.index(key))
 
 
-def _rolled(closed: jcore.ClosedJaxpr, loop: _Loop, num_params: int) -> jcore.ClosedJaxpr:
-  jaxpr = closed.jaxpr
+def _rolled(closed: jcore.ClosedJaxpr, program: Steps, loop: _Loop,
+            num_params: int) -> jcore.ClosedJaxpr:
   a, p, n = loop.run.start, loop.run.length, loop.run.repeats
-  program = steps_of(closed, enter=top_level)
   # The first block's steps, each operand read from where every block finds it (``_Source``):
-  # the block's own values keep their keys, the others are named by their source.
+  # the block's own values keep their keys, the others are named by their source (a literal
+  # or a value the same for every block stands for itself).
   own = {(j, i): k for j, step in enumerate(program.steps[a:a + p])
          for i, k in enumerate(step.outputs)}
-  where = {"lit": lambda s: s, "own": own.__getitem__, "carry": lambda s: ("carry", s),
-           "same": lambda v: (0, v), "xs": lambda s: ("xs", s)}
-  template = [dataclasses.replace(step, inputs=tuple(where[kind](s) for kind, s in sources))
+  where = {"own": own.__getitem__, "carry": lambda s: ("carry", s), "xs": lambda s: ("xs", s)}
+  template = [dataclasses.replace(step, inputs=tuple(where.get(kind, lambda s: s)(s)
+                                                     for kind, s in sources))
               for step, sources in zip(program.steps[a:a + p], loop.sources)]
   k = len(loop.xs)
 
@@ -256,16 +257,21 @@ def _rolled(closed: jcore.ClosedJaxpr, loop: _Loop, num_params: int) -> jcore.Cl
     for (j, i), atom in zip(loop.carry, loop.carry_init):
       aval = template[j].eqn.outvars[i].aval
       init.append(jnp.zeros(aval.shape, aval.dtype) if atom is None else
-                  lax.convert_element_type(env[(0, atom)], aval.dtype))
+                  lax.convert_element_type(env[atom], aval.dtype))
     final, _ = lax.scan(block, init, stacked, length=n)
-    env.update(((0, v), final[slot]) for v, slot in loop.results.items())
+    env.update((k, final[slot]) for k, slot in loop.results.items())
     run_steps(program.steps[a + n * p:], env)
     return [read(env, x) for x in program.outputs]
 
   sds = lambda aval, *lead: jax.ShapeDtypeStruct((*lead, *aval.shape), aval.dtype)  # noqa: E731
-  avals = [sds(v.aval) for v in jaxpr.invars]
-  avals[num_params:num_params] = [sds(vs[0].aval, n) for vs in loop.xs]
+  avals = [sds(v.aval) for v in closed.jaxpr.invars]
+  avals[num_params:num_params] = [sds(_aval(ks[0]), n) for ks in loop.xs]
   return jax.make_jaxpr(fn)(*avals)
+
+
+def _aval(atom: Any) -> Any:
+  """The aval of a step's operand: a Literal, or a key ``(scope, Var)``."""
+  return atom.aval if isinstance(atom, jcore.Literal) else atom[1].aval
 
 
 def stack(leaves: Sequence[Any], stacks: Sequence[Sequence[int]]) -> list[Any]:

@@ -49,7 +49,6 @@ from epljax.cost import compiled_flops
 from epljax.errors import PlanError
 from epljax.mesh import STAGE
 from epljax.pipeline import packing, slots
-from epljax.pipeline.packing import SlotType
 from epljax.pipeline.partition import Stage, same_consts
 from epljax.pipeline.schedules import Schedule
 
@@ -78,7 +77,7 @@ class Branch:
     self.outgoing = packing.Layout.of(stage.outgoing)
     # Model state (BatchNorm statistics) in slots, threaded through the micro batches in order.
     self.state_avals = [state_avals[j] for j in stage.state]
-    self.state = state_layout or slots.SlotLayout((), ())
+    self.state = state_layout
     self.residuals: _Residuals | None = None
     self.loss_dtype: Any = jnp.float32   # of the (feature-wrapped) stage's loss output
     # The trial trace's program (params, acts, batch, state) -> (outs, loss, aux, stash, new
@@ -192,20 +191,21 @@ class Loop:
 
 def make_loop(stages: Sequence[Stage], fns: Sequence[StageFn], param_avals, batch_avals,
               param_layouts: Sequence[Any], param_buffers: dict[str, Any], *,
-              residuals_in_slots: bool, state_avals: Sequence[Any],
-              state_layouts: Sequence[Any] | None, loop: tuple[Mesh, frozenset[str]]) -> Loop:
+              stash: Callable[[list[packing.Layout]], tuple[list[Any], dict[str, Any]]],
+              state_avals: Sequence[Any], state_layouts: Sequence[Any],
+              loop: tuple[Mesh, frozenset[str]]) -> Loop:
   """One ``Branch`` per distinct stage function, and the branch of every stage.
   ``param_layouts`` / ``param_buffers``: per stage, its layout in the parameter buffers, and
-  their type (``storage.ParamStore``); ``residuals_in_slots``: stash whole residuals (tensor-
-  parallel stages); ``state_avals`` / ``state_layouts``: the model state leaves, and per stage
+  their type (``storage.ParamStore``); ``stash``: the branches' residuals -> their layouts in
+  the stash and its type (``ParamStore.stash``); ``state_avals`` / ``state_layouts``: the
+  model state leaves, and per stage
   its state slots; ``loop``: the mesh and manual axes of ``pipelined_gradients``' loop, for
   stages with collectives of their own (batch statistics)."""
   branches: list[Branch] = []
   seen: list[tuple[tuple, list]] = []
   branch_of = []
-  for i, (stage, fn) in enumerate(zip(stages, fns)):
-    branch = Branch(stage, fn, param_layouts[i], state_avals,
-                    None if state_layouts is None else state_layouts[i], loop)
+  for stage, fn, layout, state in zip(stages, fns, param_layouts, state_layouts, strict=True):
+    branch = Branch(stage, fn, layout, state_avals, state, loop)
     sig, consts = branch.signature(param_avals, batch_avals)
     match = [i for i, (s, c) in enumerate(seen) if s == sig and same_consts(c, consts)]
     if match:
@@ -215,21 +215,16 @@ def make_loop(stages: Sequence[Stage], fns: Sequence[StageFn], param_avals, batc
     branches.append(branch)
     seen.append((sig, consts))
     branch_of.append(len(branches) - 1)
-  if residuals_in_slots:
-    # Tensor-parallel stages stash whole residuals in slots, which keep GSPMD's ``model``
-    # split (a packed buffer would gather them), shared by the branches like their parameters.
-    layouts = slots.assign([[SlotType(e.shape, e.dtype, (None,) * len(e.shape))
-                             for e in b.residuals.layout.entries] for b in branches])
-    for b, layout in zip(branches, layouts):
-      b.residuals = dataclasses.replace(b.residuals, layout=layout)
+  layouts, residuals = stash([b.residuals.layout for b in branches])
+  for b, layout in zip(branches, layouts):
+    b.residuals = dataclasses.replace(b.residuals, layout=layout)
   edges = [b.incoming for b in branches] + [b.outgoing for b in branches]
   buffers = Buffers(
       params=dict(param_buffers),
       payload=packing.padded_sizes(edges),
       grad_payload=packing.padded_sizes(edges, inexact_only=True),
-      residuals=(dict(branches[0].residuals.layout.types) if residuals_in_slots else
-                 packing.padded_sizes([b.residuals.layout for b in branches])),
-      keep_inputs=any(b.needs_inputs for b in branches), state=dict(branches[0].state.types))
+      residuals=residuals, keep_inputs=any(b.needs_inputs for b in branches),
+      state=dict(branches[0].state.types))
   return Loop(tuple(branches), tuple(branch_of), buffers)
 
 

@@ -63,14 +63,9 @@ class Schedule:
   forward_slot: np.ndarray   # stash slot the forward writes (0 when idle)
   backward_slot: np.ndarray  # stash slot the backward reads (0 when idle)
   num_slots: int             # stash slots per stage: the most micro batches kept at once
-  num_virtual_stages: int = 1
-  forward_chunk: np.ndarray | None = None    # which of the stage's chunks (0..v-1)
-  backward_chunk: np.ndarray | None = None
-
-  def __post_init__(self):
-    for name in ("forward_chunk", "backward_chunk"):
-      if getattr(self, name) is None:
-        object.__setattr__(self, name, np.zeros_like(self.forward))
+  num_virtual_stages: int
+  forward_chunk: np.ndarray    # which of the stage's chunks (0..v-1)
+  backward_chunk: np.ndarray
 
   @property
   def num_ticks(self) -> int:

@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from epljax.mesh import STAGE
+from epljax.mesh import DATA, STAGE
 from epljax.pipeline.packing import SlotType
 from epljax.pipeline.storage import ParamStore
 
@@ -63,16 +64,22 @@ class SlotStore(ParamStore):
   leaf_slots: tuple[SlotLayout, ...]
 
   inside = "in slots (whole arrays, split over model) inside the step"
+  data_axes = (DATA,)   # ``model`` is left to GSPMD
 
-  def _pack(self, leaves: Sequence[Any]) -> dict[str, jax.Array]:
-    return stack(leaves, self.members, self.leaf_slots)
-
-  def _constrained(self, packed: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  def _pack(self, leaves: Sequence[Any], parts: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return {k: lax.with_sharding_constraint(v, NamedSharding(
-        self.mesh, self.buffers[k].stacked_spec(STAGE))) for k, v in packed.items()}
+        self.mesh, P(STAGE, *self.buffers[k].spec)))
+            for k, v in {**stack(leaves, self.members, self.leaf_slots), **parts}.items()}
 
   def _gradients(self, packed: Mapping[str, jax.Array]) -> list[Any]:
     return unstack(packed, self.members, self.leaf_slots, self.avals, total=True)
+
+  def stash(self, layouts: list[Any]) -> tuple[list[SlotLayout], dict[str, SlotType]]:
+    """Whole residuals in slots, which keep GSPMD's ``model`` split (a packed buffer would
+    gather them), shared by the branches like their parameters."""
+    slotted = assign([[SlotType(e.shape, e.dtype, (None,) * len(e.shape)) for e in lay.entries]
+                      for lay in layouts])
+    return slotted, dict(slotted[0].types)
 
   def bytes_inside(self) -> int:
     return sum(t.nbytes // self.split_of(t.spec) for t in self.buffers.values())

@@ -73,7 +73,7 @@ class _StageCheck:
     self.taint = {program.invars[n_p + n_s + k]: why for k, why in in_taint.items()}
     outs = program.outputs
     state_out = outs[len(outs) - n_s:] if n_s else ()
-    reach = {n.index for bases in state_out for n in _producers(program, bases)}
+    reach = _producers(program, [b for bases in state_out for b in bases])
     # Averaged where the stage's evaluation reaches them: at its top level or in scan bodies.
     averaged = {n.index for n in program.nodes if all(e == "scan" for e in n.enclosing)
                 and self._over_rows(n) and _is_mean(program, n)
@@ -195,16 +195,16 @@ class _StageCheck:
         from_state.update(node.eqn.outvars)
 
 
-def _producers(program: Program, bases) -> list[Node]:
-  """Every node the values ``bases`` are computed from, in program order."""
-  seen: dict[int, Node] = {}
+def _producers(program: Program, bases) -> set[int]:
+  """The nodes (indices) the values ``bases`` are computed from."""
+  seen: set[int] = set()
   todo = [program.producer[b] for b in bases if b in program.producer]
   while todo:
     node = todo.pop()
     if node.index not in seen:
-      seen[node.index] = node
+      seen.add(node.index)
       todo.extend(program.node_producers(node))
-  return [seen[i] for i in sorted(seen)]
+  return seen
 
 
 def _is_mean(program: Program, node: Node) -> bool:

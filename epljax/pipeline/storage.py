@@ -37,7 +37,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from epljax.mesh import STAGE
+from epljax.mesh import DATA, MODEL, STAGE
 from epljax.pipeline import packing
 from epljax.pipeline.packing import SlotType
 
@@ -88,13 +88,13 @@ class ParamStore:
   virtual: int
 
   inside = ""   # how the parameters are held inside the step, for the plan
+  data_axes = (DATA, MODEL)   # the loop's data axes (manual, with ``stage``)
 
   def pack(self, leaves: Sequence[Any]) -> dict[str, jax.Array]:
     """The stored leaves -> the loop's ``(S v, ...)`` buffers (traceable)."""
-    out = self._pack(leaves)
-    out.update((part_key(v - len(leaves)), interleave(leaves[i], self.virtual, self.mesh))
-               for v, i in self.parts.items())
-    return self._constrained(out)
+    return self._pack(leaves, {part_key(v - len(leaves)): interleave(leaves[i], self.virtual,
+                                                                     self.mesh)
+                               for v, i in self.parts.items()})
 
   def gradients_of(self, packed: Mapping[str, jax.Array]) -> list[Any]:
     """The buffers' gradients -> per stored leaf, the sum over the stages that read it (the
@@ -118,10 +118,14 @@ class ParamStore:
     """One stage's parameters per device inside the step."""
     raise NotImplementedError
 
-  def _pack(self, leaves: Sequence[Any]) -> dict[str, jax.Array]:
-    raise NotImplementedError
+  def stash(self, layouts: list[packing.Layout]) -> tuple[list[Any], dict[str, Any]]:
+    """The branches' residuals -> their layouts in the stash, and its type: flat buffers
+    padded to the largest."""
+    return layouts, packing.padded_sizes(layouts)
 
-  def _constrained(self, packed: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  def _pack(self, leaves: Sequence[Any], parts: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The exchanged leaves' buffers, and ``parts`` beside them, sharded as the loop reads
+    them."""
     raise NotImplementedError
 
   def _gradients(self, packed: Mapping[str, jax.Array]) -> list[Any]:
@@ -138,13 +142,11 @@ class PackedStore(ParamStore):
 
   inside = "packed for the largest stage inside the step"
 
-  def _pack(self, leaves: Sequence[Any]) -> dict[str, jax.Array]:
-    return exchange(leaves, self._by_row(self.layouts), self._by_row(self.members), self.dims,
-                    self.mesh)
-
-  def _constrained(self, packed: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    return {k: lax.with_sharding_constraint(v, NamedSharding(self.mesh, P(STAGE)))
-            if k in self.part_types else v for k, v in packed.items()}
+  def _pack(self, leaves: Sequence[Any], parts: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    stage = NamedSharding(self.mesh, P(STAGE))
+    return {**exchange(leaves, self._by_row(self.layouts), self._by_row(self.members),
+                       self.dims, self.mesh),
+            **{k: lax.with_sharding_constraint(v, stage) for k, v in parts.items()}}
 
   def _gradients(self, packed: Mapping[str, jax.Array]) -> list[Any]:
     return list(exchange_gradients(packed, self._by_row(self.layouts),
@@ -186,8 +188,8 @@ class ExchangeLayout:
     parts: dict[str, list[jax.Array]] = {name: [] for name in padded if name not in types}
     for e, v in zip(self.entries, values[:n], strict=True):
       parts[e.dtype].append(_pieces(jnp.asarray(v).astype(e.dtype), e, self.stages))
-    out = {name: _fill(parts[name], self.stages, padded[name] // self.stages, name).reshape(
-        padded[name]) for name in parts}
+    out = {name: packing.fill(parts[name], padded[name] // self.stages, name,
+                              (self.stages,)).reshape(padded[name]) for name in parts}
     out.update((k, t.zeros()) for k, t in types.items())
     out.update((k, jnp.asarray(v, types[k].dtype)) for k, v in zip(self.part_keys, values[n:],
                                                                    strict=True))
@@ -239,7 +241,7 @@ def exchange(leaves: Sequence[Any], rows: Sequence[ExchangeLayout],
       for layout, member in zip(rows, members):
         mine = [_my_piece(local_leaves[i], e, r, n_stages) for i, e in zip(member, layout.entries)
                 if e.dtype == name]
-        parts.append(_fill([m[None] for m in mine], 1, slot[name], name)[0])
+        parts.append(packing.fill(mine, slot[name], name))
       send[name] = jnp.stack(parts).reshape(n_stages, per, slot[name])
     got = {k: lax.all_to_all(v, STAGE, 0, 0, tiled=True) for k, v in send.items()}
     return {k: v.transpose(1, 0, 2).reshape(per, n_stages * slot[k]) for k, v in got.items()}
@@ -363,39 +365,15 @@ def _move(x: jax.Array, pairs: list[tuple[int, int]]) -> jax.Array:
 @functools.cache
 def interleave_rounds(n_stages: int, virtual: int) -> tuple[tuple[int, ...], ...]:
   """``v`` rounds, each the chunk every stage sends (``round[s]``, one of its stored chunks
-  ``s v + i``) to the stage that runs it (``c % S``), no stage receiving two in a round.
-  Chunks as edges from their stored stage to their running stage make a ``v``-regular
-  bipartite multigraph, which splits into ``v`` perfect matchings (König); each is found by
-  augmenting paths on the edges left."""
-  left = set(range(n_stages * virtual))
-  rounds = []
-  for _ in range(virtual):
-    taken: dict[int, int] = {}       # running stage -> chunk
-    for src in range(n_stages):
-      if not _augment(src, left, taken, n_stages, virtual, set()):   # internal invariant:
-        raise AssertionError(      # a regular bipartite multigraph has a perfect matching
-            f"no perfect matching of chunks ({n_stages} stages, v={virtual})")
-    sent = {c // virtual: c for c in taken.values()}
-    rounds.append(tuple(sent[s] for s in range(n_stages)))
-    left -= set(sent.values())
-  return tuple(rounds)
+  ``s v + j``) to the stage that runs it (``c % S``), no stage receiving two in a round.
 
-
-def _augment(src: int, left: set[int], taken: dict[int, int], n_stages: int, virtual: int,
-             seen: set[int]) -> bool:
-  """An augmenting path from stored stage ``src`` over the chunks ``left`` (Kuhn's matching):
-  gives ``src`` a chunk whose running stage is free, or frees one by moving its chunk's
-  sender to another chunk."""
-  for c in sorted(left):
-    dst = c % n_stages
-    if c // virtual != src or dst in seen:
-      continue
-    seen.add(dst)
-    if dst not in taken or _augment(taken[dst] // virtual, left, taken, n_stages, virtual,
-                                    seen):
-      taken[dst] = c
-      return True
-  return False
+  With ``g = gcd(S, v)`` and stage ``s = a S/g + b`` (``a < g``), round ``i`` sends
+  ``j = (a + i) mod v``: ``s v mod S`` is ``g`` times a permutation of the ``b`` (``v/g`` and
+  ``S/g`` are coprime), and ``j mod g = (a + i) mod g`` tells the ``a`` apart, so the
+  receivers ``(s v + j) mod S`` all differ; over the ``v`` rounds ``j`` takes every value once."""
+  g = math.gcd(n_stages, virtual)
+  return tuple(tuple(s * virtual + (s // (n_stages // g) + i) % virtual for s in range(n_stages))
+               for i in range(virtual))
 
 
 def stage_dim(spec: P) -> int | None:
@@ -444,12 +422,3 @@ def _pieces(value: jax.Array, e: Piece, stages: int) -> jax.Array:
   d = e.dim
   split = value.reshape(*e.shape[:d], stages, e.shape[d] // stages, *e.shape[d + 1:])
   return jnp.moveaxis(split, d, 0).reshape(stages, e.size)
-
-
-def _fill(parts: list[jax.Array], lead: int, slot: int, dtype: str) -> jax.Array:
-  """``(lead, n_k)`` parts side by side, padded with zeros to ``(lead, slot)``."""
-  used = sum(p.shape[1] for p in parts)
-  if used < slot:
-    parts = [*parts, jnp.zeros((lead, slot - used), dtype)]
-  return jnp.concatenate(parts, axis=1) if len(parts) > 1 else (
-      parts[0] if parts else jnp.zeros((lead, 0), dtype))
