@@ -280,7 +280,7 @@ def _pipeline_compute(step: cost_lib.StepCost, pipe, compiled, chip) -> cost_lib
   per_tick = np.zeros(sched.forward.shape)   # (ticks, stages)
   for c in range(sched.num_chunks):   # chunk c runs on stage c % S as its chunk c // S
     s, j = c % stages, c // stages
-    fwd, bwd = costs[pipe.branch_of[c]]
+    fwd, bwd = costs[pipe.loop.branch_of[c]]
     per_tick[:, s] += (((sched.forward[:, s] != IDLE) & (sched.forward_chunk[:, s] == j)) * fwd
                        + ((sched.backward[:, s] != IDLE) & (sched.backward_chunk[:, s] == j))
                        * bwd)
