@@ -223,7 +223,7 @@ def run_segments(program: Steps, flat_args, segments, loops=frozenset(), *,
       if not seg.remat:
         run_steps(steps, env, rule)
         continue
-      inputs, outputs = live_across(program, seg.start, seg.stop)
+      inputs, outputs = live_across(program, steps)
       if offload:     # what a later segment reads is copied to the host, the rest recomputed
         run_steps(steps, env, rule)
         env.update({k: _name(env[k]) for k in outputs})
