@@ -115,7 +115,3 @@ def _run_grouped(program, flat, out_groups, count, platform):
     previous = [local[k] for k in outs] or previous
   run_steps(dead, env)
   return finish(program, env)
-
-
-def features(config: OptimizerConfig) -> list[Feature]:
-  return [GroupedApply(config)] if config.num_apply_group > 1 else []

@@ -44,6 +44,7 @@ REMAT = frozenset({"checkpoint", "remat", "remat2"})   # jax.checkpoint: "remat2
 DERIVATIVE_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call",
                               "custom_vjp_call_jaxpr"}) | REMAT
 LOOPS = frozenset({"scan", "while"})
+MATMULS = frozenset({"dot_general", "conv_general_dilated"})   # the heavy, weight-reading ops
 
 # A Flax method other than __call__ runs in the named scope "<module>.<method>".
 _METHOD = re.compile(r"(?<=[A-Za-z0-9_])\.[A-Za-z_]\w*$")
