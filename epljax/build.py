@@ -363,32 +363,6 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
   ), user_params
 
 
-class _Sums:
-  """The plan's line on the fused gradient sums (``sharding.reductions``): what the traced
-  step fused, or why the step runs without them."""
-
-  def __init__(self, fused=None, why: str = ""):
-    self.fused, self.why = fused, why
-
-  def describe(self) -> str:
-    if self.why:
-      return f"gradient sums: each partial sum all-reduced where made ({self.why})"
-    if self.fused is None:
-      return ""
-    n = self.fused.stats
-    if n.get("failed"):
-      return ("gradient sums: each partial sum all-reduced where made (finding what to fuse "
-              f"failed: {n['failed']}; please report it)")
-    parts = []
-    if n["siblings"]:
-      parts.append(f"{n['siblings']} activations read by {n['matmuls']} column matmuls, one "
-                   f"all-reduce over {MODEL} each")
-    if n["shared"]:
-      parts.append(f"{n['shared']} parameters read by {n['uses']} row-wise uses (tied), one "
-                   f"reduction over {DATA} each")
-    return "gradient sums: " + "; ".join(parts) if parts else ""
-
-
 def _shared_reductions(forward, var: Variables, where: Placement, features: Sequence[Feature],
                        per_replica: bool):
   """The forward with gradient partial sums added before their one all-reduce
@@ -398,12 +372,13 @@ def _shared_reductions(forward, var: Variables, where: Placement, features: Sequ
   mesh = where.layout.mesh
   split = mesh.shape.get(MODEL, 1) > 1
   if not split and mesh.shape.get(DATA, 1) == 1:
-    return forward, _Sums()
+    return forward, ""
+  platform = mesh.devices.flat[0].platform
+  if platform not in reductions.PLATFORMS:
+    return forward, reductions.not_fused(
+        f"on {platform}, XLA merges them itself: XLA:GPU's all-reduces are within 5% of "
+        "epljax's rewrite, which runs on XLA:CPU only; bench/gpu_compile.py")
   why = ""
-  if mesh.devices.flat[0].platform not in reductions.PLATFORMS:
-    return forward, _Sums(why=f"on {mesh.devices.flat[0].platform}, XLA merges them itself: "
-                          "XLA:GPU's all-reduces are within 5% of epljax's rewrite, which runs "
-                          "on XLA:CPU only; bench/gpu_compile.py")
   if where.pipe is not None:
     why = "pipeline stages compute their own gradients"
   elif per_replica:
@@ -413,10 +388,9 @@ def _shared_reductions(forward, var: Variables, where: Placement, features: Sequ
   elif tuple(where.batch_plan.axes) != (DATA,):
     why = f"the batch is split over {where.batch_plan.axes}, not over '{DATA}' alone"
   if why:
-    return forward, _Sums(why=why if split else "")
-  n_p = var.num_params
-  split_dims = (reductions.model_dims([s.spec for s in where.leaf_specs[:n_p]], MODEL)
-                if split else {})
+    return forward, reductions.not_fused(why) if split else ""
+  split_dims = {i: d for i, s in enumerate(where.leaf_specs[:var.num_params])
+                if split and (d := specs_lib.dim_over(s.spec, MODEL)) is not None}
   # With gradient checkpointing the per-replica copy of a tied parameter kept more memory
   # than the two reductions it saves (GPT-2 of tests/models, split(2), GC auto, 64 rows: step
   # temp 593 -> 968 KiB on XLA:CPU), so only the column matmuls are fused there.
@@ -424,7 +398,7 @@ def _shared_reductions(forward, var: Variables, where: Placement, features: Sequ
   fused = reductions.shared_reduction(
       forward, mesh=mesh, model=MODEL, data=DATA, split=split_dims,
       leaf_shapes=[tuple(x.shape) for x in var.leaves], leaf_paths=list(var.paths), rows=rows)
-  return fused, _Sums(fused)
+  return fused, fused
 
 
 class Preflight:

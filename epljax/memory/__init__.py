@@ -33,9 +33,18 @@ def features(config) -> list[Feature]:
     sharded update around it, offload's placement, then mixed precision, which skips the
     whole update when a gradient is not finite.
   """
-  parts = [*grouped.features(config.optimizer), *zero.features(config.zero),
-           *offload.features(config.offload), *amp.features(config.amp)]
-  if config.zero.level or config.offload.level or config.amp.level:
-    policy = amp.Policy(amp.COMPUTE_DTYPE) if config.amp.level else None
-    parts.append(uses.ParamUses(policy))
-  return [*parts, *remat.features(config.gradient_checkpoint)]
+  parts: list[Feature] = []
+  if config.optimizer.num_apply_group > 1:
+    parts.append(grouped.GroupedApply(config.optimizer))
+  if config.zero.level:
+    parts.append(zero.Zero(config.zero))
+  if config.offload.level:
+    parts.append(offload.Offload(config.offload))
+  mixed = amp.MixedPrecision(config.amp) if config.amp.level else None
+  if mixed is not None:
+    parts += [mixed.loss_scale, mixed]
+  if config.zero.level or config.offload.level or mixed is not None:
+    parts.append(uses.ParamUses(mixed.policy if mixed is not None else None))
+  if config.gradient_checkpoint.type:
+    parts.append(remat.GradientCheckpoint(config.gradient_checkpoint))
+  return parts

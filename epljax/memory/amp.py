@@ -29,9 +29,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jcore
 
 from epljax.config import AmpConfig
 from epljax.features import LOSS_SCALE, BuildContext, Feature, GradientFn, UpdateFn
+from epljax.sharding.program import MATMULS
 
 log = logging.getLogger("epljax.amp")
 
@@ -40,7 +42,7 @@ GROWTH_INTERVAL = 2000
 COMPUTE_DTYPE = jnp.bfloat16
 
 # The op policy.
-LOW = frozenset({"dot_general", "conv_general_dilated"})
+LOW = MATMULS
 HIGH = frozenset({
     "exp", "exp2", "log", "log1p", "expm1", "pow", "integer_pow", "square", "sqrt", "rsqrt",
     "cbrt", "div", "rem", "erf", "erfc", "erf_inv", "lgamma", "digamma", "igamma", "logistic",
@@ -88,7 +90,7 @@ class Policy:
       return [cast(v, step.in_aval(i).dtype) for i, v in enumerate(invals)]
     leaders = [v for i, v in enumerate(invals) if is_float(v) and not param_like[i]
                and not getattr(step.in_aval(i), "weak_type", False)
-               and not _literal(step.inputs[i])]
+               and not isinstance(step.inputs[i], jcore.Literal)]
     if leaders and all(v.dtype == self.low for v in leaders):
       return [cast(v, self.low) for v in invals]
     widest = [step.in_aval(i).dtype for i in range(len(invals))]
@@ -99,10 +101,6 @@ class Policy:
     if pet is not None and jnp.issubdtype(pet, jnp.floating):
       return {"preferred_element_type": self.low}
     return {}
-
-
-def _literal(a) -> bool:
-  return type(a).__name__ == "Literal"
 
 
 # -- loss scaling ------------------------------------------------------------------------------
@@ -206,10 +204,3 @@ def _log_step(finite, scale, new_scale):
                 float(scale), float(new_scale))
   elif float(new_scale) != float(scale):
     log.info("amp: loss scale %g -> %g", float(scale), float(new_scale))
-
-
-def features(config: AmpConfig) -> list[Feature]:
-  if not config.level:
-    return []
-  amp = MixedPrecision(config)
-  return [amp.loss_scale, amp]

@@ -21,13 +21,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import os
 import re
 from collections.abc import Sequence
 
 from jax.extend import core as jcore
 
 from epljax import strategy as strategy_lib
-from epljax.sharding.program import Step, Steps, any_eqn, nbytes
+from epljax.sharding.program import MATMULS, Step, Steps, any_eqn, nbytes
 
 # Never recomputed: a collective communicates again, a stateful generator draws new numbers.
 # Counter-based random numbers (random_bits, threefry) are pure functions of their key, so
@@ -38,7 +39,6 @@ COLLECTIVES = frozenset({
     "all_to_all", "ragged_all_to_all", "reduce_scatter", "psum_scatter", "psum_invariant",
 })
 STATEFUL = frozenset({"rng_uniform"})
-HEAVY = frozenset({"dot_general", "conv_general_dilated"})
 LOOPS = frozenset({"scan"})
 # A cut plan that keeps more than this share of the activations is no plan: nothing to cut.
 USEFUL = 0.8
@@ -64,7 +64,7 @@ class Cuts:
 
 def has_heavy_loop(step: Step) -> bool:
   """A ``scan`` whose body holds a matmul or convolution (layers under ``nn.scan``)."""
-  return step.primitive in LOOPS and any_eqn(step.eqn, lambda e: e.primitive.name in HEAVY)
+  return step.primitive in LOOPS and any_eqn(step.eqn, lambda e: e.primitive.name in MATMULS)
 
 
 def scan_bodies(program: Steps) -> list[int]:
@@ -172,15 +172,10 @@ def _pattern(program: Steps, ranges: Sequence[tuple[int, int]]) -> str:
   names = collections.Counter()
   for a, b in ranges:
     frames = [s.frames for s in program.steps[a:b] if s.frames and any_eqn(
-        s.eqn, lambda e: e.primitive.name in HEAVY)]
+        s.eqn, lambda e: e.primitive.name in MATMULS)]
     if not frames:
       continue
-    common = frames[0]
-    for f in frames[1:]:
-      i = 0
-      while i < min(len(common), len(f)) and common[i] == f[i]:
-        i += 1
-      common = common[:i]
+    common = os.path.commonprefix(frames)   # element-wise: the shared leading frames
     if common:
       names[re.sub(r"\d+", "*", "/".join(common))] += 1
   return ", ".join(name for name, _ in names.most_common(3)) or "no module names"

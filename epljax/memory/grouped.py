@@ -19,7 +19,8 @@ from epljax import step as step_lib
 from epljax.config import OptimizerConfig
 from epljax.features import BuildContext, Feature, UpdateFn
 from epljax.memory.recompute import after
-from epljax.sharding.program import Steps, finish, nbytes, run_steps, start_env, trace_steps
+from epljax.sharding.program import (Steps, finish, live_across, nbytes, run_steps, start_env,
+                                     trace_steps)
 
 COMMON = -1
 
@@ -101,10 +102,8 @@ def _run_grouped(program, flat, out_groups, count, platform):
   for steps in by_group:
     if not steps:
       continue
+    needed, _ = live_across(program, steps)
     defined = {k for s in steps for k in s.outputs if k is not None}
-    needed = list(dict.fromkeys(a for s in steps for a in s.inputs
-                                if not isinstance(a, jcore.Literal)
-                                and a not in defined))
     if previous:
       tied = after([env[k] for k in needed], previous, platform=platform)
       local = {**env, **dict(zip(needed, tied))}
@@ -116,7 +115,3 @@ def _run_grouped(program, flat, out_groups, count, platform):
     previous = [local[k] for k in outs] or previous
   run_steps(dead, env)
   return finish(program, env)
-
-
-def features(config: OptimizerConfig) -> list[Feature]:
-  return [GroupedApply(config)] if config.num_apply_group > 1 else []

@@ -87,26 +87,17 @@ class Offload(Feature):
     return dataclasses.replace(shardings, params=params, opt_state=opt_state, grads=grads)
 
   def update(self, fn: UpdateFn, ctx: BuildContext) -> UpdateFn:
-    if self.level == "v1":
-      return self._update_on_host(fn)
-
-    def on_device(params, opt_state, grads, fstate):
+    def placed(params, opt_state, grads, fstate):
       if not self.active:
         return fn(params, opt_state, grads, fstate)
+      if self.level == "v1":   # on the host, next to the state
+        grads = jax.device_put(grads, jax.memory.Space.Host)
+        return run_on_host(fn, params, opt_state, grads, fstate)
       to_device = lambda t: jax.device_put(t, jax.memory.Space.Device)  # noqa: E731
       new_params, opt_state, fstate = fn(to_device(params), opt_state, to_device(grads), fstate)
       return jax.device_put(new_params, jax.memory.Space.Host), opt_state, fstate
 
-    return on_device
-
-  def _update_on_host(self, fn: UpdateFn) -> UpdateFn:
-    def on_host_update(params, opt_state, grads, fstate):
-      if not self.active:
-        return fn(params, opt_state, grads, fstate)
-      grads = jax.device_put(grads, jax.memory.Space.Host)
-      return run_on_host(fn, params, opt_state, grads, fstate)
-
-    return on_host_update
+    return placed
 
   def describe(self) -> str:
     if not self.active:
@@ -119,8 +110,3 @@ class Offload(Feature):
               f"{self._stages} pipeline stages read theirs from device buffers packed once "
               "per step, not copied in at each use")
     return f"offload {self.level}: {what} in host memory ({HOST}), copied in at each use"
-
-
-def features(config: OffloadConfig) -> list[Feature]:
-  return [Offload(config)] if config.level else []
-

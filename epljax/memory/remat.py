@@ -15,7 +15,6 @@ step, the gradients with and without checkpointing and raises when they differ.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from typing import Any
 
@@ -145,8 +144,12 @@ class GradientCheckpoint(Feature):
       out = fn(params, model_state, micro, fstate)
 
       def compare(_):
-        with self._without_gc(), strategy_lib.trace_session():
-          reference = fn(params, model_state, micro, fstate)[2]
+        self._plain = True
+        try:
+          with strategy_lib.trace_session():
+            reference = fn(params, model_state, micro, fstate)[2]
+        finally:
+          self._plain = False
         jax.debug.callback(self._record, jnp.stack([
             _relative_diff(a, b) for a, b in zip(jax.tree.leaves(out[2]),
                                                  jax.tree.leaves(reference))]))
@@ -161,14 +164,6 @@ class GradientCheckpoint(Feature):
   def _record(self, diffs) -> None:
     diffs = np.asarray(diffs)
     self._diffs = diffs if self._diffs is None else np.maximum(self._diffs, diffs)
-
-  @contextlib.contextmanager
-  def _without_gc(self):
-    self._plain = True
-    try:
-      yield
-    finally:
-      self._plain = False
 
   def update(self, fn: UpdateFn, ctx: BuildContext) -> UpdateFn:
     if not self.config.check_gradients:
@@ -223,7 +218,7 @@ def run_segments(program: Steps, flat_args, segments, loops=frozenset(), *,
       if not seg.remat:
         run_steps(steps, env, rule)
         continue
-      inputs, outputs = live_across(program, seg.start, seg.stop)
+      inputs, outputs = live_across(program, steps)
       if offload:     # what a later segment reads is copied to the host, the rest recomputed
         run_steps(steps, env, rule)
         env.update({k: _name(env[k]) for k in outputs})
@@ -291,10 +286,6 @@ def _raise_if_different(diffs, paths):
         "the rematerialized forward is not a pure function of its inputs (a callback, a "
         "stateful generator); keep it out of the checkpointed task graphs "
         "(gradient_checkpoint.end_taskgraph) or make it deterministic.")
-
-
-def features(config: GradientCheckpointConfig) -> list[Feature]:
-  return [GradientCheckpoint(config)] if config.type else []
 
 
 _CHECK_WITH_STAGES = """\

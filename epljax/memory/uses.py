@@ -31,8 +31,10 @@ from epljax.memory.offload import HOST
 from epljax.memory.recompute import refetch
 from epljax.memory.zero import device_layout, is_sharding
 from epljax.mesh import DATA, STAGE
-from epljax.sharding.program import (REMAT, bind_here, finish, in_context, inner_eqns, run_scan,
-                                     run_steps, scan_counts, start_env, steps_of, trace_steps)
+from epljax.sharding import dims as D
+from epljax.sharding.specs import spec_for
+from epljax.sharding.program import (REMAT, bind_here, evaluate, in_context, inner_eqns,
+                                     run_body, scan_counts, trace_steps)
 
 
 class ParamUses(Feature):
@@ -163,8 +165,6 @@ class _Run:
   stream: bool        # parameters in host memory, copied in at each use
 
   def __call__(self):
-    program = self.program
-    env = start_env(program, self.flat)
     param_like = set(self.refs)       # parameters, and reshapes/casts of them
 
     def rule(step, raw):
@@ -177,39 +177,23 @@ class _Run:
       bind = self._nested if _rewrites_inside(step, direct) else self._bind
       return in_context(step, bind, step, raw, flags, direct)
 
-    run_steps(program.steps, env, rule)
-    return finish(program, env, cast_back=self.policy is not None)
+    return evaluate(self.program, self.flat, rule, cast_back=self.policy is not None)
 
   def _nested(self, step, raw, flags, direct):
     """A ``scan`` or ``checkpoint`` step, its body run by a nested ``_Run``."""
-    params = step.eqn.params
     # The loop's carries keep their traced dtypes (mixed precision may hand in bfloat16).
     raw = [amp_lib.cast(v, step.in_aval(j).dtype) if hasattr(step.in_aval(j), "dtype") else v
            for j, v in enumerate(raw)]
-    if step.primitive == "scan":
-      body = steps_of(params["jaxpr"])
-      nc, nk = scan_counts(step.eqn)
-      refs = self._inner_refs(body, step, direct, sliced_from=nc + nk, skip=range(nc, nc + nk))
-      run = lambda consts, carry, x: dataclasses.replace(  # noqa: E731
-          self, program=body, flat=[*consts, *carry, *x], refs=refs)()
-      return run_scan(step, raw, run)
-    body = steps_of(params["jaxpr"])
-    refs = self._inner_refs(body, step, direct)
-    fn = jax.checkpoint(lambda *vals: dataclasses.replace(self, program=body, flat=vals,
-                                                          refs=refs)(),
-                        prevent_cse=params["prevent_cse"], policy=params["policy"])
-    return fn(*raw)
-
-  def _inner_refs(self, body, step, direct, *, sliced_from=None, skip=()):
+    nc, nk = scan_counts(step.eqn) if step.primitive == "scan" else (len(raw), 0)
     refs = {}
-    for j, key in enumerate(body.inputs):
-      if direct[j] and j not in skip:
+    for j in range(len(raw)):
+      if direct[j] and not nc <= j < nc + nk:
         outer = self.refs[step.inputs[j]]
-        sliced = sliced_from is not None and j >= sliced_from
-        if sliced and outer.sliced:
-          continue      # a loop over layers inside a loop over layers: GSPMD places it
-        refs[key] = _Param(outer.index, sliced or outer.sliced)
-    return refs
+        sliced = j >= nc + nk       # the stacked parameter of a loop over layers
+        if not (sliced and outer.sliced):   # a loop inside a loop over layers: GSPMD places it
+          refs[j] = _Param(outer.index, sliced or outer.sliced)
+    return run_body(step, raw, lambda body, flat: dataclasses.replace(
+        self, program=body, flat=flat, refs={body.inputs[j]: r for j, r in refs.items()})())
 
   # -- a parameter at one use ------------------------------------------------------------
   def _ref(self, step, j) -> _Param:
@@ -243,16 +227,20 @@ class _Run:
     invals = [self._place(self._ref(step, j), v, autodiff=True) if direct[j] else v
               for j, v in enumerate(raw)]
     if self.policy is not None:
-      changes = self.policy.low_params(step) if step.primitive in amp_lib.LOW else {}
-      return bind_here(step.eqn, self.policy.operands(step, invals, flags), **changes)
+      return bind_here(step.eqn, self.policy.operands(step, invals, flags), **self._low(step))
     return bind_here(step.eqn, invals)
+
+  def _low(self, step) -> dict:
+    """The parameters of a matmul or convolution ``step`` computing in the low dtype."""
+    return self.policy.low_params(step) if self.policy is not None and (
+        step.primitive in amp_lib.LOW) else {}
 
   def _matmul(self, step, raw, flags, direct):
     """One custom-VJP unit: the weight is placed (and cast) inside, kept raw as the residual
     and placed again in the backward pass (``recompute.refetch``)."""
     policy, platform = self.policy, self.platform
     low = policy.low if policy is not None else None
-    changes = policy.low_params(step) if policy is not None else {}
+    changes = self._low(step)
     index = [self._ref(step, j) if direct[j] else None for j in range(2)]
     spaces = [_memory_space(v) for v in raw]
     scatter = [self._scatter_plan(step, raw, j) if direct[j] else None for j in range(2)]
@@ -279,8 +267,7 @@ class _Run:
     def bwd(res, ct):
       res = refetch(res, ct, platform=platform)
       ops = [value(j, r) if flags[j] else r for j, r in enumerate(res)]
-      _, pull = jax.vjp(lambda x, y: bind_here(step.eqn, [x, y], **changes)[0], *ops)
-      grads = list(pull(ct))
+      grads = _pullback(step, ops, changes)(ct)
       for j in range(2):
         if scatter[j] is not None:
           grads[j] = self._reduce_scattered(step, ops, ct, j, scatter[j])
@@ -299,40 +286,33 @@ class _Run:
     ref = self.refs.get(step.inputs[j])
     if ref is None or self.zero.dim(ref) is None:
       return None
-    (lc, rc), (lb, rb) = step.eqn.params["dimension_numbers"]
-    if lb or rb:
+    _, batch, free = D.dot_dims(step.eqn)
+    if batch[0] or batch[1]:
       return None
-    other = invals[1 - j]
-    contract = lc if j == 1 else rc
-    free = [d for d in range(other.ndim) if d not in contract]
-    size = self.mesh.shape[DATA]
-    for pos, d in enumerate(free):
-      if other.shape[d] % size == 0:
-        out_pos = pos if j == 1 else (invals[0].ndim - len(lc)) + pos
-        return d, out_pos
+    for d in free[1 - j]:
+      if invals[1 - j].shape[d] % self.mesh.shape[DATA] == 0:
+        return d, D.dot_out_dim(step.eqn, 1 - j, d)
     return None
 
   def _reduce_scattered(self, step, operands, ct, j, plan):
     d, out_pos = plan
     dim = self.zero.dim(self._ref(step, j))
-    other = operands[1 - j]
-    n_out = ct.ndim
-
-    def spec(ndim, axis):
-      return P(*[DATA if k == axis else None for k in range(ndim)])
-
-    changes = self.policy.low_params(step) if self.policy is not None else {}
+    other, w = operands[1 - j], operands[j]
 
     def local(other_l, ct_l, w):
-      ops = (other_l, w) if j == 1 else (w, other_l)
-      _, pull = jax.vjp(lambda x, y: bind_here(step.eqn, [x, y], **changes)[0], *ops)
-      g = pull(ct_l)[j]
+      g = _pullback(step, (other_l, w) if j == 1 else (w, other_l), self._low(step))(ct_l)[j]
       return jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)
 
-    w = operands[j]
     return jax.shard_map(local, mesh=self.mesh,
-                         in_specs=(spec(other.ndim, d), spec(n_out, out_pos), P()),
-                         out_specs=spec(w.ndim, dim), check_vma=False)(other, ct, w)
+                         in_specs=(spec_for(other.ndim, d, DATA), spec_for(ct.ndim, out_pos, DATA),
+                                   P()),
+                         out_specs=spec_for(w.ndim, dim, DATA), check_vma=False)(other, ct, w)
+
+
+def _pullback(step, operands, changes):
+  """The pullback of a two-operand ``step`` at ``operands``: cotangent -> operand gradients."""
+  _, pull = jax.vjp(lambda x, y: bind_here(step.eqn, [x, y], **changes)[0], *operands)
+  return lambda ct: list(pull(ct))
 
 
 def _reshard_cotangent(forward_sharding, backward_sharding):

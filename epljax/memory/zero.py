@@ -35,26 +35,17 @@ from epljax.features import BuildContext, Feature, GradientFn, StateShardings, U
 from epljax.mesh import DATA
 
 
-def add_data_axis(spec: P, shape: tuple[int, ...], size: int) -> P | None:
-  """``spec`` with ``data`` on the largest free dimension ``size`` divides, or None."""
-  entries = list(spec) + [None] * (len(shape) - len(spec))
+def shard_over_data(sharding: NamedSharding, shape, size: int) -> NamedSharding:
+  """``sharding`` with ``data`` added on the largest free dimension ``size`` divides (as it is
+  when ``data`` is used already or no dimension fits)."""
+  entries = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
   used = {a for e in entries if e is not None for a in (e if isinstance(e, tuple) else (e,))}
-  if DATA in used:
-    return None
   free = [d for d, e in enumerate(entries) if e is None and shape[d] % size == 0
           and shape[d] >= size]
-  if not free:
-    return None
-  dim = max(free, key=lambda d: (shape[d], -d))
-  entries[dim] = DATA
-  return P(*entries)
-
-
-def shard_over_data(sharding: NamedSharding, shape, size: int) -> NamedSharding:
-  spec = add_data_axis(sharding.spec, tuple(shape), size)
-  if spec is None:
+  if DATA in used or not free:
     return sharding
-  return NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
+  entries[max(free, key=lambda d: (shape[d], -d))] = DATA
+  return NamedSharding(sharding.mesh, P(*entries), memory_kind=sharding.memory_kind)
 
 
 def is_sharding(x) -> bool:
@@ -127,7 +118,3 @@ class Zero(Feature):
             f"{', '.join(self._unsharded[:4])}{' ...' if len(self._unsharded) > 4 else ''}"
             if self._unsharded else "")
     return f"ZeRO {self.level}: {what} sharded over 'data'{left}"
-
-
-def features(config: ZeroConfig) -> list[Feature]:
-  return [Zero(config)] if config.level else []

@@ -50,9 +50,6 @@ class Capture:
   input_explicit: tuple[bool, ...]                # per variable leaf: used by a tagged node
   input_paths: tuple[str, ...]                    # per variable leaf
 
-  def nodes_of(self, taskgraph: int) -> list[Node]:
-    return [n for n in self.program.nodes if self.node_taskgraph[n.index] == taskgraph]
-
 
 @dataclasses.dataclass(frozen=True)
 class _Spec:
@@ -106,7 +103,7 @@ def capture(fn: Callable[..., Any], variables: Sequence[Any], extra: Sequence[An
     tg = _input_taskgraph(used, by_label.get(defined[i]) if defined else None, taskgraphs,
                           path, variables[i])
     input_tg.append(tg)
-    input_explicit.append(any(explicit[n.index] for n, _ in program.uses_of_input(i))
+    input_explicit.append(any(explicit[n.index] for n, _ in uses)
                           or (bool(defined) and defined[i] is not None))
   return Capture(program, taskgraphs, node_tg, tuple(explicit), tuple(input_tg),
                  tuple(input_explicit), tuple(input_paths))

@@ -40,7 +40,7 @@ from jax.extend import core as jcore
 from epljax.errors import PlanError
 from epljax.sharding import dims as D
 from epljax.sharding.program import (REMAT, Step, bind, evaluate, in_context, inner_eqns,
-                                     steps_of, trace_steps)
+                                     run_body, trace_steps)
 
 
 class FusedLayoutError(PlanError):
@@ -220,22 +220,20 @@ def _pointwise(eqn) -> bool:
 
 def _remat(step: Step, invals: list, marked: dict, stored: dict) -> list:
   """A ``checkpoint`` equation re-bound as ``jax.checkpoint`` of its body, run by ``_run``."""
-  p = step.eqn.params
-  body = steps_of(p["jaxpr"])
   found: dict[int, _Stored] = {}
 
-  def inner(*args):
+  def inner(body, args):
     inside = {body.inputs[pos]: m for pos, m in marked.items()}
     outs = evaluate(body, args, lambda s, vals: _run(s, vals, inside))
     found.update((i, inside[a]) for i, a in enumerate(body.outputs)
                  if not isinstance(a, jcore.Literal) and a in inside)
     return outs
 
-  outs = jax.checkpoint(inner, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
+  outs = run_body(step, invals, inner)
   for i, m in found.items():
     if step.outputs[i] is not None:
       stored[step.outputs[i]] = m
-  return list(outs)
+  return outs
 
 
 def _parts(x, f: Fused, dim: int) -> list:

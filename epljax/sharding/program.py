@@ -44,6 +44,7 @@ REMAT = frozenset({"checkpoint", "remat", "remat2"})   # jax.checkpoint: "remat2
 DERIVATIVE_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call",
                               "custom_vjp_call_jaxpr"}) | REMAT
 LOOPS = frozenset({"scan", "while"})
+MATMULS = frozenset({"dot_general", "conv_general_dilated"})   # the heavy, weight-reading ops
 
 # A Flax method other than __call__ runs in the named scope "<module>.<method>".
 _METHOD = re.compile(r"(?<=[A-Za-z0-9_])\.[A-Za-z_]\w*$")
@@ -391,6 +392,7 @@ class Steps:
   num_params: int
   in_tree: Any
   out_tree: Any
+  jaxpr: Any = None                          # what was flattened (a closed jaxpr or jaxpr)
 
   @property
   def param_keys(self) -> tuple[Key, ...]:
@@ -411,7 +413,7 @@ def steps_of(closed, num_params: int = 0, in_tree=None, out_tree=None, *,
   out_tree = out_tree or tree_structure([0] * len(outs))
   jaxpr = closed.jaxpr if isinstance(closed, jcore.ClosedJaxpr) else closed
   return Steps(steps, flat.inputs, tuple(flat.consts), outs,
-                 tuple(v.aval for v in jaxpr.outvars), num_params, in_tree, out_tree)
+               tuple(v.aval for v in jaxpr.outvars), num_params, in_tree, out_tree, closed)
 
 
 def top_level(eqn: jcore.JaxprEqn) -> bool:
@@ -445,20 +447,21 @@ def scan_counts(eqn: jcore.JaxprEqn) -> tuple[int, int]:
   return len(consts), len(carry)
 
 
-def live_across(program: Steps, start: int, stop: int) -> tuple[list[Key], list[Key]]:
-  """Keys that steps ``[start, stop)`` read from before ``start`` (their inputs), and keys they
-  define that later steps or the program's outputs read (their outputs), in order."""
-  defined = {k for s in program.steps[start:stop] for k in s.outputs if k is not None}
+def live_across(program: Steps, steps: Sequence[Step]) -> tuple[list[Key], list[Key]]:
+  """Keys that ``steps`` (some of ``program``'s, in order) read but do not define (their
+  inputs), and keys they define that other steps or the program's outputs read (their
+  outputs), in order."""
+  defined = {k for s in steps for k in s.outputs if k is not None}
   inputs: dict[Key, None] = {}
-  for s in program.steps[start:stop]:
+  for s in steps:
     for a in s.inputs:
       if not isinstance(a, jcore.Literal) and a not in defined:
         inputs.setdefault(a, None)
-  later: set[Key] = {a for s in program.steps[stop:] for a in s.inputs
+  inside = {s.index for s in steps}
+  later: set[Key] = {a for s in program.steps if s.index not in inside for a in s.inputs
                      if not isinstance(a, jcore.Literal)}
   later |= {a for a in program.outputs if not isinstance(a, jcore.Literal)}
-  outputs = [k for s in program.steps[start:stop] for k in s.outputs
-             if k is not None and k in later]
+  outputs = [k for s in steps for k in s.outputs if k is not None and k in later]
   return list(inputs), outputs
 
 
@@ -536,14 +539,15 @@ def run_steps(steps: Sequence[Step], env: dict,
 
 
 def evaluate(program: Steps | Any, flat_args: Sequence[Any],
-             rule: Callable[[Step, list], list] = bind) -> list[Any]:
+             rule: Callable[[Step, list], list] = bind, cast_back: bool = False) -> list[Any]:
   """The outputs of ``program`` (``Steps``, or a closed jaxpr whose plain calls are entered:
-  a flat list) on ``flat_args``, each step evaluated by ``rule`` (``run_steps``)."""
+  a flat list) on ``flat_args``, each step evaluated by ``rule`` (``run_steps``; ``finish``
+  says what ``cast_back`` does)."""
   if not isinstance(program, Steps):
     program = steps_of(program)
   env = start_env(program, flat_args)
   run_steps(program.steps, env, rule)
-  return finish(program, env)
+  return finish(program, env, cast_back)
 
 
 def start_env(program: Steps, flat_args: Sequence[Any]) -> dict:
@@ -578,6 +582,20 @@ def run_scan(step: Step, invals: Sequence[Any], body: Callable | None = None) ->
   carry, ys = jax.lax.scan(one, carry, xs, length=p["length"], reverse=p["reverse"],
                            unroll=p["unroll"], **extra)
   return list(carry) + list(ys)
+
+
+def run_body(step: Step, invals: Sequence[Any], run: Callable[[Steps, list], list]) -> list[Any]:
+  """Re-binds a ``scan`` or ``checkpoint`` step with its body, flattened into ``Steps``
+  (numbered from the step's first node), evaluated by ``run(body, flat_args) -> flat outputs``
+  once per iteration (``run_scan``) or rematerialized with the traced policy. Call inside
+  ``in_context(step, ...)``."""
+  p = step.eqn.params
+  body = steps_of(p["jaxpr"], start=step.nodes.start)
+  if step.primitive == "scan":
+    return run_scan(step, invals, lambda consts, carry, x: run(body, [*consts, *carry, *x]))
+  remat = jax.checkpoint(lambda *vals: run(body, list(vals)), prevent_cse=p["prevent_cse"],
+                         policy=p["policy"])
+  return list(remat(*invals))
 
 
 def scan_body(step: Step) -> Callable:

@@ -49,9 +49,10 @@ from jax.sharding import PartitionSpec as P
 from epljax.errors import PlanError
 from epljax.sharding import dims as D
 from epljax.sharding import split_rules
-from epljax.sharding.program import (CALLS, Program, Step, bind, bind_here, eqns_in, finish,
-                                     in_context, inlinable, read, run_scan, run_steps, start_env,
-                                     steps_of)
+from epljax.sharding.program import (CALLS, Program, Step, Steps, bind, bind_here, eqns_in,
+                                     finish, in_context, inlinable, read, run_body,
+                                     run_steps, start_env, trace_steps)
+from epljax.sharding.specs import spec_for
 
 
 PLATFORMS = ("cpu",)   # where XLA lacks all-reduce reassociation (module doc)
@@ -74,17 +75,6 @@ class _RowUse:
   perm: tuple[int, ...]
   rows: int
   out: int
-
-
-def model_dims(specs: Sequence[P], axis: str) -> dict[int, int]:
-  """Leaf index -> the one dimension its spec splits over ``axis`` alone."""
-  out = {}
-  for i, spec in enumerate(specs):
-    for d, entry in enumerate(spec):
-      names = entry if isinstance(entry, tuple) else (entry,)
-      if names == (axis,):
-        out[i] = d
-  return out
 
 
 def column_matmuls(program: Program, split: dict[int, int], leaf_shapes, leaf_paths,
@@ -175,16 +165,10 @@ def shared_reduction(fn, *, mesh: jax.sharding.Mesh, model: str, data: str,
   stats = {"siblings": 0, "matmuls": 0, "shared": 0, "uses": 0}
 
   def rewritten(params, model_state, batch, fstate):
-    leaves, in_tree = jax.tree.flatten((params, (model_state, batch, fstate)))
-    n_p = len(jax.tree.leaves(params))
+    steps, leaves = trace_steps(fn, params, (model_state, batch, fstate))
+    program = Program(steps.jaxpr)
+    n_p = steps.num_params
     n_s = len(jax.tree.leaves(model_state))
-
-    def flat_fn(*flat):
-      p, a = jax.tree.unflatten(in_tree, flat)
-      return fn(p, *a)
-
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves)
-    program = Program(closed)
     shapes, paths = leaf_shapes[:n_p], leaf_paths[:n_p]
     batch_inputs = [n_p + n_s + i for i, x in enumerate(jax.tree.leaves(batch)) if x.ndim]
     try:
@@ -194,21 +178,34 @@ def shared_reduction(fn, *, mesh: jax.sharding.Mesh, model: str, data: str,
     except Exception as e:  # noqa: BLE001 (a speed-up only: the plan line says it failed)
       stats["failed"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
       columns, uses = {}, {}
-    if columns or uses:
-      run = _Run(columns, uses, mesh, model, data, leaves[:n_p])
-      outs = run(closed, leaves, 0)
-      stats.update(siblings=run.groups, matmuls=run.fused, shared=len(run.copies),
-                   uses=run.row_uses)
-    else:   # the program as traced, without tracing the model again
-      outs = jcore.jaxpr_as_fun(closed)(*leaves)
-    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+    if not (columns or uses):   # the program as traced, without tracing the model again
+      return jax.tree.unflatten(steps.out_tree, jcore.jaxpr_as_fun(steps.jaxpr)(*leaves))
+    run = _Run(columns, uses, mesh, model, data, leaves[:n_p])
+    outs = run(steps, leaves)
+    stats.update(siblings=run.groups, matmuls=run.fused, shared=len(run.copies),
+                 uses=run.row_uses)
+    return outs
 
-  rewritten.stats = stats
+  def describe() -> str:
+    """The plan's line: what the traced step fused."""
+    if stats.get("failed"):
+      return not_fused(f"finding what to fuse failed: {stats['failed']}; please report it")
+    parts = []
+    if stats["siblings"]:
+      parts.append(f"{stats['siblings']} activations read by {stats['matmuls']} column "
+                   f"matmuls, one all-reduce over {model} each")
+    if stats["shared"]:
+      parts.append(f"{stats['shared']} parameters read by {stats['uses']} row-wise uses "
+                   f"(tied), one reduction over {data} each")
+    return "gradient sums: " + "; ".join(parts) if parts else ""
+
+  rewritten.describe = describe
   return rewritten
 
 
-def _spec(ndim: int, dim: int | None, axis: str) -> P:
-  return P(*(axis if d == dim else None for d in range(ndim)))
+def not_fused(why: str) -> str:
+  """The plan's line when the step runs without the rewrite, and why."""
+  return f"gradient sums: each partial sum all-reduced where made ({why})"
 
 
 def _bind_inside(step: Step, operands: list, outside, **changes) -> Any:
@@ -238,9 +235,8 @@ class _Run:
     self.trips = 1            # iterations of the scans around the body being evaluated
     self.copies: dict[int, Any] = {}     # parameter leaf -> its (replicas, ...) varying copy
 
-  def __call__(self, closed, flat_args: Sequence[Any], offset: int) -> list[Any]:
-    """Runs ``closed`` on ``flat_args``; its first innermost equation is node ``offset``."""
-    program = steps_of(closed, start=offset)
+  def __call__(self, program: Steps, flat_args: Sequence[Any]) -> Any:
+    """Runs ``program`` (its steps numbered by the capture's nodes) on ``flat_args``."""
     siblings = self._siblings(program)
     env = start_env(program, flat_args)
     ready: dict[int, list] = {}
@@ -254,21 +250,21 @@ class _Run:
       if use is not None:
         return [self._row_use(step, use, invals)]
       if step.primitive == "scan" and any(n in step.nodes for n in self.columns):
-        return in_context(step, run_scan, step, invals, self._body(step))
+        return in_context(step, run_body, step, invals, self._iteration(step))
       return bind(step, invals)
 
     run_steps(program.steps, env, rule)
     return finish(program, env)
 
-  def _body(self, step: Step):
+  def _iteration(self, step: Step):
     """The scan ``step``'s body, run by this evaluation (its groups count once per
     iteration)."""
-    body, length = step.eqn.params["jaxpr"], step.eqn.params["length"]
+    length = step.eqn.params["length"]
 
-    def run(consts, carry, x):
+    def run(body: Steps, flat: list) -> list:
       self.trips *= length
       try:
-        return self(body, [*consts, *carry, *x], step.nodes.start)
+        return self(body, flat)
       finally:
         self.trips //= length
 
@@ -316,8 +312,8 @@ class _Run:
       return [_bind_inside(s, [w, xv] if m.side == 0 else [xv, w], outside)
               for s, m, w in zip(steps, members, ws)]
 
-    in_specs = (P(), *(_spec(w.ndim, m.dim, axis) for w, m in zip(weights, members)))
-    out_specs = [_spec(len(D.shape(s.eqn.outvars[0])), D.dot_out_dim(s.eqn, m.side, m.dim), axis)
+    in_specs = (P(), *(spec_for(w.ndim, m.dim, axis) for w, m in zip(weights, members)))
+    out_specs = [spec_for(len(D.shape(s.eqn.outvars[0])), D.dot_out_dim(s.eqn, m.side, m.dim), axis)
                  for s, m in zip(steps, members)]
     outs = _mapped(steps[0], local, x, *weights, mesh=self.mesh, in_specs=in_specs,
                    out_specs=out_specs, axis_names={axis})
@@ -345,6 +341,6 @@ class _Run:
 
     self.row_uses += 1
     return _mapped(step, local, self.copies[use.leaf], other, mesh=self.mesh,
-                   in_specs=(P(axis), _spec(other.ndim, use.rows, axis)),
-                   out_specs=_spec(len(D.shape(step.eqn.outvars[0])), use.out, axis),
+                   in_specs=(P(axis), spec_for(other.ndim, use.rows, axis)),
+                   out_specs=spec_for(len(D.shape(step.eqn.outvars[0])), use.out, axis),
                    axis_names={axis})

@@ -24,7 +24,7 @@ from epljax.errors import PlanError
 from epljax.mesh import DATA, MODEL, Layout
 from epljax.sharding.annotations import UserSpec
 from epljax.sharding.capture import Capture
-from epljax.sharding.split_rules import split_decisions, spec_for
+from epljax.sharding.split_rules import split_decisions
 from epljax.strategy import REPLICATE, SPLIT
 
 
@@ -45,8 +45,7 @@ def variable_specs(capture: Capture, layout: Layout, shapes: Sequence[tuple[int,
       i for i, tg in enumerate(capture.input_taskgraph)
       if tg is not None and capture.taskgraphs[tg].strategy == SPLIT and i not in user
       and (capture.input_explicit[i] or not layout.colocated)}
-  fixed = {i: dims[0] for i, u in user.items()
-           if len(dims := [d for d, e in enumerate(u.spec) if e == MODEL]) == 1}
+  fixed = {i: d for i, u in user.items() if (d := dim_over(u.spec, MODEL)) is not None}
   decisions = split_decisions(capture.program, candidates, shapes, capture.input_paths,
                               layout.devices_per_stage, fixed)
   out = []
@@ -80,3 +79,16 @@ def batch_spec(axes: Sequence[str], ndim: int) -> P:
   if ndim == 0:
     raise PlanError("A batch leaf is a scalar; every batch leaf needs a leading batch dimension.")
   return P(tuple(axes))
+
+
+def spec_for(ndim: int, dim: int | None, axis: str) -> P:
+  """The PartitionSpec splitting ``dim`` over ``axis`` (replicated when ``dim`` is None)."""
+  if dim is None:
+    return P()
+  return P(*[axis if i == dim else None for i in range(ndim)])
+
+
+def dim_over(spec: P, axis: str) -> int | None:
+  """The one dimension ``spec`` splits over ``axis`` alone, or None."""
+  dims = [d for d, e in enumerate(spec) if (e if isinstance(e, tuple) else (e,)) == (axis,)]
+  return dims[0] if len(dims) == 1 else None

@@ -37,8 +37,6 @@ import dataclasses
 import heapq
 from collections.abc import Iterable, Mapping, Sequence
 
-from jax.sharding import PartitionSpec as P
-
 from epljax.errors import PlanError
 from epljax.sharding import dims as D
 from epljax.sharding.program import Node, Program
@@ -76,13 +74,8 @@ def split_decisions(program: Program, candidates: Iterable[int], leaf_shapes: Se
   ``fixed`` gives leaves whose split dimension the user already chose (their activations
   propagate like decided ones: a user-split first matmul makes the next one a row split).
   """
-  fixed = dict(fixed or {})
-  candidates = set(candidates) - set(fixed)
-  state = _State(program, candidates, set(fixed), leaf_shapes, leaf_paths, device_count)
-  state.decisions.update({i: Decision(i, d, "user") for i, d in fixed.items()})
-  for node in program.nodes:
-    state.visit(node)
-  state.decisions = {i: d for i, d in state.decisions.items() if i in candidates}
+  state = _analysed(program, leaf_shapes, leaf_paths, device_count, candidates, fixed)
+  state.decisions = {i: d for i, d in state.decisions.items() if i not in (fixed or {})}
   for d in state.decisions.values():
     size = leaf_shapes[d.leaf][d.dim]
     if size % device_count:
@@ -97,23 +90,32 @@ def split_decisions(program: Program, candidates: Iterable[int], leaf_shapes: Se
 def operand_splits(program: Program, split: Mapping[int, int], leaf_shapes: Sequence[tuple],
                    leaf_paths: Sequence[str], device_count: int) -> _State:
   """The rules' view of ``program`` when every split is given (``split``: leaf -> dim):
-  ``view(node, pos)`` and ``split_dim(node, pos)`` of every operand (``columns.py``)."""
-  state = _State(program, set(), set(split), leaf_shapes, leaf_paths, device_count)
-  state.decisions = {i: Decision(i, d, "user") for i, d in split.items()}
-  for node in program.nodes:
-    state.visit(node)
-  return state
+  ``view(node, pos)`` and ``split_dim(node, pos)`` of every operand (``reductions.py``)."""
+  return _analysed(program, leaf_shapes, leaf_paths, device_count, fixed=split)
 
 
 def row_dims(program: Program, rows_inputs: Iterable[int] | Mapping[int, int],
              leaf_shapes: Sequence[tuple], leaf_paths: Sequence[str]) -> _State:
   """Where each value's *rows* are: the inputs ``rows_inputs`` hold them on dim 0 (or on the
   dim a mapping gives), and they are followed through the program like a split dimension
-  (``split_dim(node, pos)``), also from a gather's indices to its output (``columns.py``)."""
-  state = _State(program, set(), set(), leaf_shapes, leaf_paths, 1)
-  state.follow_indices = True
+  (``split_dim(node, pos)``), also from a gather's indices to its output (``reductions.py``,
+  ``pipeline/stats.py``)."""
   rows = rows_inputs if isinstance(rows_inputs, Mapping) else dict.fromkeys(rows_inputs, 0)
-  for i, dim in rows.items():
+  return _analysed(program, leaf_shapes, leaf_paths, 1, rows=rows)
+
+
+def _analysed(program: Program, leaf_shapes: Sequence[tuple], leaf_paths: Sequence[str],
+              device_count: int, candidates: Iterable[int] = (),
+              fixed: Mapping[int, int] | None = None,
+              rows: Mapping[int, int] | None = None) -> _State:
+  """One pass of the rules over ``program`` in trace order: ``candidates`` decided at their
+  first decisive use, ``fixed`` leaves split as given, and (``rows``: input -> dim) the batch's
+  rows followed from the inputs, also from a gather's indices to its output."""
+  fixed = dict(fixed or {})
+  state = _State(program, set(candidates) - set(fixed), leaf_shapes, leaf_paths, device_count)
+  state.decisions = {i: Decision(i, d, "user") for i, d in fixed.items()}
+  state.follow_indices = rows is not None
+  for i, dim in (rows or {}).items():
     state.split[program.invars[i]] = dim
   for node in program.nodes:
     state.visit(node)
@@ -143,8 +145,8 @@ def gather_offset_dim(eqn, dim: int) -> int | None:
 
 class _State:
 
-  def __init__(self, program: Program, candidates: set[int], fixed: set[int],
-               leaf_shapes: Sequence[tuple], leaf_paths: Sequence[str], device_count: int):
+  def __init__(self, program: Program, candidates: set[int], leaf_shapes: Sequence[tuple],
+               leaf_paths: Sequence[str], device_count: int):
     self.program = program
     self.decisions: dict[int, Decision] = {}
     self.split: dict[object, int] = {}             # value -> split dim
@@ -497,10 +499,3 @@ class _State:
       shape = D.shape(eqn.invars[pos])
       if v is not None and len(shape) == len(out_shape) and shape[dim] == out_shape[dim]:
         self.decide(v, dim, FOLLOWS, parts)
-
-
-def spec_for(ndim: int, dim: int | None, axis: str) -> P:
-  """The PartitionSpec splitting ``dim`` over ``axis`` (replicated when ``dim`` is None)."""
-  if dim is None:
-    return P()
-  return P(*[axis if i == dim else None for i in range(ndim)])
