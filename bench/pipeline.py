@@ -108,14 +108,7 @@ def executed_flops(trainer) -> float:
   """All devices of one replica together: every busy slot of the schedule runs its branch."""
   pipe = trainer.plan.pipeline
   costs = runtime.branch_flops(pipe.loop, pipe.aux_avals, pipe.batch_avals)
-  sched = pipe.schedule
-  total = 0.0
-  for c in range(sched.num_chunks):   # chunk c on stage c % S as the stage's chunk c // S
-    s, j = c % sched.num_stages, c // sched.num_stages
-    fwd, bwd = costs[pipe.loop.branch_of[c]]
-    total += (((sched.forward[:, s] >= 0) & (sched.forward_chunk[:, s] == j)).sum() * fwd
-              + ((sched.backward[:, s] >= 0) & (sched.backward_chunk[:, s] == j)).sum() * bwd)
-  return total
+  return float(runtime.tick_flops(costs, pipe.loop.branch_of, pipe.schedule).sum())
 
 
 def measure(micro: int, pairs: int) -> tuple[list, list]:

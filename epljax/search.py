@@ -18,7 +18,7 @@ and a user's scope, default strategy or ``epl.annotate`` rule are fixed, not sea
 1. One trace per mesh (no compile) gives every parameter's spec; parameter, gradient and
    optimizer bytes per device follow from them and the features, exactly; activations, FLOPs
    and collectives are estimated from the traced program (``estimate.step_cost``; activations
-   from the residuals of the loss's ``jax.vjp``). Stage candidates (data x stage, model 1, for
+   from the residuals of the loss's ``jax.vjp``). Stage candidates (data x stage x model, for
    S = 2, 4, ... while ``auto.auto_parallel``'s cut gives S balanced stages) are estimated from
    their pipeline plans, made without compiling (``build.pipeline_plan``,
    ``estimate.stage_cost``: the bubble from the schedule's tick table).
@@ -56,10 +56,8 @@ from epljax import strategy as strategy_lib
 from epljax.errors import PlanError, size
 from epljax.memory import offload
 from epljax.mesh import MODEL, STAGE
-from epljax.pipeline import runtime
+from epljax.pipeline import runtime, schedules
 from epljax.pipeline.auto import StageBalanceWarning
-from epljax.pipeline import schedules
-from epljax.pipeline.schedules import IDLE
 from epljax.sharding import annotations
 
 MAX_COMPILES = 5
@@ -126,13 +124,12 @@ def search(fns, config, cluster, rng, batch, build: Callable) -> Any:
   update = (estimate_lib.update_flops(fns.optimizer,
                                       next(iter(bases.values())).user_state.params_shape)
             if bases else 0.0)
-  rows = [_estimate(built, facts, features, chip, batch_bytes, split, residuals, update)
-          for (_, split), built in bases.items()
-          for facts in [estimate_lib.program_facts(built, split)]
-          for features in _feature_grid(fixed, built)]
+  facts = {key: estimate_lib.program_facts(built, key[1]) for key, built in bases.items()}
+  rows = [_estimate(built, facts[key], features, chip, batch_bytes, key[1], residuals, update)
+          for key, built in bases.items() for features in _feature_grid(fixed, built)]
   if (1, "") in bases:   # (a mesh the user fixed has no stage axis to search)
     rows += _stage_rows(functools.partial(_pipeline_plan, fns, config, cluster, rng, batch),
-                        bases, fixed, chip, batch_bytes, residuals, update, notes)
+                        bases, facts, fixed, chip, batch_bytes, residuals, update, notes)
   rows.sort(key=_order)
   if not rows:
     raise PlanError("auto.auto_parallel found no candidate plan: " + "; ".join(notes[1:]))
@@ -275,19 +272,11 @@ def _pipeline_compute(step: cost_lib.StepCost, pipe, compiled, chip) -> cost_lib
   update) is what the analysis counts beyond one tick of the costliest branches. A tick runs
   at the pace of its busiest stage: the bubble is the ticks' paces less the device's work."""
   costs = runtime.branch_flops(pipe.loop, pipe.aux_avals, pipe.batch_avals)
-  sched = pipe.schedule
-  stages = sched.num_stages
-  per_tick = np.zeros(sched.forward.shape)   # (ticks, stages)
-  for c in range(sched.num_chunks):   # chunk c runs on stage c % S as its chunk c // S
-    s, j = c % stages, c // stages
-    fwd, bwd = costs[pipe.loop.branch_of[c]]
-    per_tick[:, s] += (((sched.forward[:, s] != IDLE) & (sched.forward_chunk[:, s] == j)) * fwd
-                       + ((sched.backward[:, s] != IDLE) & (sched.backward_chunk[:, s] == j))
-                       * bwd)
+  per_tick = runtime.tick_flops(costs, pipe.loop.branch_of, pipe.schedule)
   rest = max(0.0, cost_lib.analysed_flops(compiled) - max(f for f, _ in costs)
              - max(b for _, b in costs))
   rate = chip.peak_flops * chip.efficiency
-  work = per_tick.sum() / stages
+  work = per_tick.sum() / pipe.schedule.num_stages
   return dataclasses.replace(step, flops=work + rest, compute_s=(work + rest) / rate,
                              bubble_s=(per_tick.max(axis=1).sum() - work) / rate)
 
@@ -311,7 +300,7 @@ def _pipeline_plan(fns, config, cluster, rng, batch, stages: int, micro: int, k:
          "pipeline.num_micro_batch": micro}), cluster, rng, batch)
 
 
-def _stage_rows(make_pipe: Callable, bases: dict, fixed: dict[str, Any], chip,
+def _stage_rows(make_pipe: Callable, bases: dict, facts: dict, fixed: dict[str, Any], chip,
                 batch_bytes: int, residuals: int, update: float,
                 notes: list[str]) -> list[Candidate]:
   """data x stage x model candidates for S = 2, 4, ... stages while the model cuts into S
@@ -319,7 +308,8 @@ def _stage_rows(make_pipe: Callable, bases: dict, fixed: dict[str, Any], chip,
   ``epl.split(k)`` for the k of the whole-model splits searched (and k = 1), with S, 2S and 4S
   micro batches (or the user's); estimated from one plan per S and k made without compiling
   (``estimate.stage_cost``; the other micro batch counts from its schedule and its bytes per
-  micro batch scaled), a split stage's traffic over model from its data x model base."""
+  micro batch scaled), a split stage's traffic over model from its data x model base
+  (``bases`` and their ``facts``, keyed as ``_base_builds``)."""
   features = {name: fixed.get(name, "") for name in ("zero_level", "gradient_checkpoint",
                                                      "offload")}
   if any(features.values()):
@@ -328,30 +318,30 @@ def _stage_rows(make_pipe: Callable, bases: dict, fixed: dict[str, Any], chip,
     return []
   dp = bases[(1, "")]
   devices, rows = dp.plan.mesh.size, dp.plan.global_rows
-  facts = estimate_lib.program_facts(dp, "")
   out = []
-  for k in [1] + [k for k, split in bases if k and k > 1 and split == "all"]:
-    base = bases[(k, "all")] if k > 1 else dp
-    base_facts = estimate_lib.program_facts(base, "all") if k > 1 else facts
+  for key in [(1, "")] + [key for key in bases if key[0] and key[0] > 1 and key[1] == "all"]:
+    k, base = key[0], bases[key]
     for stages in _divisors(devices // k)[1:]:
       replicas = devices // (stages * k)
       micros = ([fixed["num_micro_batch"]] if "num_micro_batch" in fixed else
                 [m for m in (stages, 2 * stages, 4 * stages) if rows % (replicas * m) == 0])
+      if not micros:
+        continue
       try:
         with warnings.catch_warnings():
           warnings.simplefilter("error", StageBalanceWarning)
-          pipe = make_pipe(stages, micros[0], k) if micros else None
+          pipe = make_pipe(stages, micros[0], k)
       except (PlanError, StageBalanceWarning) as e:
         notes.append(f"stage={stages}" + (f" x model={k}" if k > 1 else "") + " not searched: "
                      + re.split(r"; |\. ", str(e).splitlines()[0])[0])
         break   # (a model that does not cut into S balanced stages does not cut into 2S)
       for micro in micros:
         feats = {**features, "num_micro_batch": micro}
-        split = (estimate_lib.step_cost(base, base_facts, feats, chip, batch_bytes, residuals)
-                 if k > 1 else None)
+        over_model = (estimate_lib.step_cost(base, facts[key], feats, chip, batch_bytes,
+                                             residuals) if k > 1 else None)
         schedule = schedules.make_schedule(pipe.schedule.strategy, stages, micro)
-        step = estimate_lib.stage_cost(base, facts, pipe, schedule, feats, chip, batch_bytes,
-                                       split, update)
+        step = estimate_lib.stage_cost(base, facts[(1, "")], pipe, schedule, feats, chip,
+                                       batch_bytes, over_model, update)
         out.append(Candidate(dict(pipe.mesh.shape), feats, step.bytes_per_device, step.step_s,
                              step.compute_s, step.communication_s, step.bubble_s,
                              compiled=False, split="all" if k > 1 else "", estimate=step))

@@ -50,7 +50,7 @@ from epljax.errors import PlanError
 from epljax.mesh import STAGE
 from epljax.pipeline import packing, slots
 from epljax.pipeline.partition import Stage, same_consts
-from epljax.pipeline.schedules import Schedule
+from epljax.pipeline.schedules import IDLE, Schedule
 
 StageFn = Callable[[Sequence[Any], Sequence[Any], Sequence[Any]], tuple[Any, Any, Any]]
 
@@ -429,4 +429,20 @@ def branch_flops(loop: Loop, aux_avals, batch_avals) -> list[tuple[float, float]
         bufs(sizes.residuals, (2,)), jax.ShapeDtypeStruct((), jnp.int32), batch,
         bufs(sizes.grad_payload), jax.ShapeDtypeStruct((), jnp.float32)).compile()
     out.append((compiled_flops(fwd), compiled_flops(bwd)))
+  return out
+
+
+def tick_flops(costs: Sequence[tuple[float, float]], branch_of: Sequence[int],
+               schedule: Schedule) -> np.ndarray:
+  """``(ticks, stages)``: the FLOPs each stage runs at each tick, every busy slot running its
+  chunk's branch (``costs``: ``branch_flops``; chunk c runs on stage c % S as its chunk
+  c // S). Their sum is what one replica executes."""
+  stages = schedule.num_stages
+  out = np.zeros(schedule.forward.shape)
+  for c in range(schedule.num_chunks):
+    s, j = c % stages, c // stages
+    fwd, bwd = costs[branch_of[c]]
+    out[:, s] += (((schedule.forward[:, s] != IDLE) & (schedule.forward_chunk[:, s] == j)) * fwd
+                  + ((schedule.backward[:, s] != IDLE) & (schedule.backward_chunk[:, s] == j))
+                  * bwd)
   return out
