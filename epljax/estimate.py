@@ -169,12 +169,12 @@ PIPELINE_PARAM_COPIES = 6
 
 
 def stage_cost(dp, facts: ProgramFacts, pipe, schedule, features: dict[str, Any], chip,
-               batch_bytes: int, split: cost_lib.StepCost | None = None,
+               batch_bytes: int, over_model: cost_lib.StepCost | None = None,
                update: float = 0.0) -> cost_lib.StepCost:
   """A pipeline candidate's bytes and time before compiling, from its plan (``pipe``, made
   without compiling, its bytes per micro batch scaled to ``schedule``'s micro batches) and
   ``dp``, the build of the same devices without stages (``facts``:
-  its program's unsplit reading). Stages under ``epl.split(k)``: ``split``, the estimate of
+  its program's unsplit reading). Stages under ``epl.split(k)``: ``over_model``, the estimate of
   ``dp`` as data x model, gives the work per device and the traffic over model (the same
   bytes per device: a stage's share of the nodes on S times the rows), and the stash is split
   over model. ``update``: as ``step_cost``'s, on the parameters a stage's device stores.
@@ -199,13 +199,13 @@ def stage_cost(dp, facts: ProgramFacts, pipe, schedule, features: dict[str, Any]
   kept = max((info.kept_bytes for info in pipe.stage_info()), default=0) * per_micro / m
   acts = 2 * schedule.num_slots * kept
   busy = ((schedule.forward != IDLE).astype(int) + 2 * (schedule.backward != IDLE)).max(axis=1)
-  flops = (split.flops if split is not None else facts.flops * 3) + update * params
+  flops = (over_model.flops if over_model is not None else facts.flops * 3) + update * params
   work = flops / (chip.peak_flops * chip.efficiency)
-  comm: dict[tuple[str, str], float] = {
-      key: t for key, t in (split.comm_s.items() if split is not None else ()) if key[1] == MODEL}
-  nbytes: dict[tuple[str, str], int] = {
-      key: b for key, b in (split.collective_bytes.items() if split is not None else ())
-      if key[1] == MODEL}
+  comm: dict[tuple[str, str], float] = {}
+  nbytes: dict[tuple[str, str], int] = {}
+  if over_model is not None:   # (its traffic over data is the stages' own, added below)
+    comm = {key: t for key, t in over_model.comm_s.items() if key[1] == MODEL}
+    nbytes = {key: b for key, b in over_model.collective_bytes.items() if key[1] == MODEL}
 
   def add(kind, axis, result, group, times=1):
     nbytes[(kind, axis)] = nbytes.get((kind, axis), 0) + int(result)
