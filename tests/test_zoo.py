@@ -291,6 +291,10 @@ def test_zoo_contract(name, strategy):
         a: n for a, n in rows[0].mesh_shape.items() if n > 1}, (plan.mesh, rows[0])
     assert [r.predicted_step_s for r in rows if r.compiled] == sorted(
         r.predicted_step_s for r in rows if r.compiled), rows
+    # Two stages were weighed (data x stage), or the plan says why this model has none.
+    assert (any(r.mesh_shape == {"data": 4, "stage": 2, "model": 1} for r in rows)
+            or any(n.startswith("stage=2 not searched") for n in plan.search_notes)), (
+        plan.search_notes)
   else:
     assert plan.num_replicas == 8 and plan.num_stages == 1
     if strategy != "zero_v3":   # v3 shards the parameters over data (check_zero)
