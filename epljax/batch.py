@@ -99,9 +99,8 @@ def global_shapes(batch: Any, sharding_of) -> Any:
                                      sharding=sharding_of(np.ndim(x))), batch)
 
 
-def shard_batch(batch: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
-  """Process-local slices -> global arrays split over ``axes`` (a no-op for arrays already so)."""
-  sharding = NamedSharding(mesh, P(axes))
+def shard_batch(batch: Any, sharding: NamedSharding) -> Any:
+  """Process-local slices -> global arrays in ``sharding`` (a no-op for arrays already so)."""
   single = jax.process_count() == 1
 
   def one(x):

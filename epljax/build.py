@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -74,6 +75,11 @@ class Built:
   eval_jit: Any = None
   user_state: Any = None              # epljax.user_state.UserState: what checkpoints hold
 
+  @functools.cached_property
+  def batch_sharding(self) -> NamedSharding:
+    """Every leaf of the step's global batch: rows over the batch axes."""
+    return NamedSharding(self.layout.mesh, P(self.batch_plan.axes))
+
   def to_user(self, state: TrainState) -> dict:
     """The state in the user's structure (params, optimizer and model state; never packed)."""
     return self.user_state.to_user(state)
@@ -127,6 +133,7 @@ def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
     return search.search(fns, config, cluster, rng, batch, build)   # the plan, searched
   var, cap, where, features, ctx = plan_steps(fns, config, cluster, rng, micro_shapes, rows)
   fstate = {f.name: f.init_state(ctx) for f in features}
+  fstate[step_lib.NONFINITE_RUN] = np.zeros((), np.int32)
   by_cond = _skips_by_cond(where, features)
   jits, user_params = compile_functions(fns, var, where, features, fstate, ctx, rows, by_cond)
   sums = jits.pop("gradient_sums")

@@ -14,11 +14,13 @@ Features (``epljax.features``) wrap each piece; ``train_step`` chains them.
 
 Non-finite steps: ``train_step`` checks the loss and the reduced gradients; when any is not
 finite the update is not applied (parameters and optimizer state come back bit for bit) and
-``metrics["finite"]`` is False. The verdict travels to ``apply_optimizer`` under
-``fstate[STEP_FINITE]`` for the update alone (it is not kept in the state), so the skip sits
-innermost, inside what features do around the update (ZeRO's layouts, offload's memory
-spaces), and features that react to overflow themselves (the dynamic loss scale) still see the
-non-finite gradients.
+``metrics["finite"]`` is False; ``TrainState.feature_state[NONFINITE_RUN]`` counts such steps
+in a row (the Trainer reads it rarely, to enforce ``max_nonfinite_steps``; a restored state
+carries its run). The verdict travels
+to ``apply_optimizer`` under ``fstate[STEP_FINITE]`` for the update alone (it is not kept in
+the state), so the skip sits innermost, inside what features do around the update (ZeRO's
+layouts, offload's memory spaces), and features that react to overflow themselves (the dynamic
+loss scale) still see the non-finite gradients.
 
 How the check and the skip are compiled depends on the platform (``SKIP_BY_COND``): on GPU and TPU
 a select fused into each update kernel and one masked reduction per gradient; on XLA:CPU,
@@ -40,6 +42,7 @@ import optax
 from epljax.features import BuildContext, Feature, ForwardFn, GradientFn, UpdateFn, loss_scale
 
 STEP_FINITE = "step_finite"   # fstate key of the update's "apply this step" flag (module doc)
+NONFINITE_RUN = "nonfinite_run"   # fstate key: non-finite steps in a row, up to the last one
 
 
 @flax.struct.dataclass
@@ -183,9 +186,11 @@ def train_step(gradients: GradientFn, update: UpdateFn, features: Sequence[Featu
     loss, aux, grads, model_state = gradients(state.params, state.model_state,
                                               prepare_batch(batch), fstate)
     grad_norm, finite = norm_and_finite(loss, grads, by_cond)
+    run = (fstate[NONFINITE_RUN] + 1) * (~finite).astype(jnp.int32)
     params, opt_state, fstate = update(state.params, state.opt_state, grads,
                                        {**fstate, STEP_FINITE: finite})
     fstate = {k: v for k, v in fstate.items() if k != STEP_FINITE}
+    fstate[NONFINITE_RUN] = run
     # Model state (BatchNorm statistics) of a non-finite step is not kept either.
     model_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), model_state,
                                state.model_state)

@@ -41,6 +41,7 @@ from epljax.errors import EPLError, NonFiniteError, PlanError, StateError
 from epljax.launch import worker as launch_worker
 from epljax.plan import Plan
 from epljax.sharding import constraints
+from epljax import step as step_lib
 from epljax.step import TrainState
 
 
@@ -65,10 +66,10 @@ class Trainer:
       ``communication.clip_after_allreduce`` (``epljax.communication``).
     max_nonfinite_steps: a step whose loss or gradients are not finite is not applied
       (``metrics["finite"]`` is False); after this many in a row ``train_step`` raises
-      ``NonFiniteError`` naming the step. The check reads each step's flag at the next call
-      (copied to the host as the step is queued): the host stays one step ahead of the
-      device and never waits for the step it just queued (the error comes one call late).
-      None: no flag is read.
+      ``NonFiniteError`` naming the step. The device counts the run; the host reads it only
+      when it could have reached the limit (every ``max_nonfinite_steps`` steps while steps
+      are finite), at the call after that step: the host never waits for the step it just
+      queued (the error comes one call late). None: nothing is read.
     tokens_key: the batch leaf (a key of a dict batch) whose size is the step's token count,
       ``metrics["tokens"]``; by default the first integer leaf with two or more dimensions
       (token ids), if any.
@@ -107,8 +108,13 @@ class Trainer:
     self.max_nonfinite_steps = max_nonfinite_steps
     self.tokens_key = tokens_key
     self._built: Built | None = None
-    self._pending: tuple[Any, Any] | None = None   # (finite, step) of the last step
-    self._nonfinite_run = 0
+    # _watch_nonfinite: the (run, step) being copied to the host, and the steps left until
+    # the next read.
+    self._reading: tuple[Any, Any] | None = None
+    self._unread = max_nonfinite_steps or 0
+    # _global_batch: the last batch's structure, shapes and dtypes, and its counts
+    self._batch_shapes: tuple | None = None
+    self._batch_counts: dict[str, int] = {}
     self._last_return: float | None = None
     # The state the last train_step returned, not yet passed back: its structure and buffers
     # are known good, so the next call skips _check_state (a flatten of every leaf).
@@ -135,24 +141,19 @@ class Trainer:
     if self._returned is None or self._returned() is not state:   # (else: checked as made)
       self._check_state(built, state)
     self._returned = None   # donated below
-    batch = self.shard_batch(batch)
+    batch, counts = self._global_batch(built, batch)
     state, metrics = built.step_jit(state, batch)
     self._returned = weakref.ref(state)
     launch_worker.heartbeat()   # the launcher's --hang_timeout (throttled; one write at most)
     checks, built.first_step_checks = built.first_step_checks, []
     for check in checks:   # features that verify the first step (one host sync, once)
       check(metrics)
-    metrics.update(self._counts(batch))
+    metrics.update(counts)
     now = time.perf_counter()
     metrics["step_time"] = now - (start if self._last_return is None else self._last_return)
     self._last_return = now
-    if self.max_nonfinite_steps is not None:   # (None: no flag is ever read)
-      # Read at the next call: copied now, so that reading it waits for this step alone and
-      # not for the next one, queued behind it on the device.
-      metrics["finite"].copy_to_host_async()
-      previous, self._pending = self._pending, (metrics["finite"], metrics["step"])
-      if previous is not None:
-        self._watch_nonfinite(*previous)
+    if self.max_nonfinite_steps is not None:   # (None: nothing is ever read)
+      self._watch_nonfinite(state, metrics["step"])
     return state, metrics
 
   def eval_step(self, state: TrainState, batch: Any) -> dict[str, Any]:
@@ -192,15 +193,28 @@ class Trainer:
 
     ``train_step`` calls it; call it yourself to move the next batch while a step runs.
     """
-    built = self._require()
-    rows = batch_lib.leading_rows(batch) * jax.process_count()
-    built.batch_plan.check(rows)
-    if built.plan.num_stages > 1 and rows != built.plan.global_rows:
-      raise PlanError(f"The pipeline was built for the global batch of trainer.init "
-                      f"({built.plan.global_rows} rows); this batch has {rows}. Pipeline stages "
-                      "pass activations of fixed shapes: use batches of "
-                      f"{built.plan.global_rows} rows, or a new Trainer for the other size.")
-    return batch_lib.shard_batch(batch, built.layout.mesh, built.batch_plan.axes)
+    return self._global_batch(self._require(), batch)[0]
+
+  def _global_batch(self, built: Built, batch: Any) -> tuple[Any, dict[str, int]]:
+    """``shard_batch`` and the batch's counts (``_counts``). Shapes are checked once per batch
+    structure; a batch already in the step's sharding is passed on as it is."""
+    leaves, treedef = jax.tree.flatten(batch)
+    shapes = (treedef, *((np.shape(x), getattr(x, "dtype", None)) for x in leaves))
+    if shapes != self._batch_shapes:
+      rows = batch_lib.leading_rows(batch) * jax.process_count()
+      built.batch_plan.check(rows)
+      if built.plan.num_stages > 1 and rows != built.plan.global_rows:
+        raise PlanError(f"The pipeline was built for the global batch of trainer.init "
+                        f"({built.plan.global_rows} rows); this batch has {rows}. Pipeline "
+                        "stages pass activations of fixed shapes: use batches of "
+                        f"{built.plan.global_rows} rows, or a new Trainer for the other size.")
+      self._batch_counts = self._counts(batch)
+      self._batch_shapes = shapes
+    sharding = built.batch_sharding
+    if all(isinstance(x, jax.Array) and x.sharding == sharding for x in leaves) and (
+        jax.process_count() == 1 or not any(x.is_fully_addressable for x in leaves)):
+      return batch, self._batch_counts
+    return batch_lib.shard_batch(batch, sharding), self._batch_counts
 
   @property
   def plan(self) -> Plan:
@@ -222,19 +236,31 @@ class Trainer:
         out["tokens"] = int(np.prod(ids[0].shape))
     return out
 
-  def _watch_nonfinite(self, finite: jax.Array, step: jax.Array) -> None:
-    if bool(finite):
-      self._nonfinite_run = 0
-      return
-    self._nonfinite_run += 1
+  def _watch_nonfinite(self, state: TrainState, step: jax.Array) -> None:
+    """Raises ``NonFiniteError`` one call after the step that made ``max_nonfinite_steps``
+    non-finite steps in a row.
+
+    The device counts the run (``state.feature_state["nonfinite_run"]``); the host reads it only
+    at the first step where it could reach the limit (every ``max_nonfinite_steps`` steps while
+    steps are finite): a copy, made as that step is queued (the state itself is donated to the
+    next step), read at the next call, so the host never waits for the step it just queued.
+    """
     limit = self.max_nonfinite_steps
-    if limit is not None and self._nonfinite_run >= limit:
-      self._nonfinite_run = 0
-      raise NonFiniteError(
-          f"Step {int(step)} is the {limit}th step in a row whose loss or gradients are not "
-          f"finite (Trainer(max_nonfinite_steps={limit})); none of them was applied. Look for "
-          "NaN/Inf in the input batches, lower the learning rate, or resume from a checkpoint; "
-          "with communication.fp16, lower communication.fp16_scale.")
+    if self._reading is not None:
+      run, read_step = self._reading
+      self._reading, self._unread = None, limit - int(run)
+      if self._unread <= 0:
+        self._unread = limit
+        raise NonFiniteError(
+            f"Step {int(read_step)} is the {limit}th step in a row whose loss or gradients are "
+            f"not finite (Trainer(max_nonfinite_steps={limit})); none of them was applied. Look "
+            "for NaN/Inf in the input batches, lower the learning rate, or resume from a "
+            "checkpoint; with communication.fp16, lower communication.fp16_scale.")
+    self._unread -= 1   # this step's
+    if self._unread <= 0 and self._reading is None:
+      run = jnp.copy(state.feature_state[step_lib.NONFINITE_RUN])
+      run.copy_to_host_async()
+      self._reading = (run, step)
 
   # -- building ----------------------------------------------------------------------------
   def _require(self) -> Built:
@@ -263,7 +289,8 @@ class Trainer:
                   self.clip_norm)
     with constraints.explained():   # a model's constraints on its own mesh
       self._built = build(fns, self._config, self._cluster, rng, batch)
-    self._pending, self._nonfinite_run, self._last_return = None, 0, None
+    self._reading, self._unread = None, self.max_nonfinite_steps or 0
+    self._batch_shapes, self._last_return = None, None
     self._returned = None
     _TRAINERS.add(self)
     return self._built

@@ -132,14 +132,17 @@ def test_a_finite_float64_gradient_beyond_float32_is_finite(by_cond):
 
 
 def test_training_stops_after_max_nonfinite_steps_in_a_row():
-  trainer, state = make(max_nonfinite_steps=2)
-  state, _ = trainer.train_step(state, nan_batch())
-  state, _ = trainer.train_step(state, classification_batch(32))   # the run is broken
-  state, _ = trainer.train_step(state, nan_batch())
-  state, _ = trainer.train_step(state, nan_batch())
-  # The flags are read one call late (the host never waits for the device).
-  with pytest.raises(epl.NonFiniteError, match=r"Step 4 is the 2th step in a row .* not "
-                     r"finite \(Trainer\(max_nonfinite_steps=2\)\)"):
+  trainer, state = make(max_nonfinite_steps=3)
+  runs = []
+  # The third step breaks the first run; the host's one read (after step 3, when the run could
+  # first reach 3) finds a run of 1, so the next is at step 5.
+  for batch in (nan_batch(), classification_batch(32), nan_batch(), nan_batch(), nan_batch()):
+    state, metrics = trainer.train_step(state, batch)
+    runs.append(int(state.feature_state["nonfinite_run"]))
+  assert runs == [1, 0, 1, 2, 3]
+  # The run is read one call late (the host never waits for the device).
+  with pytest.raises(epl.NonFiniteError, match=r"Step 5 is the 3th step in a row .* not "
+                     r"finite \(Trainer\(max_nonfinite_steps=3\)\)"):
     trainer.train_step(state, classification_batch(32))
 
 
