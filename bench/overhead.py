@@ -7,7 +7,10 @@ Both steps train the same model (an MLP of two sizes, and a GPT of 4 layers) wit
 optimizer on the same pre-sharded global
 batch (parameters replicated, batch split over the 'data' axis, state donated). They are timed
 alternately in one process; the figure of merit is the median of the per-pair time ratios.
-Per-device bytes come from ``compiled.memory_analysis()``.
+Per-device bytes come from ``compiled.memory_analysis()``. The host column is microseconds per
+call dispatched back to back without waiting (``host_us``): ``train_step``, its jitted step
+called directly, and the hand-written step; where the device keeps up (small models on a GPU)
+that is the step's time.
 """
 
 import os
@@ -17,6 +20,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import argparse  # noqa: E402
+import time  # noqa: E402
 
 import jax  # noqa: E402
 import optax  # noqa: E402
@@ -24,6 +28,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import epljax as epl  # noqa: E402
+from epljax import step as epl_step  # noqa: E402
 from common import (hand_step, machine, mlp_problem, record, step_cost, table,  # noqa: E402
                     time_against_hand)
 from memory import gpt_problem  # noqa: E402
@@ -55,6 +60,18 @@ def measure(name: str) -> list[str]:
                      out_shardings=((replicated, replicated), replicated), donate_argnums=0)
   timing, epl_state, hand_state = time_against_hand(trainer, epl_state, epl_batch, hand_jit,
                                                     hand_state, hand_batch, pairs=pairs)
+  box = {"epl": epl_state, "hand": hand_state}
+
+  def call(name, fn, batch_):
+    def once():
+      box[name], out = fn(box[name], batch_)
+      return out
+    return once
+
+  host = [host_us(call("epl", trainer.train_step, epl_batch), pairs),
+          host_us(call("epl", trainer._require().step_jit, epl_batch), pairs),
+          host_us(call("hand", hand_jit, hand_batch), pairs)]
+  epl_state, hand_state = box["epl"], box["hand"]
   epl_c = trainer.lower(epl_state, epl_batch).compile()
   hand_c = hand_jit.lower(hand_state, hand_batch).compile()
   mib = lambda m: (f"{m.argument_size_in_bytes / 2**20:.2f} / "  # noqa: E731
@@ -64,9 +81,29 @@ def measure(name: str) -> list[str]:
   return [f"{what}, batch {rows}", f"{timing['first_s'] * 1e3:.2f}",
           f"{timing['second_s'] * 1e3:.2f}",
           f"**{timing['ratio']:.3f}** ({timing['ratio_q1']:.3f}-{timing['ratio_q3']:.3f})",
-          str(pairs), mib(epl_c.memory_analysis()), mib(hand_c.memory_analysis()),
+          str(pairs), " / ".join(f"{us:.0f}" for us in host),
+          mib(epl_c.memory_analysis()), mib(hand_c.memory_analysis()),
           f"{step_cost(epl_c, 'bytes accessed') / step_cost(hand_c, 'bytes accessed'):.3f} / "
           f"{step_cost(epl_c, 'flops') / step_cost(hand_c, 'flops'):.3f}"]
+
+
+def host_us(call, n: int) -> float:
+  """Microseconds per call of ``call`` over ``n`` calls dispatched back to back (then waited
+  for): host time where the device keeps up. On XLA:CPU each call first waits for the one
+  before the last, as ``train_step`` does there (``epljax.step.waits_each_step``): many queued
+  steps starve its collectives."""
+  wait = jax.devices()[0].platform in epl_step.WAIT_EACH_STEP
+  jax.block_until_ready(call())
+  previous = None
+  start = time.perf_counter()
+  for _ in range(n):
+    out = call()
+    if wait and previous is not None:
+      jax.block_until_ready(previous)
+    previous = out
+  elapsed = time.perf_counter() - start
+  jax.block_until_ready(out)
+  return elapsed / n * 1e6
 
 
 # name: (kind, *problem arguments, timed pairs)
@@ -82,7 +119,8 @@ def main(argv=None):
   args = parser.parse_args(argv)
   rows = [measure(name) for name in args.sizes]
   body = (table(["model, global batch", "epljax ms", "hand ms", "ratio (quartiles)", "pairs",
-                 "epljax args / temp MiB/dev", "hand args / temp MiB/dev",
+                 "host us/call: train_step / its step / hand", "epljax args / temp MiB/dev",
+                 "hand args / temp MiB/dev",
                  "bytes accessed / FLOPs ratio"], rows)
           + f"\n\nadamw, {len(jax.devices())} replicas, data parallel; epljax with its global "
           "norm, non-finite check and skip. Ratio: median over pairs of epljax step time / "

@@ -74,6 +74,7 @@ class Built:
   first_step_checks: list = dataclasses.field(default_factory=list)
   eval_jit: Any = None
   user_state: Any = None              # epljax.user_state.UserState: what checkpoints hold
+  waits_each_step: bool = False       # step.waits_each_step (XLA:CPU)
 
   @functools.cached_property
   def batch_sharding(self) -> NamedSharding:
@@ -138,7 +139,10 @@ def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
   jits, user_params = compile_functions(fns, var, where, features, fstate, ctx, rows, by_cond)
   sums = jits.pop("gradient_sums")
   skip = step_lib.describe_skip(by_cond)
-  plan = make_plan(var, cap, where, [*features, sums, skip], fstate, jits, batch, rows)
+  waits = step_lib.waits_each_step(where.layout.mesh)
+  lines = [sums, skip, step_lib.describe_wait(waits)]
+  plan = make_plan(var, cap, where, [*features, *filter(None, lines)], fstate, jits, batch,
+                   rows)
   state_shardings = jits.pop("state_shardings")
   user = UserState(state_shardings=state_shardings, params_shape=var.params_shape,
                    state_shape=var.state_shape, optimizer=fns.optimizer, feature_state=fstate,
@@ -146,7 +150,7 @@ def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
   return Built(var.model, cap, where.layout, where.batch_plan, state_shardings, plan=plan,
                user_params=user_params, state_treedef=jax.tree.structure(state_shardings),
                first_step_checks=[f.after_first_step for f in features], user_state=user,
-               **jits)
+               waits_each_step=waits, **jits)
 
 
 def pipeline_plan(fns: UserFns, config, cluster, rng: jax.Array, batch: Any):

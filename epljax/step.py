@@ -137,6 +137,26 @@ def describe_skip(by_cond: bool) -> str:
   return "non-finite steps: skipped by a select fused into the update"
 
 
+WAIT_EACH_STEP = ("cpu",)   # platforms where the Trainer keeps two steps in flight at most
+
+
+def waits_each_step(mesh: jax.sharding.Mesh) -> bool:
+  """Whether ``Trainer.train_step`` waits for the previous step once it has queued the next.
+
+  XLA:CPU runs every device's part of a step on one shared thread pool: with many steps queued,
+  the parts of one collective can be starved out of its rendezvous, which XLA ends by aborting
+  the process after 40 s (seen with 200 queued steps of a hand-written ``jax.jit`` on 8
+  simulated devices and 2 cores). GPU and TPU steps queue freely.
+  """
+  return mesh.devices.flat[0].platform in WAIT_EACH_STEP and mesh.devices.size > 1
+
+
+def describe_wait(waits: bool) -> str | None:
+  """The plan's line on the host's pace, where it waits."""
+  return ("host: at most two steps in flight (XLA:CPU, whose collectives starve with many "
+          "queued; GPU/TPU: no wait)") if waits else None
+
+
 def apply_optimizer(optimizer: optax.GradientTransformation, by_cond: bool = False) -> UpdateFn:
   def apply(params, opt_state, grads):
     updates, new_opt_state = optimizer.update(grads, opt_state, params)

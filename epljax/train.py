@@ -112,6 +112,7 @@ class Trainer:
     # the next read.
     self._reading: tuple[Any, Any] | None = None
     self._unread = max_nonfinite_steps or 0
+    self._in_flight: jax.Array | None = None   # the last step's counter (XLA:CPU's wait)
     # _global_batch: the last batch's structure, shapes and dtypes, and its counts
     self._batch_shapes: tuple | None = None
     self._batch_counts: dict[str, int] = {}
@@ -144,6 +145,10 @@ class Trainer:
     batch, counts = self._global_batch(built, batch)
     state, metrics = built.step_jit(state, batch)
     self._returned = weakref.ref(state)
+    if built.waits_each_step:   # XLA:CPU: two steps in flight at most (step.waits_each_step)
+      if self._in_flight is not None:
+        self._in_flight.block_until_ready()
+      self._in_flight = metrics["step"]
     launch_worker.heartbeat()   # the launcher's --hang_timeout (throttled; one write at most)
     checks, built.first_step_checks = built.first_step_checks, []
     for check in checks:   # features that verify the first step (one host sync, once)
@@ -290,7 +295,7 @@ class Trainer:
     with constraints.explained():   # a model's constraints on its own mesh
       self._built = build(fns, self._config, self._cluster, rng, batch)
     self._reading, self._unread = None, self.max_nonfinite_steps or 0
-    self._batch_shapes, self._last_return = None, None
+    self._batch_shapes, self._last_return, self._in_flight = None, None, None
     self._returned = None
     _TRAINERS.add(self)
     return self._built
