@@ -400,13 +400,13 @@ class Steps:
 
 
 def steps_of(closed, num_params: int = 0, in_tree=None, out_tree=None, *,
-             enter: Callable[[jcore.JaxprEqn], bool] | None = None, start: int = 0) -> Steps:
+             enter: Callable[[jcore.JaxprEqn, range], bool] | None = None,
+             start: int = 0) -> Steps:
   """The flattened program of a (closed) jaxpr, e.g. the body of a loop; its inputs and
-  outputs are flat lists unless trees are given. The equations ``enter`` accepts (default:
-  plain calls, ``inlinable``) are entered, every other equation is one step; its capture
-  nodes are numbered from ``start``."""
-  enter = enter or inlinable
-  flat = walk(closed, lambda eqn, nodes: enter(eqn), start)
+  outputs are flat lists unless trees are given. The equations ``enter(eqn, nodes)`` accepts
+  (``walk``'s; default: plain calls, ``inlinable``) are entered, every other equation is one
+  step; its capture nodes are numbered from ``start``."""
+  flat = walk(closed, enter or (lambda eqn, nodes: inlinable(eqn)), start)
   steps = tuple(Step(i, v.eqn, tuple(map(_one, v.inputs)), v.outputs, v.name_stack, v.nodes)
                 for i, v in enumerate(flat.visits))
   outs = tuple(map(_one, flat.outputs))
@@ -416,7 +416,7 @@ def steps_of(closed, num_params: int = 0, in_tree=None, out_tree=None, *,
                tuple(v.aval for v in jaxpr.outvars), num_params, in_tree, out_tree, closed)
 
 
-def top_level(eqn: jcore.JaxprEqn) -> bool:
+def top_level(eqn: jcore.JaxprEqn, nodes: range) -> bool:
   """``steps_of``'s ``enter`` that enters nothing: a step per top-level equation."""
   return False
 
