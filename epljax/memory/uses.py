@@ -166,6 +166,7 @@ class _Run:
 
   def __call__(self):
     param_like = set(self.refs)       # parameters, and reshapes/casts of them
+    views: dict = {}                  # program key -> _View of one parameter
 
     def rule(step, raw):
       keys = [None if isinstance(a, jcore.Literal) else a for a in step.inputs]
@@ -174,6 +175,18 @@ class _Run:
       if step.primitive in amp_lib.SHAPE_ONLY and any(flags) and all(
           f or k is None for f, k in zip(flags, keys)):
         param_like.update(k for k in step.outputs if k is not None)
+        live = [(k, v) for k, v in zip(keys, raw) if k is not None]
+        if len(live) == 1 and len(step.outputs) == 1:
+          k, v = live[0]
+          base = views.get(k) or (_View(self.refs[k], v, ()) if k in self.refs else None)
+          if base is not None:
+            views[step.outputs[0]] = dataclasses.replace(base, steps=(*base.steps, step))
+      if step.primitive in amp_lib.LOW and len(raw) == 2 and any(flags):
+        seen = [None if d else views.get(k) for k, d in zip(keys, direct)]
+        if any(seen):   # a weight read through a transpose or reshape: used from its store
+          raw = [w.stored if w else v for w, v in zip(seen, raw)]
+          direct = [d or w is not None for d, w in zip(direct, seen)]
+          return in_context(step, self._matmul, step, raw, flags, direct, seen)
       bind = self._nested if _rewrites_inside(step, direct) else self._bind
       return in_context(step, bind, step, raw, flags, direct)
 
@@ -235,23 +248,33 @@ class _Run:
     return self.policy.low_params(step) if self.policy is not None and (
         step.primitive in amp_lib.LOW) else {}
 
-  def _matmul(self, step, raw, flags, direct):
+  def _matmul(self, step, raw, flags, direct, views=(None, None)):
     """One custom-VJP unit: the weight is placed (and cast) inside, kept raw as the residual
-    and placed again in the backward pass (``recompute.refetch``)."""
+    and placed again in the backward pass (``recompute.refetch``). A weight read through
+    shape-only steps (``views``: a kernel stored ``(out, in)`` and transposed) comes in as
+    stored, the steps replayed on its placed value."""
     policy, platform = self.policy, self.platform
     low = policy.low if policy is not None else None
     changes = self._low(step)
-    index = [self._ref(step, j) if direct[j] else None for j in range(2)]
+    index = [views[j].param if views[j] else self._ref(step, j) if direct[j] else None
+             for j in range(2)]
     spaces = [_memory_space(v) for v in raw]
-    scatter = [self._scatter_plan(step, raw, j) if direct[j] else None for j in range(2)]
+    scatter = [self._scatter_plan(step, raw, j) if direct[j] and not views[j] else None
+               for j in range(2)]
     if low is None and (not any(direct) or (not self.stream and self.zero is None)):
+      if any(views):   # nothing to place: the steps as traced
+        raw = [w.apply(v) if w else v for w, v in zip(views, raw)]
       return bind_here(step.eqn, raw)
 
     def cast(x):
       return amp_lib.cast(x, low) if low is not None else x
 
+    def placed(j, v):
+      v = self._place(index[j], v)
+      return views[j].apply(v) if views[j] else v
+
     def value(j, v):
-      return cast(self._place(index[j], v) if direct[j] else v)
+      return cast(placed(j, v) if direct[j] else v)
 
     def forward(a, b):
       return bind_here(step.eqn, [value(0, a), value(1, b)], **changes)[0]
@@ -268,6 +291,11 @@ class _Run:
       res = refetch(res, ct, platform=platform)
       ops = [value(j, r) if flags[j] else r for j, r in enumerate(res)]
       grads = _pullback(step, ops, changes)(ct)
+      for j in range(2):   # back through a view's steps, to the stored layout
+        if views[j]:
+          at = self._place(index[j], res[j])
+          grads[j] = jax.vjp(views[j].apply, at)[1](
+              amp_lib.cast(grads[j], views[j].apply(at).dtype))[0]
       for j in range(2):
         if scatter[j] is not None:
           grads[j] = self._reduce_scattered(step, ops, ct, j, scatter[j])
@@ -307,6 +335,21 @@ class _Run:
                          in_specs=(spec_for(other.ndim, d, DATA), spec_for(ct.ndim, out_pos, DATA),
                                    P()),
                          out_specs=spec_for(w.ndim, dim, DATA), check_vma=False)(other, ct, w)
+
+
+@dataclasses.dataclass(frozen=True)
+class _View:
+  """A value made from one parameter by shape-only steps (transpose, reshape, cast)."""
+  param: _Param
+  stored: Any             # the parameter's value as this program reads it
+  steps: tuple = ()
+
+  def apply(self, value):
+    """The steps, replayed on ``value`` (the parameter, placed)."""
+    for step in self.steps:
+      value = bind_here(step.eqn, [value if not isinstance(a, jcore.Literal) else a.val
+                                   for a in step.inputs])[0]
+    return value
 
 
 def _pullback(step, operands, changes):
