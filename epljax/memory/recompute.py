@@ -7,8 +7,9 @@ recomputed before it is needed. ``jax.checkpoint`` separates the recomputation w
 optimization barriers, which the XLA:CPU pipeline expands before CSE merges the recomputation
 back into the forward pass (``bench/memory.py --zoo``, GPT-2 blocks by hand with nn.remat:
 1.00x less temp on jax 0.10, 1.80x on jax 0.11; this path 2.5x on both). On CPU the tie is a
-select on one element of a cotangent, which XLA cannot fold (one scalar read per block);
-elsewhere an optimization barrier over (inputs, cotangents).
+select on one element of a cotangent, which XLA cannot fold (one scalar read per block: with
+the cotangent split over ``data``, a scalar all-reduce per block, on CPU only); elsewhere an
+optimization barrier over (inputs, cotangents).
 """
 
 from __future__ import annotations
