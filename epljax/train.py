@@ -141,6 +141,9 @@ class Trainer:
       self._env_seen = env_lib.kept_config(self._config)
     if self._returned is None or self._returned() is not state:   # (else: checked as made)
       self._check_state(built, state)
+      # Another lineage (init, a restored or an older state): its own non-finite run, read
+      # after this step.
+      self._reading, self._unread = None, 1
     self._returned = None   # donated below
     batch, counts = self._global_batch(built, batch)
     state, metrics = built.step_jit(state, batch)
@@ -253,11 +256,12 @@ class Trainer:
     limit = self.max_nonfinite_steps
     if self._reading is not None:
       run, read_step = self._reading
-      self._reading, self._unread = None, limit - int(run)
+      run = int(run)
+      self._reading, self._unread = None, limit - run
       if self._unread <= 0:
         self._unread = limit
         raise NonFiniteError(
-            f"Step {int(read_step)} is the {limit}th step in a row whose loss or gradients are "
+            f"Step {int(read_step)} is the {run}th step in a row whose loss or gradients are "
             f"not finite (Trainer(max_nonfinite_steps={limit})); none of them was applied. Look "
             "for NaN/Inf in the input batches, lower the learning rate, or resume from a "
             "checkpoint; with communication.fp16, lower communication.fp16_scale.")

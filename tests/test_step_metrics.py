@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -141,10 +142,16 @@ def test_training_stops_after_max_nonfinite_steps_in_a_row():
   for batch in (nan_batch(), classification_batch(32), nan_batch(), nan_batch(), nan_batch()):
     state, metrics = trainer.train_step(state, batch)
     runs.append(int(state.feature_state["nonfinite_run"]))
+    if len(runs) == 4:
+      kept = jax.tree.map(jnp.copy, state)   # run 2, after step 4
   assert runs == [1, 0, 1, 2, 3]
   # The run is read one call late (the host never waits for the device).
   with pytest.raises(epl.NonFiniteError, match=r"Step 5 is the 3th step in a row .* not "
                      r"finite \(Trainer\(max_nonfinite_steps=3\)\)"):
+    trainer.train_step(state, classification_batch(32))
+  # A state the trainer did not just return brings its own run, read after its first step.
+  state, _ = trainer.train_step(kept, nan_batch())
+  with pytest.raises(epl.NonFiniteError, match=r"Step 5 is the 3th step in a row"):
     trainer.train_step(state, classification_batch(32))
 
 
