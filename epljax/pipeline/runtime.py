@@ -253,7 +253,7 @@ def _backward_branch(branch: Branch, sizes: Buffers):
     pull_leaves = [value if kind == "static" else source[kind][value]
                    for kind, value in branch.residuals.kinds]
     pull = jax.tree.unflatten(branch.residuals.treedef, pull_leaves)
-    g_outs = branch.outgoing.unpack_cotangents(grad_out)
+    g_outs = branch.outgoing.unpack(grad_out)
     g_params, g_acts = pull((tuple(g_outs), seed.astype(branch.loss_dtype)))
     return (branch.params.pack(branch.stage.leaf_gradients(g_params), sizes.params),
             branch.incoming.pack(g_acts, sizes.grad_payload, skip_missing=True))
