@@ -50,7 +50,7 @@ from epljax.errors import PlanError
 from epljax.mesh import STAGE
 from epljax.pipeline import packing, slots
 from epljax.pipeline.partition import Stage, same_consts
-from epljax.pipeline.schedules import IDLE, Schedule
+from epljax.pipeline.schedules import Schedule
 
 StageFn = Callable[[Sequence[Any], Sequence[Any], Sequence[Any]], tuple[Any, Any, Any]]
 
@@ -420,14 +420,8 @@ def branch_flops(loop: Loop, aux_avals, batch_avals) -> list[tuple[float, float]
 def tick_flops(costs: Sequence[tuple[float, float]], branch_of: Sequence[int],
                schedule: Schedule) -> np.ndarray:
   """``(ticks, stages)``: the FLOPs each stage runs at each tick, every busy slot running its
-  chunk's branch (``costs``: ``branch_flops``; chunk c runs on stage c % S as its chunk
-  c // S). Their sum is what one replica executes."""
-  stages = schedule.num_stages
-  out = np.zeros(schedule.forward.shape)
-  for c in range(schedule.num_chunks):
-    s, j = c % stages, c // stages
-    fwd, bwd = costs[branch_of[c]]
-    out[:, s] += (((schedule.forward[:, s] != IDLE) & (schedule.forward_chunk[:, s] == j)) * fwd
-                  + ((schedule.backward[:, s] != IDLE) & (schedule.backward_chunk[:, s] == j))
-                  * bwd)
-  return out
+  chunk's branch (``costs``: ``branch_flops``; the loop's switch branches, ``tick_tables``).
+  Their sum is what one replica executes."""
+  fwd, bwd = (np.array([*c, 0.0]) for c in zip(*costs))   # the idle branch runs nothing
+  tables = tick_tables(schedule, branch_of, idle=len(costs))
+  return fwd[tables[..., 0]] + bwd[tables[..., 4]]
