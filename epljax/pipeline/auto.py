@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
+from itertools import accumulate
 
 from epljax.errors import PlanError
 from epljax.pipeline import chunks
@@ -53,7 +54,7 @@ def auto_stage_cuts(capture: Capture, num_stages: int, not_split: str | None = N
   node_costs = [node_flops(n) for n in nodes]
   first_bytes = _first_use_bytes(capture, num_stages)
   _warn_opaque_giants(capture, num_stages, not_split, unit)
-  flops, params = _prefix(node_costs), _prefix(first_bytes)
+  flops, params = (list(accumulate(v, initial=0.0)) for v in (node_costs, first_bytes))
   legal = _legal_cuts(capture, flops, flops[-1] / num_stages, num_stages)
 
   def distance(c: int, k: int) -> float:
@@ -160,13 +161,6 @@ def _warn_opaque_giants(capture: Capture, num_stages: int, not_split: str | None
           + ". Otherwise write the layers as a Python loop, or cut the stages with "
           "`epl.replicate(..., name=...)` scopes.",
           StageBalanceWarning, stacklevel=4)
-
-
-def _prefix(values: Sequence[float]) -> list[float]:
-  out = [0.0]
-  for v in values:
-    out.append(out[-1] + v)
-  return out
 
 
 def _first_use_bytes(capture: Capture, num_stages: int) -> list[float]:

@@ -130,12 +130,13 @@ class Pipeline:
             for k, v in stacked.items()}
 
   def unpack_state(self, stacked: dict[str, jax.Array], model_state: Any) -> Any:
-    """New state slots -> the model state tree; a leaf no stage keeps stays as it was."""
+    """New state slots -> the model state tree (each leaf kept by one stage,
+    ``partition.cut_stages``); a leaf no stage keeps stays as it was."""
     if not self.state_avals:
       return model_state
     old = jax.tree.leaves(model_state)
     new = slots.unstack(stacked, [s.state for s in self.stages], self.state_layouts,
-                        [slots.data_aval(a) for a in self.state_avals], total=False,
+                        [slots.data_aval(a) for a in self.state_avals],
                         missing=[slots.as_data(x) for x in old])
     new = [slots.as_key(x, a) for x, a in zip(new, self.state_avals)]
     return jax.tree.unflatten(jax.tree.structure(model_state), new)

@@ -82,12 +82,9 @@ class Layout:
       parts[entry.dtype].append(jnp.ravel(v).astype(entry.dtype))
     return {name: fill(parts[name], size, name) for name, size in padded.items()}
 
-  def unpack(self, buffers: Mapping[str, jax.Array]) -> list[jax.Array]:
-    return [jax.lax.slice(buffers[e.dtype], (e.offset,), (e.offset + e.size,)).reshape(e.shape)
-            for e in self.entries]
-
-  def unpack_cotangents(self, buffers: Mapping[str, jax.Array]) -> list[Any]:
-    """Like ``unpack``; values of a dtype without a buffer get ``float0`` zeros."""
+  def unpack(self, buffers: Mapping[str, jax.Array]) -> list[Any]:
+    """Buffers -> values; values of a dtype without a buffer (the integer activations of a
+    gradient payload, ``skip_missing``) get ``float0`` zeros, their cotangents."""
     return [jax.lax.slice(buffers[e.dtype], (e.offset,), (e.offset + e.size,)).reshape(e.shape)
             if e.dtype in buffers else np.zeros(e.shape, jax.dtypes.float0)
             for e in self.entries]

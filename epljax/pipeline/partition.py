@@ -382,22 +382,15 @@ class _Cutter:
         consts.append(k.value)
       return var[k]
 
-    order = []
-    for i in member:
-      for k in self.items[i].inputs:
-        if isinstance(k, _Key) and k.kind == "param" and k.index not in order:
-          order.append(k.index)
-    if last:
-      order += [k.index for k in self.outputs
-                if isinstance(k, _Key) and k.kind == "param" and k.index not in order]
-    read = self.read_params
+    reads = [k for i in member for k in self.items[i].inputs if isinstance(k, _Key)]
+    reads += [k for k in self.outputs if isinstance(k, _Key)] if last else []
+    order = list(dict.fromkeys(k.index for k in reads
+                               if k.kind == "param" and k.index < self.num_params))
     # A parameter no stage reads is held (with a zero gradient) by the stage of its task graph.
     order += [i for i in range(self.num_params)
-              if i not in read and self.param_stage[i] == s and i not in order]
+              if i not in self.read_params and self.param_stage[i] == s]
     state = [j for j in range(self.num_state) if self.state_owner(j) == s]
-    order = [i for i in order if i < self.num_params]
-    reads = [k for i in member for k in self.items[i].inputs] + (self.outputs if last else [])
-    parts = list(dict.fromkeys(k for k in reads if isinstance(k, _Key) and k.kind == "part"))
+    parts = list(dict.fromkeys(k for k in reads if k.kind == "part"))
     incoming = boundary[s - 1] if s > 0 else []
     invars = [new(self.inputs[i]) for i in order] + [new(k) for k in parts]
     invars += [new(self.inputs[self.num_params + j]) for j in state]

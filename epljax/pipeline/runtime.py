@@ -50,7 +50,7 @@ from epljax.errors import PlanError
 from epljax.mesh import STAGE
 from epljax.pipeline import packing, slots
 from epljax.pipeline.partition import Stage, same_consts
-from epljax.pipeline.schedules import IDLE, Schedule
+from epljax.pipeline.schedules import Schedule
 
 StageFn = Callable[[Sequence[Any], Sequence[Any], Sequence[Any]], tuple[Any, Any, Any]]
 
@@ -81,7 +81,7 @@ class Branch:
     self.residuals: _Residuals | None = None
     self.loss_dtype: Any = jnp.float32   # of the (feature-wrapped) stage's loss output
     # The trial trace's program (params, acts, batch, state) -> (outs, loss, aux, stash, new
-    # state) and its output tree, replayed by the step's forward; None: traced there anew.
+    # state) and its output tree, replayed by the step's forward (``trace``).
     self.forward: tuple[jcore.ClosedJaxpr, Any] | None = None
 
   # -- forward: outputs and pullback -------------------------------------------------------
@@ -113,10 +113,11 @@ class Branch:
         stash.append(leaf)
     return treedef, tuple(kinds), stash
 
-  def trace_residuals(self, param_avals, batch_avals) -> None:
-    """A trial trace: which pullback leaves must be stashed, and their shapes. Where the
-    trace can be replayed as it is (a stage without collectives of its own), it is kept as
-    the forward's program (``forward``), so the step does not trace the ``jax.vjp`` again."""
+  def trace(self, param_avals, batch_avals) -> tuple[tuple, list]:
+    """The stage's one trace (a trial ``jax.vjp``): which pullback leaves must be stashed, and
+    their shapes; its program is the forward the step replays (``forward``). Returns the
+    branch's signature, equal for stages that compute the same thing on buffers laid out the
+    same way, and the program's constants."""
     found = {}
 
     def trial(params, acts, batch, state):
@@ -124,13 +125,14 @@ class Branch:
       found["treedef"], found["kinds"], stash = self.split(pull, params, acts, batch)
       return outs, loss, aux, stash, new_state
 
-    args = self._abstract_args(param_avals, batch_avals)
-    if self.stage.averaged:
-      _, loss, _, stash, _ = jax.eval_shape(self._bound(trial), *args)
-    else:
-      closed, shapes = jax.make_jaxpr(trial, return_shape=True)(*args)
-      _, loss, _, stash, _ = shapes
-      self.forward = (closed, jax.tree.structure(shapes))
+    # The loop's axes are bound as there (a stage averaging its batch statistics, ``stats.py``,
+    # reduces over them), so the program replays inside the loop as it is.
+    mesh, manual = self.loop
+    closed, shapes = jax.make_jaxpr(trial, axis_env=[(a, mesh.shape[a]) for a in sorted(manual)],
+                                    return_shape=True)(
+        *self._abstract_args(param_avals, batch_avals))
+    _, loss, _, stash, _ = shapes
+    self.forward = (closed, jax.tree.structure(shapes))
     for leaf in stash:
       if not jnp.issubdtype(leaf.dtype, np.number) and leaf.dtype != np.bool_:
         raise PlanError(f"Stage '{self.stage.name}' keeps a value of dtype {leaf.dtype} for its "
@@ -138,6 +140,8 @@ class Branch:
                         "only. Pass PRNG keys as raw key data (jax.random.key_data).")
     self.loss_dtype = loss.dtype
     self.residuals = _Residuals(found["treedef"], found["kinds"], packing.Layout.of(stash))
+    return (str(closed), self.params, self.incoming, self.outgoing, self.stage.last,
+            self.state), closed.consts
 
   def _abstract_args(self, param_avals, batch_avals):
     sds = lambda a, *lead: jax.ShapeDtypeStruct((*lead, *a.shape), a.dtype)  # noqa: E731
@@ -148,9 +152,8 @@ class Branch:
             [sds(a) for a in self.state_avals])
 
   def _bound(self, fn):
-    """``fn`` for a trial trace outside the loop. A stage averaging its batch statistics
-    (``stats.py``) is traced in a ``shard_map`` manual over the loop's axes, as in the loop:
-    that binds the axis names, and the pullback's static parts are those the loop reuses."""
+    """``fn`` compiled alone (``branch_flops``): a stage averaging its batch statistics
+    (``stats.py``) in a ``shard_map`` manual over the loop's axes, as in the loop."""
     if not self.stage.averaged:
       return fn
     mesh, manual = self.loop
@@ -160,14 +163,6 @@ class Branch:
   @property
   def needs_inputs(self) -> bool:
     return any(kind == "act" for kind, _ in self.residuals.kinds)
-
-  def signature(self, param_avals, batch_avals) -> tuple:
-    """Equal for stages that compute the same thing on buffers laid out the same way."""
-    closed = jax.make_jaxpr(self._bound(
-        lambda p, a, b, st: self.fn(p, a, b, tuple(st))))(
-            *self._abstract_args(param_avals, batch_avals))
-    return (str(closed), self.params, self.incoming, self.outgoing, self.stage.last,
-            self.state), closed.consts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,12 +201,11 @@ def make_loop(stages: Sequence[Stage], fns: Sequence[StageFn], param_avals, batc
   branch_of = []
   for stage, fn, layout, state in zip(stages, fns, param_layouts, state_layouts, strict=True):
     branch = Branch(stage, fn, layout, state_avals, state, loop)
-    sig, consts = branch.signature(param_avals, batch_avals)
+    sig, consts = branch.trace(param_avals, batch_avals)
     match = [i for i, (s, c) in enumerate(seen) if s == sig and same_consts(c, consts)]
     if match:
       branch_of.append(match[0])
       continue
-    branch.trace_residuals(param_avals, batch_avals)
     branches.append(branch)
     seen.append((sig, consts))
     branch_of.append(len(branches) - 1)
@@ -233,25 +227,16 @@ def _forward_branch(branch: Branch, sizes: Buffers, aux_avals):
     leaves = branch.stage.with_stacks(branch.params.unpack(params))
     acts = branch.incoming.unpack(incoming)
     old = [slots.as_key(x, a) for x, a in zip(branch.state.unpack(state), branch.state_avals)]
-    expected = branch.residuals
-    if branch.forward is not None:   # the trial trace's program, replayed
-      closed, tree = branch.forward
-      args = jax.tree.leaves((leaves, acts, batch, old))
-      if [(a.shape, a.dtype) for a in args] != [(v.shape, v.dtype) for v in closed.in_avals]:
-        raise AssertionError(f"stage '{branch.stage.name}' replays its forward on other inputs")
-      flat = jcore.jaxpr_as_fun(closed)(*args)
-      outs, loss, aux, stash, new_state = jax.tree.unflatten(tree, flat)
-    else:
-      outs, loss, aux, pull, new_state = branch.pullback(leaves, acts, batch, old)
-      treedef, kinds, stash = branch.split(pull, leaves, acts, batch)
-      if [k for k, _ in kinds] != [k for k, _ in expected.kinds] or treedef.num_leaves != \
-          expected.treedef.num_leaves:   # internal invariant: same function, same residuals
-        raise AssertionError(f"stage '{branch.stage.name}' traced to different residuals")
+    closed, tree = branch.forward   # the trial trace's program, replayed
+    args = jax.tree.leaves((leaves, acts, batch, old))
+    if [(a.shape, a.dtype) for a in args] != [(v.shape, v.dtype) for v in closed.in_avals]:
+      raise AssertionError(f"stage '{branch.stage.name}' replays its forward on other inputs")
+    outs, loss, aux, stash, new_state = jax.tree.unflatten(tree, jcore.jaxpr_as_fun(closed)(*args))
     state = {**state, **dict(zip(branch.state.keys, map(slots.as_data, new_state)))}
     if not branch.stage.last:
       aux = [jnp.zeros(a.shape, a.dtype) for a in aux_avals]
     return (branch.outgoing.pack(outs, sizes.payload), loss.astype(jnp.float32), list(aux),
-            expected.layout.pack(stash, sizes.residuals), state)
+            branch.residuals.layout.pack(stash, sizes.residuals), state)
 
   return run
 
@@ -268,7 +253,7 @@ def _backward_branch(branch: Branch, sizes: Buffers):
     pull_leaves = [value if kind == "static" else source[kind][value]
                    for kind, value in branch.residuals.kinds]
     pull = jax.tree.unflatten(branch.residuals.treedef, pull_leaves)
-    g_outs = branch.outgoing.unpack_cotangents(grad_out)
+    g_outs = branch.outgoing.unpack(grad_out)
     g_params, g_acts = pull((tuple(g_outs), seed.astype(branch.loss_dtype)))
     return (branch.params.pack(branch.stage.leaf_gradients(g_params), sizes.params),
             branch.incoming.pack(g_acts, sizes.grad_payload, skip_missing=True))
@@ -435,14 +420,8 @@ def branch_flops(loop: Loop, aux_avals, batch_avals) -> list[tuple[float, float]
 def tick_flops(costs: Sequence[tuple[float, float]], branch_of: Sequence[int],
                schedule: Schedule) -> np.ndarray:
   """``(ticks, stages)``: the FLOPs each stage runs at each tick, every busy slot running its
-  chunk's branch (``costs``: ``branch_flops``; chunk c runs on stage c % S as its chunk
-  c // S). Their sum is what one replica executes."""
-  stages = schedule.num_stages
-  out = np.zeros(schedule.forward.shape)
-  for c in range(schedule.num_chunks):
-    s, j = c % stages, c // stages
-    fwd, bwd = costs[branch_of[c]]
-    out[:, s] += (((schedule.forward[:, s] != IDLE) & (schedule.forward_chunk[:, s] == j)) * fwd
-                  + ((schedule.backward[:, s] != IDLE) & (schedule.backward_chunk[:, s] == j))
-                  * bwd)
-  return out
+  chunk's branch (``costs``: ``branch_flops``; the loop's switch branches, ``tick_tables``).
+  Their sum is what one replica executes."""
+  fwd, bwd = (np.array([*c, 0.0]) for c in zip(*costs))   # the idle branch runs nothing
+  tables = tick_tables(schedule, branch_of, idle=len(costs))
+  return fwd[tables[..., 0]] + bwd[tables[..., 4]]

@@ -103,8 +103,9 @@ class Schedule:
 
   @property
   def kept_per_stage(self) -> list[int]:
-    """The most micro batch chunks each stage keeps for their backward at any one time."""
-    return [int(_peak_live(self.forward[:, s], self.backward[:, s]))
+    """The most micro batch chunks each stage keeps for their backward at any one time: the
+    stash slots it uses (a forward takes the lowest free one, ``_assign_slots``)."""
+    return [int(self.forward_slot[:, s].max(initial=0, where=self.forward[:, s] != IDLE)) + 1
             for s in range(self.num_stages)]
 
   def describe(self) -> str:
@@ -195,15 +196,6 @@ def _assign_slots(forward: np.ndarray, backward: np.ndarray, f_chunk: np.ndarray
         b_slot[t, s] = slot
         free.append(slot)
   return f_slot, b_slot, most
-
-
-def _peak_live(forward_col: np.ndarray, backward_col: np.ndarray) -> int:
-  live = peak = 0
-  for f, b in zip(forward_col, backward_col):
-    live += f != IDLE
-    peak = max(peak, live)
-    live -= b != IDLE
-  return peak
 
 
 def check_schedule(schedule: Schedule) -> None:

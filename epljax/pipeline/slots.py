@@ -72,7 +72,7 @@ class SlotStore(ParamStore):
             for k, v in {**stack(leaves, self.members, self.leaf_slots), **parts}.items()}
 
   def _gradients(self, packed: Mapping[str, jax.Array]) -> list[Any]:
-    return unstack(packed, self.members, self.leaf_slots, self.avals, total=True)
+    return unstack(packed, self.members, self.leaf_slots, self.avals)
 
   def stash(self, layouts: list[Any]) -> tuple[list[SlotLayout], dict[str, SlotType]]:
     """Whole residuals in slots, which keep GSPMD's ``model`` split (a packed buffer would
@@ -115,19 +115,15 @@ def stack(leaves: Sequence[Any], members: Sequence[Sequence[int]],
 
 
 def unstack(stacked: Mapping[str, jax.Array], members: Sequence[Sequence[int]],
-            layouts: Sequence[SlotLayout], avals: Sequence[Any], *, total: bool,
+            layouts: Sequence[SlotLayout], avals: Sequence[Any],
             missing: Sequence[Any] | None = None) -> list[Any]:
   """``{slot: (S, *shape)}`` -> the user's leaves: a leaf held by several stages gets the sum
-  of its rows (``total``, the transpose of ``stack``) or the first; one no stage holds, zeros
-  (or its value in ``missing``)."""
+  of its rows (the transpose of ``stack``); one no stage holds, zeros (or its value in
+  ``missing``)."""
   leaves: list[Any] = [None] * len(avals)
   for s, (idx, layout) in enumerate(zip(members, layouts)):
     for i, k in zip(idx, layout.keys):
-      value = stacked[k][s]
-      if leaves[i] is None:
-        leaves[i] = value
-      elif total:
-        leaves[i] = leaves[i] + value
+      leaves[i] = stacked[k][s] if leaves[i] is None else leaves[i] + stacked[k][s]
   missing = missing or [jnp.zeros(a.shape, a.dtype) for a in avals]
   return [m if x is None else x.astype(a.dtype) for x, a, m in zip(leaves, avals, missing)]
 

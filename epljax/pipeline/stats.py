@@ -26,7 +26,7 @@ needs nothing. These checks run for pipelines with model state and several repli
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 from jax.extend import core as jcore
@@ -73,7 +73,8 @@ class _StageCheck:
     self.taint = {program.invars[n_p + n_s + k]: why for k, why in in_taint.items()}
     outs = program.outputs
     state_out = outs[len(outs) - n_s:] if n_s else ()
-    reach = _producers(program, [b for bases in state_out for b in bases])
+    reach = {n.index for n in _reached([program.producer[b] for bases in state_out for b in bases
+                                        if b in program.producer], program.node_producers)}
     # Averaged where the stage's evaluation reaches them: at its top level or in scan bodies.
     averaged = {n.index for n in program.nodes if all(e == "scan" for e in n.enclosing)
                 and self._over_rows(n) and _is_mean(program, n)
@@ -96,16 +97,8 @@ class _StageCheck:
 
   def _meets_rows(self, node: Node) -> bool:
     """Whether ``node``'s result is combined with the rows again (a normalization by it)."""
-    seen, todo = set(), list(node.eqn.outvars)
-    while todo:
-      for reader, _ in self.program.consumers.get(todo.pop(), ()):
-        if reader.index in seen:
-          continue
-        seen.add(reader.index)
-        if any(self.dims.split_dim(reader, p) is not None for p in range(len(reader.inputs))):
-          return True
-        todo.extend(reader.eqn.outvars)
-    return False
+    readers = _reached(self.program.node_consumers(node), self.program.node_consumers)
+    return any(self.dims.split_dim(r, p) is not None for r in readers for p in range(len(r.inputs)))
 
   def _over_rows(self, node: Node) -> bool:
     dim = self.dims.split_dim(node, 0)
@@ -195,16 +188,16 @@ class _StageCheck:
         from_state.update(node.eqn.outvars)
 
 
-def _producers(program: Program, bases) -> set[int]:
-  """The nodes (indices) the values ``bases`` are computed from."""
-  seen: set[int] = set()
-  todo = [program.producer[b] for b in bases if b in program.producer]
+def _reached(start: Iterable[Node], step: Callable[[Node], Iterable[Node]]) -> Iterator[Node]:
+  """The nodes ``start`` and those reached from them by ``step`` (``Program.node_producers``,
+  ``node_consumers``), each once."""
+  seen, todo = set(), list(start)
   while todo:
     node = todo.pop()
     if node.index not in seen:
       seen.add(node.index)
-      todo.extend(program.node_producers(node))
-  return seen
+      yield node
+      todo.extend(step(node))
 
 
 def _is_mean(program: Program, node: Node) -> bool:

@@ -206,22 +206,15 @@ def exchange_layouts(members: Sequence[Sequence[int]], avals: Sequence[Any],
                      part_types: tuple[tuple[str, SlotType], ...]) -> list[ExchangeLayout]:
   """Per stage (its leaf indices ``members``): where each of its leaves' pieces sit; ``dims``:
   per leaf, the dimension its storage splits over ``stage`` (None: not split)."""
-  offsets = []
-  used: dict[str, int] = {}
-  for member in members:
-    entries, at = [], {}
-    for i in member:
-      a, d = avals[i], dims[i]
-      name = packing.dtype_name(a.dtype)
-      size = math.prod(a.shape) // stages if d is not None else -(-math.prod(a.shape) // stages)
-      entries.append((name, tuple(a.shape), d, at.get(name, 0), size))
-      at[name] = at.get(name, 0) + size
-    offsets.append(entries)
-    for name, n in at.items():
-      used[name] = max(used.get(name, 0), n)
-  slots = tuple(sorted(used.items()))
-  return [ExchangeLayout(tuple(Piece(*e) for e in entries), stages, slots, tuple(keys), part_types)
-          for entries, keys in zip(offsets, part_keys)]
+  # A stage's pieces (one per leaf) side by side in each dtype's slot, the largest stage's size.
+  flat = [packing.Layout.of([jax.ShapeDtypeStruct((-(-math.prod(avals[i].shape) // stages),),
+                                                  avals[i].dtype) for i in member])
+          for member in members]
+  slots = tuple(packing.padded_sizes(flat).items())
+  return [ExchangeLayout(tuple(Piece(e.dtype, tuple(avals[i].shape), dims[i], e.offset, e.size)
+                               for i, e in zip(member, layout.entries)),
+                         stages, slots, tuple(keys), part_types)
+          for member, layout, keys in zip(members, flat, part_keys)]
 
 
 def exchange(leaves: Sequence[Any], rows: Sequence[ExchangeLayout],
