@@ -29,6 +29,15 @@ def assert_trees_close(actual, expected, tol=TOL):
         path_leaf[0]), **tol)
 
 
+def momentum_grads(trainer, state):
+  """The gradient of the step that made ``state``, read from SGD-with-momentum's trace (after
+  the first step it is that step's gradient exactly: ``g + 0.9 * 0``), in the user's structure
+  and order: the gradients are checked without compiling ``trainer.loss_and_grads`` as well (a
+  second program as large as the step). Read it before the next step donates ``state``."""
+  opt_state = trainer._require().to_user(state)["opt_state"]
+  return meta.unbox(optax.tree_utils.tree_get(opt_state, "trace"))
+
+
 def classification_batch(rows: int, features: int = 20, classes: int = 10, seed: int = 0):
   rng = np.random.default_rng(seed)
   return {"x": rng.normal(size=(rows, features)).astype(np.float32),
