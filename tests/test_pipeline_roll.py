@@ -86,7 +86,9 @@ def test_shared_weights_are_closed_over_not_stacked():
 
 def _step_text(stages, layers, **config):
   """(trainer, compiled step text) of ``Stack(stages, layers)`` trained against the reference;
-  built once per module (the tests only read them): the tests below share 2 of the 8."""
+  built once (the tests only read them): the tests below ask for 8, 5 of them distinct
+  (``pipeline.roll_layers`` is on by default)."""
+  config = {"pipeline.roll_layers": True, **config}
   return _step_text_of(stages, layers, tuple(sorted(config.items())))
 
 
