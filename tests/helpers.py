@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -27,6 +28,29 @@ def assert_trees_close(actual, expected, tol=TOL):
                              e_leaves):
     np.testing.assert_allclose(np.asarray(a), np.asarray(e), err_msg=jax.tree_util.keystr(
         path_leaf[0]), **tol)
+
+
+def momentum_grads(trainer, state):
+  """The gradient of the step that made ``state``, read from SGD-with-momentum's trace (after
+  the first step it is that step's gradient exactly: ``g + 0.9 * 0``), in the user's structure
+  and order: the gradients are checked without compiling ``trainer.loss_and_grads`` as well (a
+  second program as large as the step). Read it before the next step donates ``state``."""
+  opt_state = trainer._require().to_user(state)["opt_state"]
+  return meta.unbox(optax.tree_utils.tree_get(opt_state, "trace"))
+
+
+def zoo_split(zoo, batch, devices, optimizer):
+  """(trainer, state) of zoo model ``zoo`` split over ``devices`` by its one annotate rule:
+  ``bench/comm.py``'s ``zoo_split`` with the optimizer given (SGD with momentum, whose trace
+  gives the first step's gradient: ``momentum_grads``)."""
+  epl.init()
+  epl.annotate(zoo.annotate_rules(devices))
+  trainer = epl.Trainer(zoo.init_fn, zoo.loss_fn, optimizer)
+  rules = (nn.logical_axis_rules(zoo.logical_rules) if zoo.logical_rules
+           else contextlib.nullcontext())
+  with rules:
+    state = trainer.init(jax.random.key(0), batch)
+  return trainer, state
 
 
 def classification_batch(rows: int, features: int = 20, classes: int = 10, seed: int = 0):

@@ -7,7 +7,7 @@ import pytest
 
 import epljax as epl
 from epljax import hlo
-from helpers import MLP, classification_batch, linen_fns, reference_run
+from helpers import MLP, classification_batch, linen_fns, momentum_grads, reference_run
 from memory_models import deep_reference, deep_run
 from test_memory_amp import LOSS_RTOL, assert_close_in_bf16
 
@@ -22,11 +22,12 @@ def train(config, init_fn, loss_fn, batch, steps=2):
   epl.init(config)
   trainer = epl.Trainer(init_fn, loss_fn, optimizer())
   state = trainer.init(jax.random.key(0), batch)
-  grads = trainer.loss_and_grads(state, batch)
   losses = []
-  for _ in range(steps):
+  for step in range(steps):
     state, metrics = trainer.train_step(state, batch)
     losses.append(metrics["loss"])
+    if step == 0:   # (loss, gradient) of the first step, from SGD's momentum trace
+      grads = metrics["loss"], jax.device_get(momentum_grads(trainer, state))
   return trainer, state, grads, losses
 
 

@@ -15,7 +15,7 @@ import epljax as epl
 from epljax.errors import PlanError
 from epljax.memory import blocks
 from epljax.sharding.program import trace_steps
-from helpers import TOL, assert_trees_close, classification_batch, reference_run
+from helpers import TOL, assert_trees_close, classification_batch, momentum_grads, reference_run
 from helpers import linen_fns as linen_fns_of
 from pipeline_helpers import Stack
 from memory_models import (Deep, TaggedDeep, TwoGraphs, deep_batch, deep_fns, deep_optimizer,
@@ -105,9 +105,12 @@ def test_dropout_keeps_its_mask():
   """Random bits are recomputed from their key: the same mask, so the same gradients."""
   init_fn, loss_fn = deep_fns(Deep(depth=2, dropout=0.3), dropout_key=7)
   batch = classification_batch(64, features=32, classes=16)
-  history, expected = reference_run(init_fn, loss_fn, optax.sgd(0.1), jax.random.key(0),
+  history, expected = reference_run(init_fn, loss_fn, deep_optimizer(), jax.random.key(0),
                                     batch, 1)
-  run = train({"gradient_checkpoint.type": "auto"}, init_fn, loss_fn, batch, grads=True)
+  trainer, state, _, losses = train({"gradient_checkpoint.type": "auto"}, init_fn, loss_fn,
+                                    batch, optimizer=deep_optimizer())
+  # The step's gradient: SGD's momentum trace after one step (no loss_and_grads compile).
+  run = trainer, state, (losses[0], momentum_grads(trainer, state)), losses
   check_reference(run, history, expected)
 
 

@@ -1,6 +1,8 @@
 """A stage's repeated layers as one scan (``pipeline/roll.py``) and the parameter exchange
 (``pipeline/storage.py``): the compiled pipeline does not grow with depth, and stays exact."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -83,7 +85,16 @@ def test_shared_weights_are_closed_over_not_stacked():
 
 
 def _step_text(stages, layers, **config):
-  epl.init({"pipeline.num_micro_batch": 4, **config})
+  """(trainer, compiled step text) of ``Stack(stages, layers)`` trained against the reference;
+  built once (the tests only read them): the tests below ask for 8, 5 of them distinct
+  (``pipeline.roll_layers`` is on by default)."""
+  config = {"pipeline.roll_layers": True, **config}
+  return _step_text_of(stages, layers, tuple(sorted(config.items())))
+
+
+@functools.cache
+def _step_text_of(stages, layers, config):
+  epl.init({"pipeline.num_micro_batch": 4, **dict(config)})
   batch = classification_batch(32)
   model = Stack(stages=stages, layers=layers, width=16)
   if stages == 1:   # no pipeline: the same model trained data-parallel

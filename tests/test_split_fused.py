@@ -18,7 +18,7 @@ from flax.core import meta
 import epljax as epl
 from epljax import hlo
 from epljax.sharding.fused import FusedLayoutError
-from helpers import TOL, assert_trees_close, reference_run
+from helpers import TOL, assert_trees_close, momentum_grads, reference_run, zoo_split
 from models import ZOO, common, gpt2_fused
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
@@ -27,30 +27,40 @@ import comm  # noqa: E402
 STEPS = 2
 MODELS = ("gpt2_fused", "gpt2_fused_t")
 C = gpt2_fused.D_MODEL
+# SGD with momentum: after the first step its trace is that step's gradient, which the tests
+# read instead of compiling ``trainer.loss_and_grads`` too (test_trainer_dp tests that).
+OPTIMIZER = optax.sgd(0.1, momentum=0.9)
 
 
 @pytest.fixture(scope="module", params=MODELS)
 def split_run(request):
-  """A fused-``c_attn`` GPT-2 split over 2 devices (4 replicas) by its one annotate rule, beside
-  the single-device reference; its forward and step HLO collectives."""
+  """A fused-``c_attn`` GPT-2 split over 2 devices (4 replicas) by its one annotate rule
+  (``bench/comm.py``'s ``zoo_split``, with SGD's momentum), beside the single-device reference;
+  its forward and step HLO collectives; a copy of the state after the first step, for the
+  checkpoint test."""
   name = request.param
   zoo = ZOO[name]
-  trainer, state, batch = comm.zoo_split(name)
-  history, expected = reference_run(zoo.init_fn, zoo.loss_fn, optax.sgd(0.1),
-                                    jax.random.key(0), batch, STEPS)
-  loss0, grads0 = trainer.loss_and_grads(state, batch)
+  batch = zoo_batch(zoo)
+  trainer, state = zoo_split(zoo, batch, comm.ZOO_SPLIT, OPTIMIZER)
+  history, expected = reference_run(zoo.init_fn, zoo.loss_fn, OPTIMIZER, jax.random.key(0),
+                                    batch, STEPS)
   forward = hlo.executed_collectives(trainer.lower_loss(state, batch).compile().as_text())
   step = hlo.executed_collectives(trainer.lower(state, batch).compile().as_text())
   initial = trainer.variables(state)
   kernel = state.params["h_0"]["attn"]["c_attn"]["kernel"]   # (the step donates the state)
   stored = [(shard.index, np.asarray(shard.data)) for shard in kernel.addressable_shards]
   losses = []
-  for _ in range(STEPS):
+  for i in range(STEPS):
     state, metrics = trainer.train_step(state, batch)
     losses.append(metrics["loss"])
+    if i == 0:   # before the next step donates it
+      # The first step's gradient, as loss_and_grads gives it before the step (in the user's
+      # order), read from the momentum trace instead of compiling loss_and_grads as well.
+      loss0, grads0 = metrics["loss"], jax.device_get(momentum_grads(trainer, state))
+      first = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), state)
   return dict(name=name, zoo=zoo, trainer=trainer, state=state, history=history,
               expected=expected, loss0=loss0, grads0=grads0, forward=forward, step=step,
-              losses=losses, initial=initial, stored=stored)
+              losses=losses, initial=initial, stored=stored, first=first)
 
 
 def test_each_part_of_the_fused_kernel_is_split_by_heads(split_run):
@@ -104,21 +114,17 @@ def test_checkpoints_hold_the_users_order(split_run, tmp_path):
   as the user wrote it), parameters and optimizer state alike."""
   run = split_run
   zoo, batch = run["zoo"], zoo_batch(run["zoo"])
-  optimizer = optax.sgd(0.1, momentum=0.9)
-  epl.init()
-  epl.annotate(zoo.annotate_rules(2))
-  split = epl.Trainer(zoo.init_fn, zoo.loss_fn, optimizer)
-  state, _ = split.train_step(split.init(jax.random.key(0), batch), batch)
+  # The split trainer (annotate_rules(2), SGD with momentum) after one step: the fixture's.
+  split, state, history = run["trainer"], run["first"], run["history"]
   ckpt = epl.Checkpointer(tmp_path)
   ckpt.save(1, state)
   ckpt.wait()
   epl.init()
-  plain = epl.Trainer(zoo.init_fn, zoo.loss_fn, optimizer)
+  plain = epl.Trainer(zoo.init_fn, zoo.loss_fn, OPTIMIZER)
   plain.init(jax.random.key(0), batch)
   restored = ckpt.restore(plain)
   assert_trees_close(plain.variables(restored), split.variables(state), dict(rtol=0, atol=0))
   trace = optax.tree_utils.tree_get(restored.opt_state, "trace")
-  history, _ = reference_run(zoo.init_fn, zoo.loss_fn, optimizer, jax.random.key(0), batch, 1)
   assert_trees_close(trace, history[0][1], TOL)   # SGD's trace after a step: its gradient
   # ... and back into the split trainer, continuing exactly as the uninterrupted run.
   again = ckpt.restore(split)
@@ -135,7 +141,7 @@ def test_3d_is_exact_against_the_reference(name):
   part inside each tensor-parallel stage, no collective-permute there (which would hang)."""
   zoo = ZOO[name]
   batch = zoo.make_batch(16)
-  optimizer = optax.sgd(0.1)
+  optimizer = OPTIMIZER
   history, expected = reference_run(zoo.init_fn, zoo.loss_fn, optimizer, jax.random.key(0),
                                     batch, STEPS)
   epl.init({"pipeline.num_stages": 2, "pipeline.num_micro_batch": 2})
@@ -147,12 +153,11 @@ def test_3d_is_exact_against_the_reference(name):
   assert plan.pipeline.split == (2, 2)
   rules = {leaf.path: leaf.rule for leaf in plan.leaves}
   assert rules["params/h_1/attn/c_attn/kernel"] == "column, 3 fused parts"
-  loss0, grads0 = trainer.loss_and_grads(state, batch)
-  np.testing.assert_allclose(loss0, history[0][0], **TOL)
-  assert_trees_close(grads0, history[0][1], TOL)
   for step in range(STEPS):
     state, metrics = trainer.train_step(state, batch)
     np.testing.assert_allclose(metrics["loss"], history[step][0], **TOL)
+    if step == 0:   # its gradient, from the momentum trace (not a loss_and_grads compile)
+      assert_trees_close(momentum_grads(trainer, state), history[0][1], TOL)
   assert_trees_close(meta.unbox(trainer.variables(state)), expected, TOL)
 
 
