@@ -86,15 +86,16 @@ def activation_arrays(found, shape: str) -> int:
   return sum(c.shapes.count(shape) for c in found)
 
 
-def zoo_split(name: str, devices: int = ZOO_SPLIT, rows: int = ZOO_ROWS):
-  """(trainer, state, batch) of zoo model ``name`` split with its one annotate rule."""
+def zoo_split(name: str, devices: int = ZOO_SPLIT, rows: int = ZOO_ROWS, optimizer=None):
+  """(trainer, state, batch) of zoo model ``name`` split with its one annotate rule, trained by
+  ``optimizer`` (default: SGD, 0.1)."""
   import models
 
   zoo = models.ZOO[name]
   epl.init()
   epl.annotate(zoo.annotate_rules(devices))
   batch = zoo.make_batch(rows)
-  trainer = epl.Trainer(zoo.init_fn, zoo.loss_fn, optax.sgd(0.1))
+  trainer = epl.Trainer(zoo.init_fn, zoo.loss_fn, optimizer or optax.sgd(0.1))
   rules = (nn.logical_axis_rules(zoo.logical_rules) if zoo.logical_rules
            else contextlib.nullcontext())
   with rules:

@@ -16,11 +16,10 @@ Non-finite steps: ``train_step`` checks the loss and the reduced gradients; when
 finite the update is not applied (parameters and optimizer state come back bit for bit) and
 ``metrics["finite"]`` is False; ``TrainState.feature_state[NONFINITE_RUN]`` counts such steps
 in a row (the Trainer reads it rarely, to enforce ``max_nonfinite_steps``; a restored state
-carries its run). The verdict travels
-to ``apply_optimizer`` under ``fstate[STEP_FINITE]`` for the update alone (it is not kept in
-the state), so the skip sits innermost, inside what features do around the update (ZeRO's
-layouts, offload's memory spaces), and features that react to overflow themselves (the dynamic
-loss scale) still see the non-finite gradients.
+carries its run). The verdict travels to ``apply_optimizer`` under ``fstate[STEP_FINITE]`` for
+the update alone (it is not kept in the state), so the skip sits innermost, inside what
+features do around the update (ZeRO's layouts, offload's memory spaces), and features that
+react to overflow themselves (the dynamic loss scale) still see the non-finite gradients.
 
 How the check and the skip are compiled depends on the platform (``SKIP_BY_COND``): on GPU and TPU
 a select fused into each update kernel and one masked reduction per gradient; on XLA:CPU,
@@ -206,7 +205,7 @@ def train_step(gradients: GradientFn, update: UpdateFn, features: Sequence[Featu
     loss, aux, grads, model_state = gradients(state.params, state.model_state,
                                               prepare_batch(batch), fstate)
     grad_norm, finite = norm_and_finite(loss, grads, by_cond)
-    run = (fstate[NONFINITE_RUN] + 1) * (~finite).astype(jnp.int32)
+    run = jnp.where(finite, 0, fstate[NONFINITE_RUN] + 1)
     params, opt_state, fstate = update(state.params, state.opt_state, grads,
                                        {**fstate, STEP_FINITE: finite})
     fstate = {k: v for k, v in fstate.items() if k != STEP_FINITE}

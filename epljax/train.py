@@ -41,8 +41,7 @@ from epljax.errors import EPLError, NonFiniteError, PlanError, StateError
 from epljax.launch import worker as launch_worker
 from epljax.plan import Plan
 from epljax.sharding import constraints
-from epljax import step as step_lib
-from epljax.step import TrainState
+from epljax.step import NONFINITE_RUN, TrainState
 
 
 class Trainer:
@@ -205,7 +204,7 @@ class Trainer:
 
   def _global_batch(self, built: Built, batch: Any) -> tuple[Any, dict[str, int]]:
     """``shard_batch`` and the batch's counts (``_counts``). Shapes are checked once per batch
-    structure; a batch already in the step's sharding is passed on as it is."""
+    structure and shapes; leaves already in the step's sharding are passed on as they are."""
     leaves, treedef = jax.tree.flatten(batch)
     shapes = (treedef, *((np.shape(x), getattr(x, "dtype", None)) for x in leaves))
     if shapes != self._batch_shapes:
@@ -218,11 +217,7 @@ class Trainer:
                         f"{built.plan.global_rows} rows, or a new Trainer for the other size.")
       self._batch_counts = self._counts(batch)
       self._batch_shapes = shapes
-    sharding = built.batch_sharding
-    if all(isinstance(x, jax.Array) and x.sharding == sharding for x in leaves) and (
-        jax.process_count() == 1 or not any(x.is_fully_addressable for x in leaves)):
-      return batch, self._batch_counts
-    return batch_lib.shard_batch(batch, sharding), self._batch_counts
+    return batch_lib.shard_batch(batch, built.batch_sharding), self._batch_counts
 
   @property
   def plan(self) -> Plan:
@@ -267,7 +262,7 @@ class Trainer:
             "checkpoint; with communication.fp16, lower communication.fp16_scale.")
     self._unread -= 1   # this step's
     if self._unread <= 0 and self._reading is None:
-      run = jnp.copy(state.feature_state[step_lib.NONFINITE_RUN])
+      run = jnp.copy(state.feature_state[NONFINITE_RUN])
       run.copy_to_host_async()
       self._reading = (run, step)
 

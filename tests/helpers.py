@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -37,20 +36,6 @@ def momentum_grads(trainer, state):
   second program as large as the step). Read it before the next step donates ``state``."""
   opt_state = trainer._require().to_user(state)["opt_state"]
   return meta.unbox(optax.tree_utils.tree_get(opt_state, "trace"))
-
-
-def zoo_split(zoo, batch, devices, optimizer):
-  """(trainer, state) of zoo model ``zoo`` split over ``devices`` by its one annotate rule:
-  ``bench/comm.py``'s ``zoo_split`` with the optimizer given (SGD with momentum, whose trace
-  gives the first step's gradient: ``momentum_grads``)."""
-  epl.init()
-  epl.annotate(zoo.annotate_rules(devices))
-  trainer = epl.Trainer(zoo.init_fn, zoo.loss_fn, optimizer)
-  rules = (nn.logical_axis_rules(zoo.logical_rules) if zoo.logical_rules
-           else contextlib.nullcontext())
-  with rules:
-    state = trainer.init(jax.random.key(0), batch)
-  return trainer, state
 
 
 def classification_batch(rows: int, features: int = 20, classes: int = 10, seed: int = 0):

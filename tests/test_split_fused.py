@@ -18,7 +18,7 @@ from flax.core import meta
 import epljax as epl
 from epljax import hlo
 from epljax.sharding.fused import FusedLayoutError
-from helpers import TOL, assert_trees_close, momentum_grads, reference_run, zoo_split
+from helpers import TOL, assert_trees_close, momentum_grads, reference_run
 from models import ZOO, common, gpt2_fused
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
@@ -40,8 +40,7 @@ def split_run(request):
   checkpoint test."""
   name = request.param
   zoo = ZOO[name]
-  batch = zoo_batch(zoo)
-  trainer, state = zoo_split(zoo, batch, comm.ZOO_SPLIT, OPTIMIZER)
+  trainer, state, batch = comm.zoo_split(name, optimizer=OPTIMIZER)
   history, expected = reference_run(zoo.init_fn, zoo.loss_fn, OPTIMIZER, jax.random.key(0),
                                     batch, STEPS)
   forward = hlo.executed_collectives(trainer.lower_loss(state, batch).compile().as_text())

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from epljax import hlo
-from helpers import DEEP_TOL, TOL, assert_trees_close, momentum_grads, reference_run, zoo_split
+from helpers import DEEP_TOL, TOL, assert_trees_close, momentum_grads, reference_run
 from models import ZOO
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
@@ -26,11 +26,10 @@ def split_run(request):
   beside the single-device reference; its forward and step HLO collectives."""
   name = request.param
   zoo = ZOO[name]
-  batch = zoo.make_batch(comm.ZOO_ROWS)
-  # bench/comm.py's zoo_split, with SGD's momentum: its trace after the first step is that
-  # step's gradient, checked here without compiling loss_and_grads as well.
+  # SGD's momentum: its trace after the first step is that step's gradient, checked here
+  # without compiling loss_and_grads as well.
   optimizer = optax.sgd(0.1, momentum=0.9)
-  trainer, state = zoo_split(zoo, batch, comm.ZOO_SPLIT, optimizer)
+  trainer, state, batch = comm.zoo_split(name, optimizer=optimizer)
   tol = DEEP_TOL if zoo.deep else TOL
   history, expected = reference_run(zoo.init_fn, zoo.loss_fn, optimizer, jax.random.key(0),
                                     batch, STEPS)

@@ -181,12 +181,9 @@ class _Run:
           base = views.get(k) or (_View(self.refs[k], v, ()) if k in self.refs else None)
           if base is not None:
             views[step.outputs[0]] = dataclasses.replace(base, steps=(*base.steps, step))
-      if step.primitive in amp_lib.LOW and len(raw) == 2 and any(flags):
-        seen = [None if d else views.get(k) for k, d in zip(keys, direct)]
-        if any(seen):   # a weight read through a transpose or reshape: used from its store
-          raw = [w.stored if w else v for w, v in zip(seen, raw)]
-          direct = [d or w is not None for d, w in zip(direct, seen)]
-          return in_context(step, self._matmul, step, raw, flags, direct, seen)
+      seen = [None if d else views.get(k) for k, d in zip(keys, direct)]
+      if any(seen) and step.primitive in amp_lib.LOW and len(raw) == 2:
+        return in_context(step, self._matmul, step, raw, flags, direct, seen)
       bind = self._nested if _rewrites_inside(step, direct) else self._bind
       return in_context(step, bind, step, raw, flags, direct)
 
@@ -256,15 +253,16 @@ class _Run:
     policy, platform = self.policy, self.platform
     low = policy.low if policy is not None else None
     changes = self._low(step)
+    traced = raw
+    raw = [w.stored if w else v for w, v in zip(views, raw)]
+    direct = [d or w is not None for d, w in zip(direct, views)]
     index = [views[j].param if views[j] else self._ref(step, j) if direct[j] else None
              for j in range(2)]
     spaces = [_memory_space(v) for v in raw]
     scatter = [self._scatter_plan(step, raw, j) if direct[j] and not views[j] else None
                for j in range(2)]
     if low is None and (not any(direct) or (not self.stream and self.zero is None)):
-      if any(views):   # nothing to place: the steps as traced
-        raw = [w.apply(v) if w else v for w, v in zip(views, raw)]
-      return bind_here(step.eqn, raw)
+      return bind_here(step.eqn, traced)
 
     def cast(x):
       return amp_lib.cast(x, low) if low is not None else x
@@ -293,9 +291,8 @@ class _Run:
       grads = _pullback(step, ops, changes)(ct)
       for j in range(2):   # back through a view's steps, to the stored layout
         if views[j]:
-          at = self._place(index[j], res[j])
-          grads[j] = jax.vjp(views[j].apply, at)[1](
-              amp_lib.cast(grads[j], views[j].apply(at).dtype))[0]
+          out, pull = jax.vjp(views[j].apply, self._place(index[j], res[j]))
+          grads[j] = pull(amp_lib.cast(grads[j], out.dtype))[0]
       for j in range(2):
         if scatter[j] is not None:
           grads[j] = self._reduce_scattered(step, ops, ct, j, scatter[j])
