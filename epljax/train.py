@@ -121,14 +121,23 @@ class Trainer:
     self._returned: weakref.ref | None = None
 
   # -- public API --------------------------------------------------------------------------
-  def init(self, rng: jax.Array | int, batch: Any) -> TrainState:
-    """Plans the run for ``batch``'s shapes and creates the state in its shardings."""
+  def init(self, rng: jax.Array | int, batch: Any, variables: Any = None) -> TrainState:
+    """Plans the run for ``batch``'s shapes and creates the state in its shardings.
+
+    The parameters (and model state) come from ``init_fn(rng, batch)``, compiled with the
+    state's shardings; or, given ``variables`` in the structure ``init_fn`` returns (pretrained
+    weights: host or device arrays), from those, each leaf placed in its sharding, with a
+    fresh optimizer state (``init_fn`` is then only traced, for the plan).
+    """
     if Env._current is not self._env_seen:   # epl.init ran again: its config does not apply
       self._env_seen = env_lib.kept_config(self._config)
     if isinstance(rng, int):
       rng = jax.random.key(rng)
     built = self._build(rng, batch)
-    state = built.init_jit(rng, self.shard_batch(batch))
+    if variables is None:
+      state = built.init_jit(rng, self.shard_batch(batch))
+    else:
+      state = built.user_state.start(variables)
     self._returned = weakref.ref(state)
     return state
 

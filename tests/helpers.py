@@ -74,14 +74,17 @@ def linen_fns(model: nn.Module):
   return init_fn, loss_fn
 
 
-def reference_run(init_fn, loss_fn, optimizer, rng, batch, steps, *, micro_batches=1):
+def reference_run(init_fn, loss_fn, optimizer, rng, batch, steps, *, micro_batches=1,
+                  variables=None):
   """Plain single-device training on the whole batch: [(loss, grads)], final variables.
 
   With ``micro_batches`` > 1 the gradient is averaged over equal contiguous chunks, which for a
-  mean loss equals the big-batch gradient.
+  mean loss equals the big-batch gradient. ``variables``: ``init_fn``'s, if already made.
   """
-  first = jax.tree.map(lambda x: x[: len(x) // micro_batches], batch)
-  variables = meta.unbox(jax.jit(init_fn)(rng, first))   # Flax partitioning boxes removed
+  if variables is None:
+    first = jax.tree.map(lambda x: x[: len(x) // micro_batches], batch)
+    variables = jax.jit(init_fn)(rng, first)
+  variables = meta.unbox(variables)   # Flax partitioning boxes removed
   params = variables["params"]
   opt_state = optimizer.init(params)
 

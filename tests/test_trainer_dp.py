@@ -352,6 +352,51 @@ def test_nnx_model_with_batchnorm_and_dropout_matches_single_device():
   assert "mean" in specs["bn"]
 
 
+def test_given_variables_start_the_state_and_wrong_ones_are_named():
+  """``trainer.init(rng, batch, variables=...)`` (pretrained weights): an NNX module (its
+  BatchNorm statistics and dropout RNG keys included) gives the state ``trainer.init(rng,
+  batch)`` makes; variables of another shape, dtype or structure are refused by path."""
+  batch = classification_batch(64)
+
+  def init_fn(rng, b):
+    return NNXNet(nnx.Rngs(params=rng, dropout=jax.random.fold_in(rng, 1)))
+
+  def loss_fn(model, b):
+    return cross_entropy(model(b["x"]), b["y"])
+
+  def data(x):
+    return jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+  made = epl.Trainer(init_fn, loss_fn, optax.adamw(1e-2)).init(jax.random.key(0), batch)
+  given = epl.Trainer(init_fn, loss_fn, optax.adamw(1e-2)).init(
+      jax.random.key(0), batch, variables=init_fn(jax.random.key(0), batch))
+  assert jax.tree.structure(given) == jax.tree.structure(made)
+  for a, b in zip(jax.tree.leaves(given), jax.tree.leaves(made)):
+    assert (a.sharding, a.dtype) == (b.sharding, b.dtype)
+    np.testing.assert_array_equal(np.asarray(data(a)), np.asarray(data(b)))
+
+  init_fn, loss_fn = linen_fns(MLP())
+  trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))
+  good = jax.tree.map(np.asarray, init_fn(jax.random.key(0), batch))
+  dense = {k: dict(v) for k, v in good["params"].items()}
+  cases = [
+      ({"params": {**dense, "Dense_0": {**dense["Dense_0"], "kernel": np.zeros((20, 8))}}},
+       r"params/Dense_0/kernel: \(20, 8\) float64, init_fn makes \(20, 16\) float32"),
+      ({"params": {"Dense_0": dense["Dense_0"]}},
+       r"the params differ from what init_fn makes; missing params/Dense_1/bias, "
+       r"params/Dense_1/kernel, not in the model none"),
+      (jax.tree.map(lambda x: x.astype(np.float16), good),
+       r"4 of the params leaves differ in shape or dtype .* float16, init_fn makes .* float32")]
+  for bad, message in cases:
+    with pytest.raises(epl.StateError, match=message):
+      trainer.init(jax.random.key(0), batch, variables=bad)
+  # Arrays already in their shardings are copied: the step donates the state, not the user's.
+  placed = trainer.variables(trainer.init(jax.random.key(0), batch, variables=good))
+  state, _ = trainer.train_step(trainer.init(jax.random.key(0), batch, variables=placed), batch)
+  assert not any(x.is_deleted() for x in jax.tree.leaves(placed))
+  assert_trees_close(placed, good, dict(rtol=0, atol=0))
+
+
 @pytest.mark.parametrize("config", [{}, {"zero.level": "v1", "optimizer.num_apply_group": 2}])
 def test_optimizer_with_masked_parts(config):
   """optax.multi_transform keeps MaskedNodes in its state where a label leaves a parameter out;

@@ -92,14 +92,31 @@ def cells():
 
 
 _REFERENCES: dict[str, tuple] = {}
+_INITIAL: dict[str, dict] = {}
+
+
+def initial(model: ZooModel) -> dict:
+  """``model``'s variables as ``init_fn`` makes them on one device, once per model."""
+  if model.name not in _INITIAL:
+    _INITIAL[model.name] = meta.unbox(jax.jit(model.init_fn)(jax.random.key(0),
+                                                             model.make_batch(ROWS)))
+  return _INITIAL[model.name]
 
 
 def reference(model: ZooModel):
   """Single-device training of ``model`` on the global batch, once per model."""
   if model.name not in _REFERENCES:
     _REFERENCES[model.name] = reference_run(model.init_fn, model.loss_fn, optimizer(),
-                                            jax.random.key(0), model.make_batch(ROWS), STEPS)
+                                            jax.random.key(0), model.make_batch(ROWS), STEPS,
+                                            variables=initial(model))
   return _REFERENCES[model.name]
+
+
+# The cells that create their state with ``trainer.init(rng, batch)``, compiling ``init_fn``
+# in the strategy's shardings; the others start from the model's variables made once
+# (``trainer.init(..., variables=)``), which test_variables_start_the_state_init_fn_would_make
+# shows to give the same state, leaf for leaf and sharding for sharding, as the rng path.
+INIT_FROM_RNG = {"dp", "pipeline_4", "zero_v3"}
 
 
 def assert_close_in_bf16_scaled(actual, expected, rtol=GRAD_RTOL):
@@ -145,7 +162,8 @@ def run_cell(model: ZooModel, strategy: str):
   with rules, warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always", StageBalanceWarning)
     trainer = epl.Trainer(model.init_fn, model.loss_fn, optimizer())
-    state = trainer.init(jax.random.key(0), batch)
+    state = trainer.init(jax.random.key(0), batch, variables=(
+        None if strategy in INIT_FROM_RNG else initial(model)))
     unbalanced = [str(w.message) for w in caught if w.category is StageBalanceWarning]
     if (model.name, strategy) in SAYS_UNBALANCED:
       assert any("nn.scan" in m for m in unbalanced), unbalanced
@@ -332,3 +350,24 @@ def test_zoo_zero_v3_with_the_refetch_of_gpu_and_tpu(name, monkeypatch):
   if name == "gpt2_fused_t" and "gpt2_fused" in _REFETCHES:
     assert len(seen) == _REFETCHES["gpt2_fused"]
   check_zero(state, "v3")
+
+
+@pytest.mark.parametrize("name, strategy", [("gpt2_fused", "zero_v3"), ("llama", "pipeline_4"),
+                                            ("vit", "amp_o1")])
+def test_variables_start_the_state_init_fn_would_make(name, strategy):
+  """``trainer.init(rng, batch, variables=init_fn's variables)`` makes the state that
+  ``trainer.init(rng, batch)`` compiles: every leaf equal, in the same sharding and dtype
+  (fused q/k/v stored part by part, ZeRO v3's sharded parameters, the pipeline's storage over
+  ``stage`` of Llama's scanned layers, AMP's float32 masters)."""
+  model = ZOO[name]
+  batch = model.make_batch(ROWS)
+  epl.init(STRATEGIES[strategy])
+  rules = nn.logical_axis_rules(model.logical_rules) if model.logical_rules else _NoRules()
+  with rules:
+    made = epl.Trainer(model.init_fn, model.loss_fn, optimizer()).init(jax.random.key(0), batch)
+    given = epl.Trainer(model.init_fn, model.loss_fn, optimizer()).init(
+        jax.random.key(0), batch, variables=jax.tree.map(np.asarray, initial(model)))
+  assert jax.tree.structure(given) == jax.tree.structure(made)
+  for a, b in zip(jax.tree.leaves(given), jax.tree.leaves(made)):
+    assert (a.sharding, a.dtype, a.shape) == (b.sharding, b.dtype, b.shape)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
