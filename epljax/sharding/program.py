@@ -89,7 +89,6 @@ class Steps:
   outputs: tuple[Any, ...]                   # per flat output: as a Step's inputs
   jaxpr: Any                                 # what was flattened (a closed jaxpr or jaxpr)
   num_params: int = 0
-  in_tree: Any = None
   out_tree: Any = None
 
   @property
@@ -375,18 +374,17 @@ def _node(step: Step) -> Node:
 
 # -- the memory features' view: steps, plain calls entered ------------------------------------
 
-def steps_of(closed, num_params: int = 0, in_tree=None, out_tree=None, *,
+def steps_of(closed, num_params: int = 0, out_tree=None, *,
              enter: Callable[[jcore.JaxprEqn, range], bool] | None = None,
              start: int = 0) -> Steps:
   """The flattened program of a (closed) jaxpr, e.g. the body of a loop; its inputs and
-  outputs are flat lists unless trees are given. The equations ``enter(eqn, nodes)`` accepts
+  outputs are flat lists unless ``out_tree`` is given. The equations ``enter(eqn, nodes)`` accepts
   (``walk``'s; default: plain calls, ``inlinable``) are entered, every other equation is one
   step; its capture nodes are numbered from ``start``."""
   flat = walk(closed, enter or (lambda eqn, nodes: inlinable(eqn)), start)
   steps = tuple(dataclasses.replace(s, inputs=tuple(map(_one, s.inputs))) for s in flat.steps)
   outs = tuple(map(_one, flat.outputs))
   return dataclasses.replace(flat, steps=steps, outputs=outs, num_params=num_params,
-                             in_tree=in_tree,
                              out_tree=out_tree or tree_structure([0] * len(outs)))
 
 
@@ -472,7 +470,7 @@ def trace_steps(fn: Callable, params: Any, args: Sequence[Any], *,
     return fn(p, *a)
 
   closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*traced)
-  return steps_of(closed, num_params, in_tree, jax.tree.structure(out_shape)), leaves
+  return steps_of(closed, num_params, jax.tree.structure(out_shape)), leaves
 
 
 def _in_device_memory(x) -> jax.ShapeDtypeStruct:
