@@ -68,6 +68,7 @@ class Built:
   step_jit: Any
   grads_jit: Any
   loss_jit: Any
+  batch_sharding: NamedSharding       # every global batch leaf: rows over the batch axes
   plan: Plan
   user_params: Callable[[Any], Any]   # TrainState.params -> the user's tree (pipeline: unpack)
   state_treedef: Any                  # of the TrainState that init and train_step return
@@ -75,11 +76,6 @@ class Built:
   eval_jit: Any = None
   user_state: Any = None              # epljax.user_state.UserState: what checkpoints hold
   waits_each_step: bool = False       # step.waits_each_step (XLA:CPU)
-
-  @functools.cached_property
-  def batch_sharding(self) -> NamedSharding:
-    """Every leaf of the step's global batch: rows over the batch axes."""
-    return NamedSharding(self.layout.mesh, P(self.batch_plan.axes))
 
   def to_user(self, state: TrainState) -> dict:
     """The state in the user's structure (params, optimizer and model state; never packed)."""
@@ -116,7 +112,6 @@ class Placement:
   batch_plan: batch_lib.BatchPlan
   leaf_specs: list[specs_lib.LeafSpec]    # per variable leaf, in the user's structure
   pipe: Any                               # epljax.pipeline.Pipeline, or None
-  trained_shape: Any                      # what the optimizer updates (pipeline: packed)
   opt_shape: Any
   shardings: StateShardings
   fused: FusedLayouts    # fused parameters held part by part (``sharding.fused``)
@@ -182,7 +177,8 @@ def plan_steps(fns: UserFns, config, cluster, rng: jax.Array, micro_shapes: Any,
   lives with the features' shardings, the features and their context."""
   num_micro = config.pipeline.num_micro_batch
   var = trace_variables(fns, rng, micro_shapes)
-  options = capture_options(var)
+  options = dict(module_rules=annotations.module_rules(),
+                 definitions=defining_frames(var.init_jaxpr))
   cap = capture_loss(var, micro_shapes, len(cluster.devices), **options)
   if config.auto.auto_parallel:   # EPL's automatic pipeline partitioning
     check_auto(cap, config.pipeline.num_stages)
@@ -198,7 +194,7 @@ def plan_steps(fns: UserFns, config, cluster, rng: jax.Array, micro_shapes: Any,
   where = place(fns, var, cap, micro_shapes, rows, config, cluster, options)
   mesh = where.layout.mesh
   ctx = BuildContext(mesh=mesh, num_replicas=where.layout.num_replicas,
-                     num_micro_batch=num_micro, capture=cap, params_shape=where.trained_shape,
+                     num_micro_batch=num_micro, capture=cap, params_shape=var.params_shape,
                      optimizer=fns.optimizer)
   features = features_for(config, fns.clip_norm)
   shardings = where.shardings
@@ -239,24 +235,15 @@ def trace_variables(fns: UserFns, rng: jax.Array, micro_shapes: Any) -> Variable
 def capture_loss(var: Variables, micro_shapes: Any, num_devices: int, **options) -> Capture:
   """Step 2: the task graphs, from the loss traced on abstract values (and from where
   ``init_fn`` defined each variable, for EPL's "variables defined under split" MoE pattern)."""
-  p_def = jax.tree.structure(var.params_shape)
-  s_def = jax.tree.structure(var.state_shape)
-  b_leaves, b_def = jax.tree.flatten(micro_shapes)
-  n_p, n_v = var.num_params, len(var.paths)
+  leaves, tree = jax.tree.flatten((var.params_shape, var.state_shape, micro_shapes))
+  n_v = len(var.paths)
 
   def flat_loss(*flat):
-    params = jax.tree.unflatten(p_def, flat[:n_p])
-    model_state = jax.tree.unflatten(s_def, flat[n_p:n_v])
-    return var.loss_call(params, model_state, jax.tree.unflatten(b_def, flat[n_v:]))[0]
+    return var.loss_call(*jax.tree.unflatten(tree, flat))[0]
 
   with jax.sharding.use_abstract_mesh(_PROVISIONAL):
-    return capture(flat_loss, var.leaves, b_leaves, input_paths=var.paths,
+    return capture(flat_loss, leaves[:n_v], leaves[n_v:], input_paths=var.paths,
                    num_devices=num_devices, **options)
-
-
-def capture_options(var: Variables) -> dict[str, Any]:
-  return dict(module_rules=annotations.module_rules(),
-              definitions=defining_frames(var.init_jaxpr))
 
 
 def place(fns: UserFns, var: Variables, cap: Capture, micro_shapes: Any, rows: int, config,
@@ -290,15 +277,14 @@ def place(fns: UserFns, var: Variables, cap: Capture, micro_shapes: Any, rows: i
   # Pipeline stages keep the user's tree too, each leaf also sharded over ``stage``.
   param_sh = (jax.tree.unflatten(jax.tree.structure(var.params_shape), named[:n_p])
               if pipe is None else pipe.param_shardings)
-  trained_shape = var.params_shape
-  opt_shape = jax.eval_shape(fns.optimizer.init, trained_shape)
+  opt_shape = jax.eval_shape(fns.optimizer.init, var.params_shape)
   shardings = StateShardings(
       params=param_sh,
       opt_state=step_lib.map_optimizer_state(
           fns.optimizer, lambda _, s: s if pipe is None else pipe.state_sharding(_, s),
           opt_shape, param_sh, non_params=lambda _: replicated),
       model_state=jax.tree.unflatten(jax.tree.structure(var.state_shape), named[n_p:]))
-  return Placement(layout, bplan, leaf_specs, pipe, trained_shape, opt_shape, shardings, fused)
+  return Placement(layout, bplan, leaf_specs, pipe, opt_shape, shardings, fused)
 
 
 def compile_functions(fns: UserFns, var: Variables, where: Placement,
@@ -356,13 +342,14 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
   step = step_lib.train_step(gradients, update, features, prepare, fns.has_aux, by_cond)
   traced = functools.partial(_traced_in_session, mesh=mesh)
   options = communication.compiler_options(features, var.params_shape) or None
-  batch_sh = NamedSharding(mesh, P(axes))   # every batch leaf: rows over the batch axes
+  batch_sh = NamedSharding(mesh, P(axes))   # Built.batch_sharding
   jit = functools.partial(jax.jit, compiler_options=options)
   checked = (functools.partial(Preflight, check=where.pipe.check_compiled)
              if where.pipe is not None and where.pipe.slotted else lambda f: f)
   return dict(
       gradient_sums=sums,
       state_shardings=state_sh,
+      batch_sharding=batch_sh,
       init_jit=jax.jit(traced(init_state), out_shardings=state_sh),
       step_jit=checked(jit(traced(step), in_shardings=(state_sh, batch_sh),
                            out_shardings=(state_sh, None), donate_argnums=0)),
@@ -438,7 +425,7 @@ def make_plan(var: Variables, cap: Capture, where: Placement, features: Sequence
   abstract_state = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       jax.eval_shape(lambda: TrainState(
-          step=jnp.zeros((), jnp.int32), params=where.trained_shape, opt_state=where.opt_shape,
+          step=jnp.zeros((), jnp.int32), params=var.params_shape, opt_state=where.opt_shape,
           model_state=var.state_shape, feature_state=fstate)), jits["state_shardings"])
   abstract_batch = batch_lib.global_shapes(
       batch, lambda nd: NamedSharding(mesh, specs_lib.batch_spec(axes, nd)))
@@ -468,7 +455,7 @@ def make_plan(var: Variables, cap: Capture, where: Placement, features: Sequence
                 "gradient accumulation" if num_micro > 1 else "-"),
       features=[f if isinstance(f, str) else f.describe for f in features], pipeline=pipe,
       compile_step=lambda: step_jit.lower(abstract_state, abstract_batch).compile(),
-      grads_bytes=tree_bytes_per_device(where.trained_shape, grads_sh),
+      grads_bytes=tree_bytes_per_device(var.params_shape, grads_sh),
       placement={"parameters": _where(base.params), "gradients": _where(grads_sh),
                  "optimizer state": _where(base.opt_state),
                  "model state": _where(base.model_state)},

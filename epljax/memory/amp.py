@@ -82,11 +82,9 @@ class Policy:
     prim = step.primitive
     if prim in LOW:
       return [cast(v, self.low) for v in invals]
-    if prim in HIGH:
-      return [cast(v, step.in_aval(i).dtype) for i, v in enumerate(invals)]
     if prim == "convert_element_type":
       return invals
-    if prim not in FOLLOW:   # unknown or higher-order: exactly as traced
+    if prim in HIGH or prim not in FOLLOW:   # (unknown or higher-order: exactly as traced)
       return [cast(v, step.in_aval(i).dtype) for i, v in enumerate(invals)]
     leaders = [v for i, v in enumerate(invals) if is_float(v) and not param_like[i]
                and not getattr(step.in_aval(i), "weak_type", False)

@@ -39,7 +39,6 @@ COLLECTIVES = frozenset({
     "all_to_all", "ragged_all_to_all", "reduce_scatter", "psum_scatter", "psum_invariant",
 })
 STATEFUL = frozenset({"rng_uniform"})
-LOOPS = frozenset({"scan"})
 # A cut plan that keeps more than this share of the activations is no plan: nothing to cut.
 USEFUL = 0.8
 BUDGETS = 32      # segment-byte budgets tried by the dynamic program
@@ -64,7 +63,7 @@ class Cuts:
 
 def has_heavy_loop(step: Step) -> bool:
   """A ``scan`` whose body holds a matmul or convolution (layers under ``nn.scan``)."""
-  return step.primitive in LOOPS and any_eqn(step.eqn, lambda e: e.primitive.name in MATMULS)
+  return step.primitive == "scan" and any_eqn(step.eqn, lambda e: e.primitive.name in MATMULS)
 
 
 def scan_bodies(program: Steps) -> list[int]:

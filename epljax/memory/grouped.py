@@ -110,7 +110,7 @@ def _run_grouped(program, flat, out_groups, count, platform):
     else:
       local = dict(env)
     run_steps(steps, local)
-    outs = [k for k in defined if k in outputs]
+    outs = [k for s in steps for k in s.outputs if k in outputs]   # in trace order
     env.update({k: local[k] for k in defined})
     previous = [local[k] for k in outs] or previous
   run_steps(dead, env)

@@ -181,8 +181,8 @@ class _Run:
           base = views.get(k) or (_View(self.refs[k], v, ()) if k in self.refs else None)
           if base is not None:
             views[step.outputs[0]] = dataclasses.replace(base, steps=(*base.steps, step))
-      seen = [None if d else views.get(k) for k, d in zip(keys, direct)]
-      if any(seen) and step.primitive in amp_lib.LOW and len(raw) == 2:
+      if step.primitive in amp_lib.LOW and len(raw) == 2 and any(flags):
+        seen = [None if d else views.get(k) for k, d in zip(keys, direct)]
         return in_context(step, self._matmul, step, raw, flags, direct, seen)
       bind = self._nested if _rewrites_inside(step, direct) else self._bind
       return in_context(step, bind, step, raw, flags, direct)
@@ -232,8 +232,6 @@ class _Run:
 
   # -- per equation ----------------------------------------------------------------------
   def _bind(self, step, raw, flags, direct):
-    if step.primitive in amp_lib.LOW and len(raw) == 2 and any(flags):
-      return self._matmul(step, raw, flags, direct)
     invals = [self._place(self._ref(step, j), v, autodiff=True) if direct[j] else v
               for j, v in enumerate(raw)]
     if self.policy is not None:
@@ -245,7 +243,7 @@ class _Run:
     return self.policy.low_params(step) if self.policy is not None and (
         step.primitive in amp_lib.LOW) else {}
 
-  def _matmul(self, step, raw, flags, direct, views=(None, None)):
+  def _matmul(self, step, raw, flags, direct, views):
     """One custom-VJP unit: the weight is placed (and cast) inside, kept raw as the residual
     and placed again in the backward pass (``recompute.refetch``). A weight read through
     shape-only steps (``views``: a kernel stored ``(out, in)`` and transposed) comes in as

@@ -41,7 +41,7 @@ from epljax.pipeline import roll
 from epljax.pipeline.roll import Run, roll_repeats
 from epljax.sharding import constraints
 from epljax.sharding.capture import Capture
-from epljax.sharding.program import (CALLS, DERIVATIVE_CALLS, Key, Visit, bind, evaluate,
+from epljax.sharding.program import (CALLS, DERIVATIVE_CALLS, Key, Step, bind, evaluate,
                                      in_context, inner_eqns, run_scan, walk)
 
 # Call-like primitives whose body may be cut between stages (inlined). Inlining a custom
@@ -236,7 +236,7 @@ class _Cutter:
     flat = walk(closed, self._enter)
     keys: dict[Key, Any] = dict(zip(flat.inputs, self.inputs))
     keys.update({key: _Key(key[1].aval, "const", value=c) for key, c in flat.consts})
-    for visit in flat.visits:
+    for visit in flat.steps:
       self._add(visit, keys)
     self.outputs = [_resolve(keys, r) for r in flat.outputs]
     if self.num_state:
@@ -261,7 +261,7 @@ class _Cutter:
       raise PlanError(_SPANS.format(prim=eqn.primitive.name, where=_where(eqn), names=names))
     return True
 
-  def _add(self, visit: Visit, keys: dict) -> None:
+  def _add(self, visit: Step, keys: dict) -> None:
     eqn, nodes = visit.eqn, visit.nodes
     if len(nodes) == 1 and nodes.start in self.part_nodes:   # a stage's chunk of a stacked leaf
       leaf, c = self.part_nodes[nodes.start]

@@ -37,10 +37,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
-from epljax.sharding.program import (Steps, any_eqn, read, run_steps, start_env, steps_of,
-                                     top_level)
-
-_LAYER = frozenset({"dot_general", "conv_general_dilated"})
+from epljax.sharding.program import (MATMULS, Steps, any_eqn, read, run_steps, start_env,
+                                     steps_of, top_level)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +87,7 @@ def roll_repeats(closed: jcore.ClosedJaxpr, num_params: int) -> Rolled:
   sigs = _signatures([step.eqn for step in program.steps])
   why_not = ""
   for run in _candidates(sigs):
-    if not any(any_eqn(step.eqn, lambda q: q.primitive.name in _LAYER)
+    if not any(any_eqn(step.eqn, lambda q: q.primitive.name in MATMULS)
                for step in program.steps[run.start:run.start + run.length]):
       continue
     loop = _as_loop(program, run)

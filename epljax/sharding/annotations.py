@@ -39,9 +39,6 @@ class ModuleRule:
   pattern: str
   strategy: Strategy
 
-  def matches(self, module_path: str) -> bool:
-    return re.fullmatch(self.pattern, module_path) is not None
-
 
 @dataclasses.dataclass(frozen=True)
 class ParamRule:
@@ -90,7 +87,7 @@ def module_rule_for(frames: Sequence[str], rules: Sequence[ModuleRule]) -> Modul
   names = [f for f in frames if not f.startswith("epl.")]
   for end in range(len(names), 0, -1):
     path = "/".join(names[:end])
-    hits = [r for r in rules if r.matches(path)]
+    hits = [r for r in rules if re.fullmatch(r.pattern, path)]
     if hits:
       for other in hits[1:]:
         if (other.strategy.kind, other.strategy.device_count, other.strategy.name) != (

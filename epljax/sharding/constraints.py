@@ -87,13 +87,6 @@ def explained(place: str = "") -> Iterator[None]:
     raise
 
 
-def current_rules() -> dict[str, str | None]:
-  rules = dict(MESH_AXIS_RULES)
-  for o in _overrides:
-    rules.update(o)
-  return rules
-
-
 @dataclasses.dataclass(frozen=True)
 class Fitted:
   """What became of one constraint: its spec on epljax's mesh (None: removed) and why."""
@@ -109,7 +102,9 @@ def fit(closed: jcore.ClosedJaxpr, mesh, auto: frozenset[str], place: str,
   """``closed`` with every sharding constraint (in every nested body) on ``mesh``: translated
   over the ``auto`` axes of size > 1, or removed. ``notes`` collects one ``Fitted`` per
   constraint for the plan; ``place`` (a stage's name) goes into errors."""
-  rules = current_rules()
+  rules = dict(MESH_AXIS_RULES)
+  for o in _overrides:   # mesh_axis_rules scopes, innermost last
+    rules.update(o)
   sizes = dict(mesh.shape)
   # On the stage's own abstract mesh (its manual axes marked), as a constraint written inside
   # the loop's shard_map would be: a value carries its constraint's mesh in its type.
@@ -159,7 +154,7 @@ def refused_inside(fn: Callable, mesh, place: str) -> Callable:
     sds = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
     with jax.sharding.use_abstract_mesh(AbstractMesh((), ())):
       closed = jax.make_jaxpr(lambda *flat: fn(*jax.tree.unflatten(tree, flat)))(*sds)
-    for v in walk(closed).visits:
+    for v in walk(closed).steps:
       sharding = v.eqn.params.get("sharding") if v.eqn.primitive.name == \
           "sharding_constraint" else None
       if sharding is not None and _foreign(sharding, mesh):

@@ -15,17 +15,18 @@ deciding only how each equation runs (a *rule* per ``Step``):
   span stages and never cuts inside ``LOOPS`` or branches; the rewrites of a stage's program
   (``pipeline.roll``, ``pipeline.chunks``) enter nothing (``top_level``).
 
-Whatever it enters, a walk numbers equations as the capture does: each ``Visit`` (and ``Step``)
-knows the ``Node`` indices it stands for (``nodes``), so a partial walk lines up with the
-capture's per-node decisions. ``sub_calls`` is the one list of how a call-like equation maps its
-operands and results to its bodies; ``inner_eqns`` and ``any_eqn`` look inside nested bodies
-without flattening.
+Whatever it enters, a walk numbers equations as the capture does: each ``Step`` knows the
+``Node`` indices it stands for (``nodes``), so a partial walk lines up with the capture's
+per-node decisions. ``sub_calls`` is the one list of how a call-like equation maps its operands
+and results to its bodies; ``inner_eqns`` and ``any_eqn`` look inside nested bodies without
+flattening.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import re
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -50,35 +51,62 @@ MATMULS = frozenset({"dot_general", "conv_general_dilated"})   # the heavy, weig
 _METHOD = re.compile(r"(?<=[A-Za-z0-9_])\.[A-Za-z_]\w*$")
 
 Key = tuple[int, Any]      # (scope id, jaxpr Var): one value of the flattened program
-Call = tuple[Any, list, list]   # (inner jaxpr, [(inner invar, outer var)], [(outer, inner outvar)])
+# (inner jaxpr, its constants, [(inner invar, outer var)], [(outer var, inner outvar)])
+Call = tuple[Any, list, list, list]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Visit:
-  """One equation the walk did not enter."""
+class Step:
+  """One equation the walk did not enter, its inputs and outputs as program-wide keys."""
+  index: int
   eqn: jcore.JaxprEqn
-  inputs: tuple[Any, ...]            # per operand: a tuple of Keys it may carry, or a Literal
-  outputs: tuple[Key | None, ...]    # None for a dropped output
-  name_stack: Any                    # source_info_util.NameStack, from the walk's root
-  enclosing: tuple[jcore.JaxprEqn, ...]   # the entered equations around it, outermost first
-  nodes: range                       # the capture's nodes (every body entered) it stands for
+  # Per operand: a Key (``steps_of``: only plain calls entered), or the tuple of Keys it may
+  # carry (``walk``: a value out of an entered ``cond`` is any branch's); or a Literal.
+  inputs: tuple[Any, ...]
+  outputs: tuple[Key | None, ...]          # None for a dropped output
+  name_stack: Any                          # source_info_util.NameStack, from the walk's root
+  nodes: range                             # the capture's nodes (every body entered) it stands for
+  enclosing: tuple[jcore.JaxprEqn, ...] = ()   # the entered equations around it, outermost first
+
+  @property
+  def primitive(self) -> str:
+    return self.eqn.primitive.name
+
+  @property
+  def frames(self) -> tuple[str, ...]:
+    return tuple(getattr(s, "name", str(s)) for s in self.name_stack.stack)
+
+  def in_aval(self, i: int):
+    return self.eqn.invars[i].aval
 
 
 @dataclasses.dataclass(frozen=True)
-class Walk:
-  visits: list[Visit]
-  inputs: tuple[Key, ...]
-  consts: list[tuple[Key, Any]]      # constants of the root and of every entered body
-  outputs: tuple[Any, ...]           # per root output: a tuple of Keys, or a Literal
+class Steps:
+  """A program flattened into steps, in trace order over flat inputs."""
+  steps: tuple[Step, ...]
+  inputs: tuple[Key, ...]                    # flat leaves of (params, args)
+  consts: tuple[tuple[Key, Any], ...]        # of the root and of every entered body
+  outputs: tuple[Any, ...]                   # per flat output: as a Step's inputs
+  jaxpr: Any                                 # what was flattened (a closed jaxpr or jaxpr)
+  num_params: int = 0
+  out_tree: Any = None
+
+  @property
+  def param_keys(self) -> tuple[Key, ...]:
+    return self.inputs[:self.num_params]
+
+  @property
+  def out_avals(self) -> tuple[Any, ...]:
+    return tuple(v.aval for v in _body(self.jaxpr)[0].outvars)
 
 
 def walk(closed: Any, enter: Callable[[jcore.JaxprEqn, range], bool] | None = None,
-         start: int = 0) -> Walk:
+         start: int = 0) -> Steps:
   """Flattens ``closed`` (a ClosedJaxpr or Jaxpr) in trace order, entering the bodies of the
   equations that ``sub_calls`` can map and ``enter(eqn, nodes)`` accepts (default: all);
   ``nodes`` are the capture's node indices the equation stands for, numbered from ``start``."""
   jaxpr, consts = _body(closed)
-  visits: list[Visit] = []
+  steps: list[Step] = []
   alias: dict[Key, Any] = {}      # inner value -> the outer Keys (or Literal) it stands for
   all_consts = [((0, v), c) for v, c in zip(jaxpr.constvars, consts)]
   scopes = [0]
@@ -98,17 +126,17 @@ def walk(closed: Any, enter: Callable[[jcore.JaxprEqn, range], bool] | None = No
       if calls is not None and enter is not None and not enter(eqn, nodes):
         calls = None
       if calls is None:
-        visits.append(Visit(
-            eqn, tuple(resolve(scope, v) for v in eqn.invars),
+        steps.append(Step(
+            len(steps), eqn, tuple(resolve(scope, v) for v in eqn.invars),
             tuple(None if isinstance(v, jcore.DropVar) else (scope, v) for v in eqn.outvars),
-            stack, enclosing, nodes))
+            stack, nodes, enclosing))
         cursor[0] = nodes.stop
         continue
       outer_outs: dict[Any, list] = defaultdict(list)
-      for inner, in_map, out_map in calls:
+      for inner, inner_consts, in_map, out_map in calls:
         scopes[0] += 1
         child = scopes[0]
-        all_consts.extend(((child, v), c) for v, c in zip(inner.constvars, _consts_of(eqn, inner)))
+        all_consts.extend(((child, v), c) for v, c in zip(inner.constvars, inner_consts))
         for inner_v, outer_v in in_map:
           alias[(child, inner_v)] = resolve(scope, outer_v)
         go(inner, child, stack, enclosing + (eqn,))
@@ -119,8 +147,8 @@ def walk(closed: Any, enter: Callable[[jcore.JaxprEqn, range], bool] | None = No
         alias[(scope, outer_o)] = found[0] if len(found) == 1 else tuple(dict.fromkeys(keys))
 
   go(jaxpr, 0, source_info_util.new_name_stack(), ())
-  return Walk(visits, tuple((0, v) for v in jaxpr.invars), all_consts,
-              tuple(resolve(0, v) for v in jaxpr.outvars))
+  return Steps(tuple(steps), tuple((0, v) for v in jaxpr.invars), tuple(all_consts),
+               tuple(resolve(0, v) for v in jaxpr.outvars), closed)
 
 
 def _span(eqn: jcore.JaxprEqn, spans: dict[int, int]) -> int:
@@ -128,7 +156,7 @@ def _span(eqn: jcore.JaxprEqn, spans: dict[int, int]) -> int:
   n = spans.get(id(eqn))
   if n is None:
     calls = sub_calls(eqn)
-    n = 1 if calls is None else sum(_span(e, spans) for inner, _, _ in calls for e in inner.eqns)
+    n = 1 if calls is None else sum(_span(e, spans) for call in calls for e in call[0].eqns)
     spans[id(eqn)] = n
   return n
 
@@ -157,25 +185,27 @@ def sub_calls(eqn: jcore.JaxprEqn) -> list[Call] | None:
   name = eqn.primitive.name
   outs = list(eqn.outvars)
   if name == "while":
-    cond, body = _body(params["cond_jaxpr"])[0], _body(params["body_jaxpr"])[0]
+    (cond, cond_consts), (body, body_consts) = map(_body, (params["cond_jaxpr"],
+                                                          params["body_jaxpr"]))
     nc, nb = params["cond_nconsts"], params["body_nconsts"]
     ops = list(eqn.invars)
     carry = ops[nc + nb:]
     return [
-        (cond, list(zip(cond.invars, ops[:nc] + carry)), []),
-        (body, list(zip(body.invars, ops[nc:nc + nb] + carry)), list(zip(outs, body.outvars))),
+        (cond, cond_consts, list(zip(cond.invars, ops[:nc] + carry)), []),
+        (body, body_consts, list(zip(body.invars, ops[nc:nc + nb] + carry)),
+         list(zip(outs, body.outvars))),
     ]
   if name == "cond":
-    branches = [_body(b)[0] for b in params["branches"]]
     ops = list(eqn.invars[1:])
-    return [(b, list(zip(b.invars, ops)), list(zip(outs, b.outvars))) for b in branches]
-  inner = [j for j in (_jaxpr(v) for v in params.values()) if j is not None]
+    return [(b, consts, list(zip(b.invars, ops)), list(zip(outs, b.outvars)))
+            for b, consts in map(_body, params["branches"])]
+  inner = [_body(v) for v in params.values() if isinstance(v, (jcore.ClosedJaxpr, jcore.Jaxpr))]
   if len(inner) != 1:
     return None
-  (j,) = inner
+  ((j, consts),) = inner
   if len(j.invars) != len(eqn.invars) or len(j.outvars) != len(outs):
     return None
-  return [(j, list(zip(j.invars, eqn.invars)), list(zip(outs, j.outvars)))]
+  return [(j, consts, list(zip(j.invars, eqn.invars)), list(zip(outs, j.outvars)))]
 
 
 def rewrite_eqns(closed: jcore.ClosedJaxpr,
@@ -264,22 +294,8 @@ def any_eqn(eqn: jcore.JaxprEqn, pred: Callable[[jcore.JaxprEqn], bool]) -> bool
   return pred(eqn) or any(pred(e) for e in inner_eqns(eqn))
 
 
-def _jaxpr(v: Any) -> jcore.Jaxpr | None:
-  if isinstance(v, jcore.ClosedJaxpr):
-    return v.jaxpr
-  return v if isinstance(v, jcore.Jaxpr) else None
-
-
 def _body(v: Any) -> tuple[jcore.Jaxpr, list]:
   return (v.jaxpr, list(v.consts)) if isinstance(v, jcore.ClosedJaxpr) else (v, [])
-
-
-def _consts_of(eqn: jcore.JaxprEqn, inner: jcore.Jaxpr) -> list:
-  for v in eqn.params.values():
-    for b in (v if isinstance(v, (tuple, list)) else (v,)):
-      if isinstance(b, jcore.ClosedJaxpr) and b.jaxpr is inner:
-        return list(b.consts)
-  return []
 
 
 # -- the capture's view: innermost equations with their base values --------------------------
@@ -317,7 +333,7 @@ class Program:
     self.closed_jaxpr = closed_jaxpr
     self.invars: tuple[jcore.Var, ...] = tuple(closed_jaxpr.jaxpr.invars)
     flat = walk(closed_jaxpr)
-    self.nodes: list[Node] = [_node(i, v) for i, v in enumerate(flat.visits)]
+    self.nodes: list[Node] = [_node(step) for step in flat.steps]
     self.outputs = tuple(_bases(r) for r in flat.outputs)
     self.producer: dict[Base, Node] = {}
     self.consumers: dict[Base, list[tuple[Node, int]]] = defaultdict(list)
@@ -343,77 +359,33 @@ def _bases(resolved: Any) -> tuple[Base, ...]:
   return () if isinstance(resolved, jcore.Literal) else tuple(k[1] for k in resolved)
 
 
-def _node(index: int, visit: Visit) -> Node:
-  stack = visit.name_stack.stack
+def _node(step: Step) -> Node:
+  stack = step.name_stack.stack
   modules = tuple(s.name if s.name.startswith("epl.") else _METHOD.sub("", s.name)
                   for s in stack if type(s).__name__ == "Scope")
   trips = 1
-  for e in visit.enclosing:
+  for e in step.enclosing:
     if e.primitive.name == "scan":
       trips *= int(e.params["length"])
-  return Node(index, visit.eqn, tuple(getattr(s, "name", str(s)) for s in stack),
-              tuple(_bases(r) for r in visit.inputs),
-              tuple(e.primitive.name for e in visit.enclosing),
-              tuple(id(e) for e in visit.enclosing), modules, trips)
+  return Node(step.index, step.eqn, step.frames, tuple(_bases(r) for r in step.inputs),
+              tuple(e.primitive.name for e in step.enclosing),
+              tuple(id(e) for e in step.enclosing), modules, trips)
 
 
 # -- the memory features' view: steps, plain calls entered ------------------------------------
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Step:
-  """One equation of the flattened program, its inputs and outputs as program-wide keys."""
-  index: int
-  eqn: Any                                   # jax.extend.core.JaxprEqn
-  inputs: tuple[Any, ...]                    # Key, or a jcore.Literal
-  outputs: tuple[Key | None, ...]            # None for a dropped output
-  name_stack: Any                            # source_info_util.NameStack, relative to fn
-  nodes: range                               # the capture's nodes it stands for (``Visit``)
-
-  @property
-  def primitive(self) -> str:
-    return self.eqn.primitive.name
-
-  @property
-  def frames(self) -> tuple[str, ...]:
-    return tuple(getattr(s, "name", str(s)) for s in self.name_stack.stack)
-
-  def in_aval(self, i: int):
-    return self.eqn.invars[i].aval
-
-
-@dataclasses.dataclass(frozen=True)
-class Steps:
-  """A program flattened into steps (plain calls entered), in trace order over flat inputs."""
-  steps: tuple[Step, ...]
-  inputs: tuple[Key, ...]                    # flat leaves of (params, args)
-  consts: tuple[tuple[Key, Any], ...]
-  outputs: tuple[Any, ...]                   # Key or Literal per flat output
-  out_avals: tuple[Any, ...]
-  num_params: int
-  in_tree: Any
-  out_tree: Any
-  jaxpr: Any = None                          # what was flattened (a closed jaxpr or jaxpr)
-
-  @property
-  def param_keys(self) -> tuple[Key, ...]:
-    return self.inputs[:self.num_params]
-
-
-def steps_of(closed, num_params: int = 0, in_tree=None, out_tree=None, *,
+def steps_of(closed, num_params: int = 0, out_tree=None, *,
              enter: Callable[[jcore.JaxprEqn, range], bool] | None = None,
              start: int = 0) -> Steps:
   """The flattened program of a (closed) jaxpr, e.g. the body of a loop; its inputs and
-  outputs are flat lists unless trees are given. The equations ``enter(eqn, nodes)`` accepts
+  outputs are flat lists unless ``out_tree`` is given. The equations ``enter(eqn, nodes)`` accepts
   (``walk``'s; default: plain calls, ``inlinable``) are entered, every other equation is one
   step; its capture nodes are numbered from ``start``."""
   flat = walk(closed, enter or (lambda eqn, nodes: inlinable(eqn)), start)
-  steps = tuple(Step(i, v.eqn, tuple(map(_one, v.inputs)), v.outputs, v.name_stack, v.nodes)
-                for i, v in enumerate(flat.visits))
+  steps = tuple(dataclasses.replace(s, inputs=tuple(map(_one, s.inputs))) for s in flat.steps)
   outs = tuple(map(_one, flat.outputs))
-  out_tree = out_tree or tree_structure([0] * len(outs))
-  jaxpr = closed.jaxpr if isinstance(closed, jcore.ClosedJaxpr) else closed
-  return Steps(steps, flat.inputs, tuple(flat.consts), outs,
-               tuple(v.aval for v in jaxpr.outvars), num_params, in_tree, out_tree, closed)
+  return dataclasses.replace(flat, steps=steps, outputs=outs, num_params=num_params,
+                             out_tree=out_tree or tree_structure([0] * len(outs)))
 
 
 def top_level(eqn: jcore.JaxprEqn, nodes: range) -> bool:
@@ -470,10 +442,7 @@ def nbytes(aval) -> int:
   shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
   if shape is None or dtype is None:
     return 0
-  n = 1
-  for d in shape:
-    n *= int(d)
-  return n * dtype.itemsize
+  return math.prod(int(d) for d in shape) * dtype.itemsize
 
 
 # -- evaluation: re-running a traced function step by step ------------------------------------
@@ -501,7 +470,7 @@ def trace_steps(fn: Callable, params: Any, args: Sequence[Any], *,
     return fn(p, *a)
 
   closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*traced)
-  return steps_of(closed, num_params, in_tree, jax.tree.structure(out_shape)), leaves
+  return steps_of(closed, num_params, jax.tree.structure(out_shape)), leaves
 
 
 def _in_device_memory(x) -> jax.ShapeDtypeStruct:

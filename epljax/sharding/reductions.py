@@ -49,9 +49,8 @@ from jax.sharding import PartitionSpec as P
 from epljax.errors import PlanError
 from epljax.sharding import dims as D
 from epljax.sharding import split_rules
-from epljax.sharding.program import (CALLS, Program, Step, Steps, bind, bind_here, eqns_in,
-                                     finish, in_context, inlinable, read, run_body,
-                                     run_steps, start_env, trace_steps)
+from epljax.sharding.program import (Program, Step, Steps, bind, bind_here, finish, in_context,
+                                     read, run_body, run_steps, start_env, trace_steps)
 from epljax.sharding.specs import spec_for
 
 
@@ -104,19 +103,18 @@ def column_matmuls(program: Program, split: dict[int, int], leaf_shapes, leaf_pa
   return found
 
 
-def row_uses(program: Program, rows_inputs: Sequence[int], replicas: int, leaf_shapes,
-             leaf_paths) -> dict[int, _RowUse]:
+def row_uses(program: Program, steps: Steps, rows_inputs: Sequence[int], replicas: int,
+             leaf_shapes, leaf_paths) -> dict[int, _RowUse]:
   """Node index -> how it is a row-wise use of a parameter read by more than one (module
   doc): a lookup (``gather`` from the parameter itself) or a matmul with the parameter or its
-  transpose, whose other operand keeps its rows; outside loops, branches and ``jit``s with
-  shardings of their own (the evaluation does not enter those)."""
+  transpose, whose other operand keeps its rows; one of ``steps``, the program as evaluated
+  (not in a loop, a branch or a ``jit`` with shardings of its own)."""
   state = split_rules.row_dims(program, rows_inputs, leaf_shapes, leaf_paths)
-  sealed = {id(e) for e in eqns_in(program.closed_jaxpr.jaxpr)
-            if e.primitive.name in CALLS and not inlinable(e)}
   uses: dict[int, dict[int, _RowUse]] = {}
-  for node in program.nodes:
-    if any(e not in CALLS for e in node.enclosing) or sealed & set(node.enclosing_ids):
+  for step in steps.steps:
+    if step.primitive not in ("gather", "dot_general"):
       continue
+    node = program.nodes[step.nodes.start]
     eqn = node.eqn
     candidates = []
     if node.primitive == "gather":
@@ -173,7 +171,7 @@ def shared_reduction(fn, *, mesh: jax.sharding.Mesh, model: str, data: str,
     batch_inputs = [n_p + n_s + i for i, x in enumerate(jax.tree.leaves(batch)) if x.ndim]
     try:
       columns = column_matmuls(program, split, shapes, paths, mesh.shape[model])
-      uses = (row_uses(program, batch_inputs, mesh.shape[data], shapes, paths)
+      uses = (row_uses(program, steps, batch_inputs, mesh.shape[data], shapes, paths)
               if rows and mesh.shape[data] > 1 else {})
     except Exception as e:  # noqa: BLE001 (a speed-up only: the plan line says it failed)
       stats["failed"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
