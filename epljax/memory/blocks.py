@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from jax.extend import core as jcore
 
 from epljax import strategy as strategy_lib
+from epljax.sharding.annotations import ModuleRule, module_rule_for
+from epljax.sharding.capture import ANNOTATED
 from epljax.sharding.program import MATMULS, Step, Steps, any_eqn, nbytes
 
 # Never recomputed: a collective communicates again, a stateful generator draws new numbers.
@@ -206,18 +208,22 @@ def _real_effects(eqn) -> list:
       "NamedAxisEffect", "InternalMutableArrayEffect")]
 
 
-def step_taskgraphs(program: Steps, taskgraphs: Sequence) -> list[int | None]:
-  """The task graph of every step, read from the strategy frames of its name stack.
+def step_taskgraphs(program: Steps, taskgraphs: Sequence,
+                    module_rules: Sequence[ModuleRule] = ()) -> list[int | None]:
+  """The task graph of every step, read as the capture reads it (``sharding.capture``).
 
-  A step inside a scope belongs to that scope's task graph; after a ``set_default_strategy``
-  marker, to that default's; otherwise to the task graph of the step before it (the first
-  one's for leading steps), as the capture assigns unannotated code by data flow.
+  A step inside a scope belongs to that scope's task graph; in a module an ``epl.annotate``
+  rule names, to that rule's; after a ``set_default_strategy`` marker, to that default's;
+  otherwise to the task graph of the step before it (the first one's for leading steps), as
+  the capture assigns unannotated code by data flow.
   """
-  by_label = {}
+  by_label, by_rule = {}, []
   top = None
   for tg in taskgraphs:
     frame = strategy_lib.parse_frame(tg.scope) if tg.scope else None
-    if frame is None:
+    if tg.scope.startswith(ANNOTATED):
+      by_rule.append(tg)
+    elif frame is None:
       top = tg.index if tg.scope else top
     else:
       by_label[frame.label] = tg.index
@@ -225,18 +231,28 @@ def step_taskgraphs(program: Steps, taskgraphs: Sequence) -> list[int | None]:
   found: list[int | None] = []
   for s in program.steps:
     frame = next((f for f in map(strategy_lib.parse_frame, reversed(s.frames)) if f), None)
-    if frame is not None and frame.default:
-      current = by_label.get(frame.label, current)
-      found.append(current)
-    elif frame is not None:
+    if frame is not None and not frame.default:
       found.append(by_label.get(frame.label, current))
-    else:
-      found.append(current)
+      continue
+    if frame is not None:
+      current = by_label.get(frame.label, current)
+    rule = module_rule_for(s.module_frames, module_rules)
+    found.append(current if rule is None else _rule_taskgraph(rule, by_rule, current))
   last = None
   for i, tg in enumerate(found):
     found[i] = last = tg if tg is not None else last
   first = next((tg for tg in found if tg is not None), None)
   return [first if tg is None else tg for tg in found]
+
+
+def _rule_taskgraph(rule: ModuleRule, annotated: Sequence, default: int | None) -> int | None:
+  """The task graph the capture made for ``rule``: rules with one strategy share one."""
+  s = rule.strategy
+  for tg in annotated:
+    if (tg.name == s.name if s.name else
+        (tg.strategy, tg.device_count) == (s.kind, s.device_count)):
+      return tg.index
+  return default
 
 
 def plan_segments(program: Steps, ranges: Sequence[tuple[int, int]],

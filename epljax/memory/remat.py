@@ -26,6 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 from epljax import strategy as strategy_lib
 from epljax.config import GradientCheckpointConfig
 from epljax.errors import EPLError, PlanError, StateError
+from epljax.sharding import annotations
 from epljax.features import BuildContext, Feature, ForwardFn, GradientFn, UpdateFn
 from epljax.memory import blocks
 from epljax.memory.recompute import rematerialize
@@ -84,20 +85,21 @@ class GradientCheckpoint(Feature):
   def forward(self, fn: ForwardFn, ctx: BuildContext) -> ForwardFn:
     platform = ctx.mesh.devices.flat[0].platform
     taskgraphs = ctx.capture.taskgraphs if ctx.capture is not None else ()
+    rules = annotations.module_rules()   # as the capture read them
     offload = self.config.offload_activations
 
     def checkpointed(params, *args):
       if self._plain:
         return fn(params, *args)
       program, flat = trace_steps(fn, params, args)
-      segments, loops = self._segments(program, taskgraphs)
+      segments, loops = self._segments(program, taskgraphs, rules)
       return run_segments(program, flat, segments, loops, platform=platform, offload=offload)
 
     return checkpointed
 
-  def _segments(self, program: Steps, taskgraphs):
+  def _segments(self, program: Steps, taskgraphs, rules=()):
     end = self.config.end_taskgraph
-    tgs = blocks.step_taskgraphs(program, taskgraphs)
+    tgs = blocks.step_taskgraphs(program, taskgraphs, rules)
     keep = [end < 0 or tg is None or tg <= end for tg in tgs]
     loops = frozenset(i for i in blocks.scan_bodies(program) if keep[i])
     found = [f"{len(loops)} scanned layer bodies rematerialized per iteration"] if loops else []

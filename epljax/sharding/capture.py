@@ -51,6 +51,9 @@ class Capture:
   input_paths: tuple[str, ...]                    # per variable leaf
 
 
+ANNOTATED = "epl.annotate "   # the scope text of a task graph an annotate rule made
+
+
 @dataclasses.dataclass(frozen=True)
 class _Spec:
   kind: str
@@ -180,7 +183,7 @@ def _assign_labels(program: Program, top_default, module_rules: Sequence[ModuleR
       # not a scope entered anew, and splitting attention and MLP with two epl.split(2) rules
       # means one split(2) over the same devices.
       lab = f"name={s.name}" if s.name else f"rule={s.kind}({s.device_count})"
-      _register(specs, lab, _Spec(s.kind, s.device_count, s.name, f"epl.annotate {rule.pattern}"))
+      _register(specs, lab, _Spec(s.kind, s.device_count, s.name, f"{ANNOTATED}{rule.pattern}"))
       labels[node.index] = lab
       continue
     labels[node.index] = current

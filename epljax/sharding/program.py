@@ -76,6 +76,13 @@ class Step:
   def frames(self) -> tuple[str, ...]:
     return tuple(getattr(s, "name", str(s)) for s in self.name_stack.stack)
 
+  @property
+  def module_frames(self) -> tuple[str, ...]:
+    """The name-stack scopes alone (no transform entries: ``vmap``, ``jvp``), method suffixes
+    dropped: the module path ``epl.annotate`` rules match."""
+    return tuple(s.name if s.name.startswith("epl.") else _METHOD.sub("", s.name)
+                 for s in self.name_stack.stack if type(s).__name__ == "Scope")
+
   def in_aval(self, i: int):
     return self.eqn.invars[i].aval
 
@@ -360,16 +367,13 @@ def _bases(resolved: Any) -> tuple[Base, ...]:
 
 
 def _node(step: Step) -> Node:
-  stack = step.name_stack.stack
-  modules = tuple(s.name if s.name.startswith("epl.") else _METHOD.sub("", s.name)
-                  for s in stack if type(s).__name__ == "Scope")
   trips = 1
   for e in step.enclosing:
     if e.primitive.name == "scan":
       trips *= int(e.params["length"])
   return Node(step.index, step.eqn, step.frames, tuple(_bases(r) for r in step.inputs),
               tuple(e.primitive.name for e in step.enclosing),
-              tuple(id(e) for e in step.enclosing), modules, trips)
+              tuple(id(e) for e in step.enclosing), step.module_frames, trips)
 
 
 # -- the memory features' view: steps, plain calls entered ------------------------------------
