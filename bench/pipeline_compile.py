@@ -3,6 +3,8 @@
     python bench/pipeline.py --compile [--record]
     python bench/pipeline_compile.py --roll [--scan] [--record]   # roll_layers off/on: GPT,
                                                                   # plain jit; nn.scan
+    python bench/pipeline_compile.py --baseline 48 [--gpu] [--record]  # the loop GPT: hand
+                                     # GPipe, plain jax.jit, epljax; init and step apart
 
 The same residual MLP (``Block`` of ``bench/pipeline.py``, width 256) with L in {4, 24, 48}
 blocks, S=4 stages (``set_default_strategy`` every L/4 blocks), M=8 micro batches, 2 replicas
@@ -28,6 +30,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
 
@@ -228,8 +231,16 @@ def gpt_handwritten_cost(layers: int) -> tuple[float, int]:
   HLO characters (both init compiles are counted, as epljax's ``trainer.init`` compiles its
   own)."""
   b = gpt_batch(2 * M * 2)
-  x = jnp.zeros((1, SEQ), jnp.int32)
-  h = jnp.zeros((1, SEQ, GPT_WIDTH))
+  start = time.perf_counter()
+  params = jax.jit(gpt_stacked_init(layers))(jax.random.key(0))
+  compiled = gpt_gpipe(params).lower(params, b).compile()
+  return time.perf_counter() - start, len(compiled.as_text())
+
+
+def gpt_stacked_init(layers: int):
+  """The hand-written GPipe's init: stem and head, and the layers stacked ``(S, L/S, ...)``
+  by ``vmap`` (one layer's init, vmapped)."""
+  x, h = jnp.zeros((1, SEQ), jnp.int32), jnp.zeros((1, SEQ, GPT_WIDTH))
 
   def init(key):
     k = jax.random.split(key, 3)
@@ -239,13 +250,15 @@ def gpt_handwritten_cost(layers: int) -> tuple[float, int]:
                 layer_keys),
             "head": GPTHead().init(k[2], h)["params"]}
 
-  start = time.perf_counter()
-  params = jax.jit(init)(jax.random.key(0))
-  step = gpipe(lambda p, t: GPTStem().apply({"params": p}, t),
+  return init
+
+
+def gpt_gpipe(params):
+  """The jitted hand-written GPipe step of the GPT (``gpipe``) for ``params`` (or their
+  shapes) made by ``gpt_stacked_init``."""
+  return gpipe(lambda p, t: GPTStem().apply({"params": p}, t),
                lambda p, a: GPTLayer().apply({"params": p}, a),
                lambda p, a: GPTHead().apply({"params": p}, a), params)
-  compiled = step.lower(params, b).compile()
-  return time.perf_counter() - start, len(compiled.as_text())
 
 
 def gpipe(stem, block, head, params):
@@ -356,6 +369,101 @@ def scan_rows(layers: int = 48) -> list[list]:
   return [[f"residual MLP {layers} (nn.scan, GPipe)", "-", "hand-written GPipe",
            f"{epl_s:.1f}", f"{hand_s:.1f}", f"**{epl_s / hand_s:.2f}x**", f"{epl_hlo / 1e3:.0f}",
            f"{hand_hlo / 1e3:.0f}", f"{epl_hlo / hand_hlo:.2f}x", f"{temp:.1f}"]]
+
+
+def baseline_rows(layers: int = 48, devices: list | None = None) -> list[list]:
+  """The loop GPT's compile three ways, side by side: the hand-written GPipe (its layers
+  stacked), plain ``jax.jit`` of the user's own model on one device (no pipeline), and epljax
+  (auto cut, layers rolled). Init and step are compiled separately, from abstract values, so
+  ``devices`` may be compile-only GPUs (``gpu_aot.h100s``); default: this machine's."""
+  devices = devices or jax.devices()
+  mesh = Mesh(np.array(devices[:2 * S]).reshape(2, S), ("data", "stage"))
+  model, b = GPT(layers), gpt_batch(2 * M * 2)
+  abstract = lambda tree, sharding: jax.tree.map(  # noqa: E731
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+  key = jax.eval_shape(lambda: jax.random.key(0))
+
+  def timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+  def loss_fn(variables, bt):
+    return optax.softmax_cross_entropy_with_integer_labels(model.apply(variables, bt["x"]),
+                                                           bt["y"]).mean()
+
+  # hand-written GPipe: its init (the layers stacked (S, L/S, ...) by vmap) and its step
+  stacked_init = gpt_stacked_init(layers)
+  with _as_devices(devices):
+    shapes = jax.eval_shape(stacked_init, jax.random.key(0))
+    specs = {k: jax.tree.map(lambda _: P(), v) for k, v in shapes.items()}
+    specs["blocks"] = jax.tree.map(lambda _: P("stage"), shapes["blocks"])
+    shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    hand_init, _ = timed(lambda: jax.jit(stacked_init, out_shardings=shard).lower(
+        abstract(key, NamedSharding(mesh, P()))).compile())
+    step = gpt_gpipe(shapes)
+    params = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
+                          shapes, shard)
+    hand_step, hand = timed(lambda: step.lower(
+        params, abstract(b, NamedSharding(mesh, P("data")))).compile())
+
+  # plain jax.jit of the same model on one device: what the user compiles without epljax
+  one = jax.sharding.SingleDeviceSharding(devices[0])
+
+  def plain_step(v, bt):
+    return jax.tree.map(lambda a, g: a - 0.1 * g, v, jax.grad(loss_fn)(v, bt))
+
+  plain_init, _ = timed(lambda: jax.jit(model.init).lower(
+      abstract(key, one), abstract(b["x"], one)).compile())
+  variables = jax.eval_shape(model.init, jax.random.key(0), b["x"])
+  plain_s, plain = timed(lambda: jax.jit(plain_step).lower(
+      abstract(variables, one), abstract(b, one)).compile())
+
+  # epljax: trace and plan (nothing compiled), then its init and its step
+  with _as_devices(devices):
+    epl.init({"pipeline.num_micro_batch": M, "auto.auto_parallel": True,
+              "pipeline.num_stages": S})
+    trainer = epl.Trainer(lambda k, bt: model.init(k, bt["x"]), loss_fn, optax.sgd(0.1))
+    plan_s, built = timed(lambda: trainer._build(jax.random.key(0), b))
+    whole = NamedSharding(built.plan.mesh, P())
+    epl_init, _ = timed(lambda: built.init_jit.lower(abstract(key, whole),
+                                                     abstract(b, whole)).compile())
+    epl_step, ours = timed(lambda: built.plan.compiled)
+
+  hand_total, plain_total = hand_init + hand_step, plain_init + plain_s
+  rows = []
+  for name, init_s, step_s, compiled in [
+      ("hand-written GPipe (layers stacked)", hand_init, hand_step, hand),
+      ("plain jax.jit, one device, no pipeline", plain_init, plain_s, plain),
+      ("epljax (trace + plan, init, step)", plan_s + epl_init, epl_step, ours)]:
+    total = init_s + step_s
+    rows.append([f"GPT {layers}", name, f"{init_s:.1f}", f"{step_s:.1f}", f"{total:.1f}",
+                 f"**{total / hand_total:.2f}x**", f"{total / plain_total:.2f}x",
+                 f"{step_s / plain_s:.2f}x", f"{len(compiled.as_text()) / 1e3:.0f}"])
+  rows[-1][2] = f"{plan_s:.1f} + {epl_init:.1f}"
+  return rows
+
+
+def _as_devices(devices: list):
+  """``jax.devices()`` is ``devices`` inside (compile-only GPUs); a no-op for this machine's."""
+  if devices[0].platform == jax.devices()[0].platform:
+    return contextlib.nullcontext()
+  from gpu_aot import as_devices
+  return as_devices(devices)
+
+
+BASELINE_HEADERS = ["model", "program", "init s", "step s", "total s", "vs hand GPipe",
+                    "vs plain jax.jit", "step vs plain jit's step", "step HLO kchars"]
+
+BASELINE_NOTE = (
+    "The GPT of --roll (pre-LayerNorm decoder layers of width 64 written as a Python loop, 2 "
+    "heads, 16 tokens, SGD), S=4 stages, M=8 micro batches, 2 replicas; every program lowered "
+    "from abstract values and compiled, init and step apart. Hand-written GPipe: the layers "
+    "stacked (S, L/S, ...) by vmap, one scan over a stage's layers. Plain jax.jit: the user's "
+    "own `model.init` and SGD step on one device, no pipeline. epljax: `auto.auto_parallel` "
+    "with roll_layers on (the default); its init column is trace + plan (`Trainer._build`, "
+    "nothing compiled) + compiling the parameters' init in their stage shardings; its step is "
+    "the plan's compiled step.")
 
 
 ROLL_NOTE = (
@@ -471,9 +579,27 @@ if __name__ == "__main__":
                       "loop MLP against plain jax.jit, the 48-layer loop GPT against a GPipe")
   parser.add_argument("--scan", action="store_true", help="with --roll: also nn.scan blocks "
                       "like for like (GPipe schedule, SGD, init compiles counted on both sides)")
+  parser.add_argument("--baseline", type=int, metavar="LAYERS", help="the loop GPT of LAYERS "
+                      "layers: hand-written GPipe, plain jax.jit of the model, epljax (init and "
+                      "step compiles apart)")
+  parser.add_argument("--gpu", action="store_true", help="with --baseline: compile for 8 "
+                      "compile-only H100s (gpu_aot.py; needs the CUDA plugin)")
   parser.add_argument("--record", action="store_true")
   args = parser.parse_args()
-  if args.roll:
+  if args.baseline:
+    from common import record, table
+    devices = None
+    if args.gpu:
+      from gpu_aot import h100s
+      devices = h100s("1x1x8")
+    where = "Compiled for 8 compile-only H100s (XLA:GPU). " if args.gpu else ""
+    body = (table(BASELINE_HEADERS, baseline_rows(args.baseline, devices)) + "\n\n" + where
+            + BASELINE_NOTE)
+    print(body)
+    if args.record:
+      record("Loop GPT compile against plain jax.jit and a hand-written GPipe "
+             "(bench/pipeline_compile.py --baseline)", body)
+  elif args.roll:
     from common import record, table
     rows = roll_rows() + (scan_rows() if args.scan else [])
     body = table(ROLL_HEADERS, rows) + "\n\n" + ROLL_NOTE

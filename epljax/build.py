@@ -339,7 +339,8 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
     # (pipeline stages keep the user's tree too: the forward runs unpipelined, under GSPMD)
     return step_lib.eval_step(forward, prepare, fns.has_aux)(state, global_batch)
 
-  step = step_lib.train_step(gradients, update, features, prepare, fns.has_aux, by_cond)
+  step = step_lib.train_step(gradients, update, features, prepare, fns.has_aux, by_cond,
+                             grad_layouts=base.grads if base.grads is not None else base.params)
   traced = functools.partial(_traced_in_session, mesh=mesh)
   options = communication.compiler_options(features, var.params_shape) or None
   batch_sh = NamedSharding(mesh, P(axes))   # Built.batch_sharding

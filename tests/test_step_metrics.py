@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import epljax as epl
 from epljax import step as epl_step
@@ -122,6 +124,34 @@ def test_the_finite_flag_is_per_element_and_the_norm_float32(bad, finite, norm, 
   assert bool(got_finite) is finite
   np.testing.assert_allclose(float(got_norm), norm, rtol=1e-6)
   assert not bool(check(np.float32(np.nan), grads)[1])
+
+
+@pytest.mark.parametrize("bad, finite, norm", [
+    (np.inf, False, np.nan), (np.nan, False, np.nan), (3e20, True, np.inf), (0.5, True, None)])
+@pytest.mark.parametrize("by_cond", [True, False], ids=["cond", "select"])
+def test_leaves_of_one_layout_share_one_reduction(bad, finite, norm, by_cond):
+  """40 gradients of one shape and sharding are reduced in 2 groups (``NORM_GROUP`` = 32), a
+  leaf of another shape or sharding alone: 4 reductions, not 42, with the flag still per
+  element and the norm the exact one."""
+  mesh = jax.make_mesh((8,), ("data",))
+  grads = {f"w{i:02d}": np.full((8, 3), i / 7, np.float32) for i in range(40)}
+  grads["w17"][5, 1] = bad
+  grads["b"] = np.ones(3, np.float32)
+  grads["v"] = np.full((8, 3), 2.0, np.float32)
+  layouts = jax.tree.map(lambda _: NamedSharding(mesh, P()), grads)
+  layouts["v"] = NamedSharding(mesh, P("data"))
+
+  def check(loss, g):
+    return epl_step.norm_and_finite(loss, g, by_cond, layouts)
+
+  sums = [e for e in jax.make_jaxpr(check)(np.float32(1.0), grads).jaxpr.eqns
+          if e.primitive.name == "reduce_sum"]
+  assert len(sums) == 4
+  got_norm, got_finite = jax.jit(check)(np.float32(1.0), grads)
+  assert bool(got_finite) is finite
+  if norm is None:   # finite: the float64 norm of every element
+    norm = np.sqrt(sum(np.sum(np.square(g.astype(np.float64))) for g in grads.values()))
+  np.testing.assert_allclose(float(got_norm), norm, rtol=1e-6)
 
 
 @pytest.mark.parametrize("by_cond", [True, False], ids=["cond", "select"])
