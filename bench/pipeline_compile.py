@@ -30,7 +30,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
 
@@ -45,6 +44,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import epljax as epl  # noqa: E402
 from epljax import hlo  # noqa: E402
+from gpu_aot import as_devices  # noqa: E402
 
 S, M, WIDTH, ROWS, FEATURES, CLASSES = 4, 8, 256, 16, 32, 10
 
@@ -375,7 +375,8 @@ def baseline_rows(layers: int = 48, devices: list | None = None) -> list[list]:
   """The loop GPT's compile three ways, side by side: the hand-written GPipe (its layers
   stacked), plain ``jax.jit`` of the user's own model on one device (no pipeline), and epljax
   (auto cut, layers rolled). Init and step are compiled separately, from abstract values, so
-  ``devices`` may be compile-only GPUs (``gpu_aot.h100s``); default: this machine's."""
+  ``devices`` may be compile-only GPUs (``gpu_aot.h100s``, made ``jax.devices()`` while epljax
+  and the GPipe build their meshes); default: this machine's."""
   devices = devices or jax.devices()
   mesh = Mesh(np.array(devices[:2 * S]).reshape(2, S), ("data", "stage"))
   model, b = GPT(layers), gpt_batch(2 * M * 2)
@@ -394,7 +395,7 @@ def baseline_rows(layers: int = 48, devices: list | None = None) -> list[list]:
 
   # hand-written GPipe: its init (the layers stacked (S, L/S, ...) by vmap) and its step
   stacked_init = gpt_stacked_init(layers)
-  with _as_devices(devices):
+  with as_devices(devices):
     shapes = jax.eval_shape(stacked_init, jax.random.key(0))
     specs = {k: jax.tree.map(lambda _: P(), v) for k, v in shapes.items()}
     specs["blocks"] = jax.tree.map(lambda _: P("stage"), shapes["blocks"])
@@ -420,7 +421,7 @@ def baseline_rows(layers: int = 48, devices: list | None = None) -> list[list]:
       abstract(variables, one), abstract(b, one)).compile())
 
   # epljax: trace and plan (nothing compiled), then its init and its step
-  with _as_devices(devices):
+  with as_devices(devices):
     epl.init({"pipeline.num_micro_batch": M, "auto.auto_parallel": True,
               "pipeline.num_stages": S})
     trainer = epl.Trainer(lambda k, bt: model.init(k, bt["x"]), loss_fn, optax.sgd(0.1))
@@ -442,14 +443,6 @@ def baseline_rows(layers: int = 48, devices: list | None = None) -> list[list]:
                  f"{step_s / plain_s:.2f}x", f"{len(compiled.as_text()) / 1e3:.0f}"])
   rows[-1][2] = f"{plan_s:.1f} + {epl_init:.1f}"
   return rows
-
-
-def _as_devices(devices: list):
-  """``jax.devices()`` is ``devices`` inside (compile-only GPUs); a no-op for this machine's."""
-  if devices[0].platform == jax.devices()[0].platform:
-    return contextlib.nullcontext()
-  from gpu_aot import as_devices
-  return as_devices(devices)
 
 
 BASELINE_HEADERS = ["model", "program", "init s", "step s", "total s", "vs hand GPipe",

@@ -340,7 +340,7 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
     return step_lib.eval_step(forward, prepare, fns.has_aux)(state, global_batch)
 
   step = step_lib.train_step(gradients, update, features, prepare, fns.has_aux, by_cond,
-                             grad_layouts=base.grads if base.grads is not None else base.params)
+                             grad_layouts=base.reduced_grads)
   traced = functools.partial(_traced_in_session, mesh=mesh)
   options = communication.compiler_options(features, var.params_shape) or None
   batch_sh = NamedSharding(mesh, P(axes))   # Built.batch_sharding
@@ -441,7 +441,7 @@ def make_plan(var: Variables, cap: Capture, where: Placement, features: Sequence
       for i, (path, x, sh, tg, ls) in enumerate(zip(
           var.paths, var.leaves, final, cap.input_taskgraph, where.leaf_specs))]
   specs = [sh.spec for sh in final]
-  grads_sh = base.grads if base.grads is not None else base.params
+  grads_sh = base.reduced_grads
   step_jit, grads_jit = jits["step_jit"], jits["grads_jit"]
   num_micro = where.batch_plan.num_micro_batch
   return Plan(

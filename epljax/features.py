@@ -60,6 +60,11 @@ class StateShardings:
   grads: Any = None
   params_at_use: Any = None
 
+  @property
+  def reduced_grads(self) -> Any:
+    """Where the reduced gradients live: ``grads``, or like ``params``."""
+    return self.grads if self.grads is not None else self.params
+
 
 @dataclasses.dataclass(frozen=True)
 class BuildContext:
