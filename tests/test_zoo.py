@@ -188,6 +188,11 @@ def run_cell(model: ZooModel, strategy: str):
             assert_close_in_bf16_scaled(grads0, history[0][1])
           else:
             assert_trees_close(grads0, history[0][1], tol)
+          # The step's norm (gradients of one shape and layout reduced together) is the
+          # reference gradient's global norm, and the step was finite.
+          assert bool(metrics["finite"])
+          np.testing.assert_allclose(metrics["grad_norm"], optax.global_norm(history[0][1]),
+                                     **(dict(rtol=GRAD_RTOL) if amp else tol))
     steps_compiled = [c for c in compiles if "epl_step" in c]
     # The searched plan's step was compiled by the search, which training reuses.
     assert len(steps_compiled) == (0 if strategy == "auto_plan" else 1), steps_compiled
