@@ -1,110 +1,26 @@
-"""The cost model of ``auto.auto_parallel``'s plan search: one table of chips and links, and
-the predicted step time of a compiled program.
+"""The cost model of ``auto.auto_parallel``'s plan search and of ``trainer.plan``: the
+predicted step time of a compiled program.
 
 Predicted step time = FLOPs / (peak x efficiency) + each collective's fixed latency and its
 bytes on the wire / the bandwidth of the links its mesh axis runs over (within a host, or
 across hosts) + host
 transfers (offload) + the pipeline bubble. The FLOPs come from ``cost_analysis()``, the
 collectives from the compiled HLO (loop bodies times their trip count, ``hlo``), never from
-wall time. The numbers of the table are vendor peaks (dense bf16 / per-GPU NVLink and
-network); the ``cpu`` row is nominal, for tests: it ranks plans, it predicts nothing.
-``auto.peak_flops``, ``auto.efficiency``, ``auto.intra_host_bandwidth`` and
-``auto.inter_host_bandwidth`` override a row.
+wall time. The chips and links are ``epljax.chips``' table, each figure with its source.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
 from collections.abc import Sequence
 
-import jax
 import numpy as np
 
 from epljax import hlo
-from epljax.errors import PlanError
-
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-  """Peak dense FLOP/s, device memory, and bytes/s of one device's links: to devices of the
-  same host (NVLink, ICI), to other hosts (network, DCN), and to its host's memory (PCIe)."""
-  name: str
-  peak_flops: float
-  memory_bytes: int
-  intra_host_bandwidth: float
-  inter_host_bandwidth: float
-  host_bandwidth: float
-  latency_s: float          # the fixed time of one collective, whatever its size
-  efficiency: float = 0.5   # the share of peak a well-fed step reaches (MFU)
-
-
-# Dense bfloat16 FLOP/s per device, from the vendors' data sheets (no sparsity); the first name
-# contained in a ``device_kind`` wins. The chips below and the progress bar's MFU read it.
-PEAK_FLOPS: tuple[tuple[str, float], ...] = (
-    ("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H800", 989e12),
-    ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L4", 121e12),
-    ("A10", 125e12), ("V100", 125e12),   # (V100: float16 tensor cores, no bfloat16)
-    ("TPU v6", 918e12), ("TPU v5p", 459e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12),
-    ("TPU v4", 275e12))
-
-
-def peak_flops(device_kind: str) -> float | None:
-  """``PEAK_FLOPS`` of a device kind ("NVIDIA H100 80GB HBM3"), or None when unknown."""
-  kind = device_kind.lower()
-  return next((peak for name, peak in PEAK_FLOPS if name.lower() in kind), None)
-
-
-GB, GiB = 1e9, 1 << 30
-CHIPS: dict[str, Chip] = {c.name: c for c in (
-    Chip("H100", peak_flops("H100"), 80 * GiB, 450 * GB, 50 * GB, 55 * GB, 10e-6),
-    Chip("H200", peak_flops("H200"), 141 * GiB, 450 * GB, 50 * GB, 55 * GB, 10e-6),
-    Chip("A100", peak_flops("A100"), 80 * GiB, 300 * GB, 25 * GB, 25 * GB, 10e-6),
-    Chip("TPU v4", peak_flops("TPU v4"), 32 * GiB, 270 * GB, 25 * GB, 16 * GB, 5e-6),
-    Chip("TPU v5e", peak_flops("TPU v5e"), 16 * GiB, 200 * GB, 25 * GB, 16 * GB, 5e-6),
-    Chip("TPU v5p", peak_flops("TPU v5p"), 95 * GiB, 600 * GB, 25 * GB, 16 * GB, 5e-6),
-    Chip("TPU v6e", peak_flops("TPU v6"), 32 * GiB, 448 * GB, 25 * GB, 16 * GB, 5e-6),
-    # Nominal: simulated devices share one host's cores and memory; for tests only.
-    Chip("cpu", 1e11, 16 * GiB, 10 * GB, 1 * GB, 10 * GB, 10e-6),
-)}
-_KINDS = (("h200", "H200"), ("h100", "H100"), ("a100", "A100"), ("v4", "TPU v4"),
-          ("v5 lite", "TPU v5e"), ("v5e", "TPU v5e"), ("v5p", "TPU v5p"), ("v5", "TPU v5p"),
-          ("v6", "TPU v6e"))
-
-
-def chip_of(device, auto_config) -> Chip:
-  """The table's row for ``device`` (by its ``device_kind``), with the ``auto.*`` overrides.
-  An accelerator the table does not know is an error naming the keys that describe it."""
-  kind = str(getattr(device, "device_kind", "")).lower()
-  if device.platform == "cpu":
-    chip = CHIPS["cpu"]
-    # One simulated device's share of this host's memory.
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    chip = dataclasses.replace(chip, memory_bytes=min(chip.memory_bytes, total))
-  else:
-    name = next((n for k, n in _KINDS if k in kind), None)
-    if name is None and not auto_config.peak_flops:
-      raise PlanError(f"auto.auto_parallel has no cost figures for device kind {kind!r} (known: "
-                      f"{', '.join(CHIPS)}). Set auto.peak_flops, auto.intra_host_bandwidth "
-                      "and auto.inter_host_bandwidth (and auto.memory_limit) for it.")
-    chip = CHIPS[name] if name else dataclasses.replace(CHIPS["H100"], name=kind)
-    chip = dataclasses.replace(chip, peak_flops=peak_flops(kind) or chip.peak_flops)
-    try:
-      stats = device.memory_stats()
-    except (AttributeError, jax.errors.JaxRuntimeError):   # a compile-only device has none
-      stats = None
-    if stats and stats.get("bytes_limit"):
-      chip = dataclasses.replace(chip, memory_bytes=int(stats["bytes_limit"]))
-  overrides = {k: float(getattr(auto_config, k)) for k in
-               ("peak_flops", "efficiency", "intra_host_bandwidth", "inter_host_bandwidth")
-               if getattr(auto_config, k)}
-  bad = [f"auto.{k}={v!r}" for k, v in overrides.items() if not v > 0]
-  if bad:
-    raise PlanError(f"{', '.join(bad)}: the cost model needs positive figures (0 takes the "
-                    "chip table's).")
-  return dataclasses.replace(chip, **overrides)
+from epljax.chips import Chip
+from epljax.mesh import hosts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,20 +146,12 @@ def loop_matmul_flops(hlo_text: str) -> float:
 
 def collective_axis(c: hlo.Collective, mesh) -> tuple[str, int, bool]:
   """(the mesh axes a collective's groups span, e.g. ``"data"`` or ``"data+model"``; its group
-  size; whether a group spans hosts). ``"?"`` when the groups are in a form not read."""
-  ids = np.vectorize(lambda d: d.id)(mesh.devices)
+  size; whether a group spans hosts): ``mesh.hosts.describe`` of its device groups. ``"?"``
+  when the groups are in a form not read, or not lines of the mesh."""
   groups = _mesh_id_groups(c.replica_groups) or c.device_groups(mesh.size)
   if not groups:
     return "?", c.group_size or 1, False
-  where = {int(d): np.argwhere(ids == d)[0] for d in ids.flat}
-  first = [where[d] for d in groups[0] if d in where]
-  if not first:
-    return "?", len(groups[0]), False
-  axes = [name for i, name in enumerate(mesh.axis_names)
-          if len({int(p[i]) for p in first}) > 1]
-  process = {d.id: d.process_index for d in mesh.devices.flat}
-  across = len({process.get(d, 0) for d in groups[0]}) > 1
-  return "+".join(axes) or "-", len(groups[0]), across
+  return hosts.describe(groups, mesh)
 
 
 _MESH_IDS = re.compile(r"replica_groups=(mesh\[[^\]]*\]), "

@@ -20,7 +20,7 @@ import optax
 from jax.extend import core as jcore
 
 from epljax import cost as cost_lib
-from epljax.mesh import DATA, MODEL, STAGE
+from epljax.mesh import DATA, MODEL, STAGE, hosts
 from epljax.pipeline.auto import node_flops
 from epljax.pipeline.schedules import IDLE
 from epljax.sharding import program as program_lib
@@ -133,7 +133,7 @@ def step_cost(built, facts: ProgramFacts, features: dict[str, Any], chip, batch_
   def add(kind, axis, result, group, times=1):
     nbytes[(kind, axis)] = nbytes.get((kind, axis), 0) + int(result)
     comm[(kind, axis)] = comm.get((kind, axis), 0.0) + times * cost_lib.link_seconds(
-        kind, result / times, group, _across_hosts(plan.mesh, axis), chip)
+        kind, result / times, group, hosts.crosses_hosts(plan.mesh, axis), chip)
 
   # Plain gradients are summed in one combined all-reduce; ZeRO reduce-scatters and gathers
   # each parameter on its own (v3: gathered again in the forward and the backward pass).
@@ -210,7 +210,7 @@ def stage_cost(dp, facts: ProgramFacts, pipe, schedule, features: dict[str, Any]
   def add(kind, axis, result, group, times=1):
     nbytes[(kind, axis)] = nbytes.get((kind, axis), 0) + int(result)
     comm[(kind, axis)] = comm.get((kind, axis), 0.0) + times * cost_lib.link_seconds(
-        kind, result / times, group, _across_hosts(pipe.mesh, axis), chip)
+        kind, result / times, group, hosts.crosses_hosts(pipe.mesh, axis), chip)
 
   if d > 1:
     add("all-reduce", DATA, params, d)
@@ -383,12 +383,3 @@ def _split_outputs(program, split_nodes: dict[int, _SplitUse], gathered: bool) -
 
 def _bytes(variables) -> int:
   return sum(program_lib.nbytes(v.aval) for v in variables)
-
-
-def _across_hosts(mesh, axis: str) -> bool:
-  if axis not in mesh.shape or mesh.shape[axis] == 1:
-    return False
-  index = mesh.axis_names.index(axis)
-  line = mesh.devices.take(range(mesh.shape[axis]), axis=index).reshape(
-      mesh.shape[axis], -1)[:, 0]
-  return len({d.process_index for d in line}) > 1

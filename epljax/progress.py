@@ -15,7 +15,7 @@ MFU (model FLOPs utilization) = FLOPs per step per device x steps/s / the device
 - FLOPs per step: ``cost_analysis()["flops"]`` of the compiled step (``trainer.plan.compiled``,
   compiled once and shared with the plan), per device since the step is one SPMD program; it
   counts what the compiled program computes, recomputation of rematerialized blocks included;
-- peak: ``peak_tflops=`` when given, else the table ``epljax.cost.PEAK_FLOPS`` (dense bfloat16
+- peak: ``peak_tflops=`` when given, else the table ``epljax.chips.SPECS`` (dense bfloat16
   of known accelerators, by ``device.device_kind``). No peak (a CPU, an unknown chip): no MFU.
 """
 
@@ -27,13 +27,13 @@ from typing import Any
 
 import jax
 
-from epljax import cost
+from epljax import chips
 
 
 def peak_tflops(device: jax.Device | None = None) -> float | None:
   """The table's peak for ``device`` (default: the first device), or None when unknown."""
   device = device or jax.devices()[0]
-  peak = cost.peak_flops(str(getattr(device, "device_kind", "")))
+  peak = chips.peak_flops(str(getattr(device, "device_kind", "")))
   return peak / 1e12 if peak else None
 
 

@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import math
 import re
 import warnings
 from collections.abc import Callable, Iterator
@@ -50,6 +51,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from epljax import batch as batch_lib
+from epljax import chips
 from epljax import cost as cost_lib
 from epljax import estimate as estimate_lib
 from epljax import strategy as strategy_lib
@@ -103,7 +106,7 @@ class Candidate:
 
 def search(fns, config, cluster, rng, batch, build: Callable) -> Any:
   """The ``Built`` of the chosen plan, its ``plan.search`` the rows weighed (module doc)."""
-  chip = cost_lib.chip_of(cluster.devices[0], config.auto)
+  chip = chips.agreed(chips.chip_of(cluster.devices, config.auto))
   limit = config.auto.memory_limit or chip.memory_bytes
   fixed = {name: config.to_dict()[key] for name, key in SEARCHED_KEYS.items()
            if key in config.changed()}
@@ -116,9 +119,10 @@ def search(fns, config, cluster, rng, batch, build: Callable) -> Any:
         f"the {cluster.platform} devices address no {offload.HOST!r} memory"))
   make = functools.partial(_build_with, build, fns, config.replace({"auto.auto_parallel": False}),
                            cluster, rng, batch)
-  bases = _base_builds(make, len(cluster.devices), fixed, notes)
+  bases = _base_builds(make, len(cluster.devices), _per_host(cluster), fixed, notes)
   batch_bytes = jax.process_count() * sum(
-      np.size(x) * np.asarray(x).dtype.itemsize for x in jax.tree.leaves(batch))
+      math.prod(np.shape(x)) * np.dtype(batch_lib._dtype(x)).itemsize
+      for x in jax.tree.leaves(batch))
   residuals = estimate_lib.residual_bytes(
       next(iter(bases.values())).capture.program.closed_jaxpr) if bases else 0
   update = (estimate_lib.update_flops(fns.optimizer,
@@ -159,10 +163,12 @@ def _build_with(build, fns, config, cluster, rng, batch, k: int | None, split: s
     return build(fns, config.replace(overrides), cluster, rng, batch)
 
 
-def _base_builds(make: Callable, num_devices: int, fixed: dict[str, Any],
+def _base_builds(make: Callable, num_devices: int, per_host: int, fixed: dict[str, Any],
                  notes: list[str]) -> dict[tuple[int | None, str], Any]:
   """(model-axis size (None: fixed by the user), what is split) -> the candidate's build
-  without features, whose specs the estimates read; ``notes`` gets why one is not searched."""
+  without features, whose specs the estimates read; ``notes`` gets why one is not searched.
+  The model axis stays inside a host (at most ``per_host`` devices): tensor parallelism
+  all-reduces activations every layer, which the links across hosts cannot carry."""
   user_mesh = _user_scoped()
   if user_mesh:
     notes.append(f"mesh fixed by the user: {user_mesh}")
@@ -173,8 +179,10 @@ def _base_builds(make: Callable, num_devices: int, fixed: dict[str, Any],
     return {(None, ""): make(None, "", plain)}
   bases: dict[tuple[int | None, str], Any] = {}
   module = None
-  for k, split in [(1, "")] + [(k, s) for k in _divisors(num_devices)[1:]
-                               for s in ("all", "module")]:
+  sizes = [k for k in _divisors(num_devices)[1:] if per_host % k == 0]
+  if len(sizes) < len(_divisors(num_devices)) - 1:
+    notes.append(f"model axis at most {per_host}: the devices of one host")
+  for k, split in [(1, "")] + [(k, s) for k in sizes for s in ("all", "module")]:
     if split == "module":   # the dominant module, found in the data-parallel trace
       if module is None:
         continue
@@ -408,6 +416,14 @@ def _axes(spec) -> set[str]:
   return {a for a in jax.tree.leaves(tuple(spec)) if a is not None}
 
 
+def _per_host(cluster) -> int:
+  """Devices of the host with the fewest (a model axis within it stays within every host)."""
+  counts: dict[int, int] = {}
+  for d in cluster.devices:
+    counts[d.process_index] = counts.get(d.process_index, 0) + 1
+  return min(counts.values())
+
+
 def _divisors(n: int) -> list[int]:
   return [k for k in range(1, n + 1) if n % k == 0]
 
@@ -471,9 +487,11 @@ def _lost(row: Candidate, best: Candidate, limit: int) -> Candidate:
   diffs = {"compute": mine.compute_s - theirs.compute_s,
            "host transfers": mine.host_s - theirs.host_s,
            "bubble": mine.bubble_s - theirs.bubble_s}
-  for key in set(mine.comm_s) | set(theirs.comm_s):
+  for key in sorted(set(mine.comm_s) | set(theirs.comm_s)):
     kind, axis = key
     diffs[f"{kind} over {axis}"] = mine.comm_s.get(key, 0.0) - theirs.comm_s.get(key, 0.0)
+  # The part that grew most; of equal ones the first in this order (compute, host transfers,
+  # bubble, then collectives by kind and axis), so the text is the same every run.
   what, delta = max(diffs.items(), key=lambda kv: kv[1])
   if mine.step_s - theirs.step_s > 1e-12 and delta > 0:
     return dataclasses.replace(row, reason=f"+{_ms(delta)} {what} ({how})")

@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import epljax as epl
+from epljax import chips
 from epljax import cost as cost_lib
 from epljax.mesh import MODEL
 from helpers import MLP, assert_trees_close, classification_batch, linen_fns, reference_run
@@ -66,7 +67,7 @@ def check_estimate_within_10_percent(row):
 
 
 def _chip():
-  return cost_lib.chip_of(jax.devices()[0], epl.Env.get().config.auto)
+  return chips.chip_of(jax.devices()[0], epl.Env.get().config.auto)
 
 
 @pytest.fixture(scope="module")
@@ -367,20 +368,20 @@ class _Device:
 def test_the_chip_table_and_its_overrides():
   epl.init({"auto.peak_flops": 2e12, "auto.inter_host_bandwidth": 5e9})
   auto = epl.Env.get().config.auto
-  cpu = cost_lib.chip_of(jax.devices()[0], auto)
+  cpu = chips.chip_of(jax.devices()[0], auto)
   assert (cpu.name, cpu.peak_flops, cpu.inter_host_bandwidth) == ("cpu", 2e12, 5e9)
-  h100 = cost_lib.chip_of(_Device("NVIDIA H100 80GB HBM3"), epl.Config().auto)
+  h100 = chips.chip_of(_Device("NVIDIA H100 80GB HBM3"), epl.Config().auto)
   assert (h100.name, h100.peak_flops, h100.memory_bytes) == ("H100", 989e12, 70 << 30)
-  assert cost_lib.chip_of(_Device("TPU v5 lite"), epl.Config().auto).name == "TPU v5e"
+  assert chips.chip_of(_Device("TPU v5 lite"), epl.Config().auto).name == "TPU v5e"
   with pytest.raises(epl.PlanError, match=r"no cost figures for device kind 'mystery x1'.*"
                      r"Set auto.peak_flops, auto.intra_host_bandwidth"):
-    cost_lib.chip_of(_Device("Mystery X1"), epl.Config().auto)
+    chips.chip_of(_Device("Mystery X1"), epl.Config().auto)
   with pytest.raises(epl.PlanError, match=r"auto.efficiency=-0.5: the cost model needs positive"):
-    cost_lib.chip_of(jax.devices()[0], epl.Config({"auto.efficiency": -0.5}).auto)
+    chips.chip_of(jax.devices()[0], epl.Config({"auto.efficiency": -0.5}).auto)
 
 
 def test_collective_seconds_follow_the_ring_and_the_links():
-  chip = cost_lib.CHIPS["H100"]
+  chip = chips.CHIPS["H100"]
   one_mib = 1 << 20
   inside = cost_lib.link_seconds("all-reduce", one_mib, 8, False, chip)
   across = cost_lib.link_seconds("all-reduce", one_mib, 8, True, chip)

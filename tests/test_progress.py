@@ -121,21 +121,21 @@ def test_metrics_writer_writes_every_scalar_as_a_tensorboard_series(trained, tmp
 def test_the_plan_search_and_the_progress_bar_read_one_peak():
   """One table of peaks: the MFU of the bar and the search's chip agree (an H100 PCIe is not
   an SXM H100)."""
-  from epljax import cost
+  from epljax import chips
   for kind in ("NVIDIA H100 PCIe", "NVIDIA H100 80GB HBM3", "NVIDIA H200", "TPU v5 lite"):
     device = types.SimpleNamespace(device_kind=kind, platform="gpu", memory_stats=dict)
-    chip = cost.chip_of(device, epl.Config().auto)
+    chip = chips.chip_of(device, epl.Config().auto)
     assert chip.peak_flops == peak_tflops(device) * 1e12, kind
 
 
 def test_a_compile_only_device_takes_the_chip_tables_memory():
   """A compile-only device (jax's deviceless compile, bench/gpu_aot.py) has no memory_stats:
   the search's chip keeps the table's memory instead of failing."""
-  from epljax import cost
+  from epljax import chips
 
   def no_stats():
     raise jax.errors.JaxRuntimeError("MemoryStats is only supported for addressable devices")
 
   device = types.SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3", platform="gpu",
                                  memory_stats=no_stats)
-  assert cost.chip_of(device, epl.Config().auto).memory_bytes == cost.CHIPS["H100"].memory_bytes
+  assert chips.chip_of(device, epl.Config().auto).memory_bytes == chips.CHIPS["H100"].memory_bytes

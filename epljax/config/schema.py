@@ -145,7 +145,7 @@ class AutoConfig:
       "+ temp of the compiled step); 0: the device's own memory.", minimum=0)
   peak_flops: int | float = key(
       0.0, "Beyond EPL: the device's peak FLOP/s for the plan search's cost model; 0: the "
-      "chip table's (epljax.cost.CHIPS).")
+      "chip table's (epljax.chips.SPECS).")
   efficiency: int | float = key(
       0.0, "Beyond EPL: the share of peak FLOP/s a step reaches, for the cost model; 0: the "
       "chip table's (0.5).")

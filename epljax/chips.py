@@ -1,0 +1,218 @@
+"""One table of accelerators and the links between them, each figure with its source.
+
+``SPECS`` holds what a vendor states for a chip (dense bfloat16 and fp8/int8 peaks, memory)
+and for the system it usually comes in (the per-device link to devices of the same host, the
+per-device link to other hosts, the link to host memory). Bandwidths are bytes per second in
+one direction: a datasheet's "900 GB/s bidirectional" NVLink is 450 GB/s here, a "400 Gb/s"
+NIC per GPU 50 GB/s. ``chip_of`` turns a row into the ``Chip`` the cost model reads
+(``epljax.cost``), with the ``auto.*`` overrides; ``peak_flops`` is what the progress bar's MFU
+divides by.
+
+Two figures are not vendor figures and say so: ``LATENCY_S`` (a collective's fixed cost) and
+``EFFICIENCY`` (the share of peak a step reaches), fitted as their comments record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import numpy as np
+
+from epljax.errors import PlanError
+
+GB, GiB = 1e9, 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+  """Bytes per second one device sends over a link (one direction), and where it is stated."""
+  bytes_per_s: float
+  source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """A chip as its vendor states it, in the system it usually comes in."""
+  name: str
+  kinds: tuple[str, ...]     # lower-case substrings of jax's ``device_kind`` that mean it
+  bf16_flops: float          # dense (no sparsity)
+  low_flops: float | None    # dense fp8 (int8 on TPUs without fp8), None: none
+  memory_bytes: int
+  source: str
+  in_host: Link | None = None      # to the devices of the same host (NVLink, ICI, PCIe)
+  across_hosts: Link | None = None  # to devices of other hosts (InfiniBand/RoCE, DCN)
+  to_host: Link | None = None      # to its host's memory (PCIe)
+
+
+_PCIE5 = Link(64 * GB, "PCIe 5.0 x16: 64 GB/s per direction")
+_PCIE4 = Link(32 * GB, "PCIe 4.0 x16: 32 GB/s per direction")
+_NDR = Link(50 * GB, "one 400 Gb/s ConnectX-7 InfiniBand NDR NIC per GPU (DGX/HGX H100, "
+            "H200 and B200 reference designs)")
+_NVLINK4 = Link(450 * GB, "NVLink 4 through NVSwitch: 900 GB/s bidirectional per GPU")
+
+SPECS: tuple[Spec, ...] = (
+    Spec("H200", ("h200",), 989e12, 1979e12, 141 * GB,
+         "NVIDIA H200 Tensor Core GPU datasheet (SXM): 989 TFLOPS BF16, 1,979 FP8 dense, "
+         "141 GB HBM3e", _NVLINK4, _NDR, _PCIE5),
+    Spec("H100 PCIe", ("h100 pcie",), 756e12, 1513e12, 80 * GB,
+         "NVIDIA H100 datasheet (PCIe): 756 TFLOPS BF16, 1,513 FP8 dense, 80 GB",
+         Link(300 * GB, "NVLink bridge: 600 GB/s bidirectional per pair"), _NDR, _PCIE5),
+    Spec("H100", ("h100",), 989e12, 1979e12, 80 * GB,
+         "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989 TFLOPS BF16, 1,979 FP8 dense, "
+         "80 GB HBM3", _NVLINK4, _NDR, _PCIE5),
+    Spec("H800", ("h800",), 989e12, 1979e12, 80 * GB,
+         "NVIDIA H800 (SXM): the H100's compute and memory, NVLink cut to 400 GB/s "
+         "bidirectional",
+         Link(200 * GB, "NVLink: 400 GB/s bidirectional per GPU"),
+         Link(50 * GB, "DeepSeek-V3 technical report (2024), its H800 nodes: InfiniBand "
+              "50 GB/s per GPU"), _PCIE5),
+    Spec("B200", ("b200",), 2250e12, 4500e12, 180 * GB,
+         "NVIDIA DGX B200 datasheet: 72 PFLOPS FP8 training (sparse) over 8 GPUs, 1,440 GB; "
+         "halved for dense, FP8 -> BF16",
+         Link(900 * GB, "NVLink 5: 1.8 TB/s bidirectional per GPU"), _NDR, _PCIE5),
+    Spec("A100", ("a100", "a800"), 312e12, None, 80 * GB,
+         "NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB): 312 TFLOPS BF16 dense, no FP8",
+         Link(300 * GB, "NVLink 3 through NVSwitch: 600 GB/s bidirectional per GPU"),
+         Link(25 * GB, "one 200 Gb/s ConnectX-6 HDR NIC per GPU (DGX A100)"), _PCIE4),
+    Spec("L40S", ("l40s",), 362e12, 733e12, 48 * GB,
+         "NVIDIA L40S datasheet: 362 TFLOPS BF16, 733 FP8 dense, 48 GB GDDR6",
+         Link(32 * GB, "no NVLink: PCIe 4.0 x16 between GPUs, 32 GB/s per direction"),
+         Link(25 * GB, "assumed: one 200 Gb/s NIC per GPU (no reference design states one)"),
+         _PCIE4),
+    Spec("L4", ("l4",), 121e12, 242e12, 24 * GB,
+         "NVIDIA L4 datasheet: 121 TFLOPS BF16, 242 FP8 dense, 24 GB"),
+    Spec("A10", ("a10",), 125e12, None, 24 * GB, "NVIDIA A10 datasheet: 125 TFLOPS BF16 dense"),
+    Spec("V100", ("v100",), 125e12, None, 32 * GB,
+         "NVIDIA V100 datasheet (SXM2): 125 TFLOPS float16 tensor (no bfloat16)"),
+    Spec("TPU v6e", ("v6",), 918e12, 1836e12, 32 * GB,
+         "Cloud TPU v6e docs: 918 TFLOPs BF16, 1,836 TOPs int8, 32 GB HBM",
+         Link(400 * GB, "Cloud TPU v6e docs: ICI 800 GBps bidirectional per chip"),
+         Link(25e9 / 8, "assumed as v5e's: 2 x 100 Gbps NICs per host of 8 chips"), _PCIE5),
+    Spec("TPU v5e", ("v5 lite", "v5e"), 197e12, 393e12, 16 * GB,
+         "Cloud TPU v5e docs: 197 TFLOPs BF16, 393 TOPs int8, 16 GB HBM2",
+         Link(200 * GB, "Cloud TPU v5e docs: ICI 400 GBps bidirectional per chip"),
+         Link(25e9 / 8, "Cloud TPU v5e docs: 2 x 100 Gbps NICs per host of 8 chips"), _PCIE4),
+    Spec("TPU v5p", ("v5p", "v5"), 459e12, 459e12, 95 * GiB,
+         "Cloud TPU v5p docs: 459 TFLOPs BF16 and FP8, 95 GiB HBM2e",
+         Link(600 * GB, "Cloud TPU v5p docs: ICI 1,200 GBps bidirectional per chip"),
+         Link(50e9 / 8, "Cloud TPU v5p docs: DCN 50 Gbps per chip"), _PCIE4),
+    Spec("TPU v4", ("v4",), 275e12, None, 32 * GiB,
+         "Cloud TPU v4 docs: 275 TFLOPs BF16, 32 GiB HBM2"),
+)
+
+# A collective's fixed cost, whatever its size: NCCL's ring all-reduce of a few bytes on 8
+# H100s over NVLink takes 10-20 us (nccl-tests); 10 us ranks small collectives above free.
+LATENCY_S = 10e-6
+# The share of peak a well-fed step reaches (MFU). 0.5 is the middle of published large-model
+# runs: MaxText's Llama-2-7B on 1-8 H100 hosts at 492-407 TFLOP/s per GPU of 989 (0.50-0.41),
+# Megatron-LM's GPT runs at 0.41-0.52 (Narayanan et al. 2021, Korthikanti et al. 2022).
+EFFICIENCY = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """What the cost model reads of one device: peak dense FLOP/s, memory, and bytes/s of its
+  links to devices of the same host, to other hosts, and to its host's memory."""
+  name: str
+  peak_flops: float
+  memory_bytes: int
+  intra_host_bandwidth: float
+  inter_host_bandwidth: float
+  host_bandwidth: float
+  latency_s: float = LATENCY_S
+  efficiency: float = EFFICIENCY
+
+
+# Simulated devices share one host's cores and memory: figures for tests, which rank plans and
+# predict nothing.
+CPU = Chip("cpu", 1e11, 16 * GiB, 10 * GB, 1 * GB, 10 * GB)
+
+
+def spec_of(device_kind: str) -> Spec | None:
+  """The ``SPECS`` row of a ``device_kind`` ("NVIDIA H100 80GB HBM3"): the first row one of
+  whose ``kinds`` it contains (so "H100 PCIe" before "H100", "v5 lite" before "v5"), or
+  None."""
+  kind = device_kind.lower()
+  return next((s for s in SPECS if any(k in kind for k in s.kinds)), None)
+
+
+def peak_flops(device_kind: str) -> float | None:
+  """Dense bfloat16 FLOP/s of a device kind, or None when the table does not know it."""
+  spec = spec_of(device_kind)
+  return spec.bf16_flops if spec else None
+
+
+def chip_of(devices, auto_config) -> Chip:
+  """The cost model's ``Chip`` for a job's devices (one kind), with the ``auto.*`` overrides.
+
+  Every process reads the same row (``device_kind`` is known for every device). The device
+  memory is the table's, or XLA's ``bytes_limit`` of this process's first device where it has
+  one (a running GPU): ``agreed_memory`` makes the processes agree on it. An accelerator the
+  table does not know needs ``auto.peak_flops`` and the bandwidth keys."""
+  devices = list(devices) if isinstance(devices, (list, tuple)) else [devices]
+  first = devices[0]
+  kind = str(getattr(first, "device_kind", ""))
+  if first.platform == "cpu":
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    chip = dataclasses.replace(CPU, memory_bytes=min(CPU.memory_bytes, total))
+  else:
+    spec = spec_of(kind)
+    if spec is None or spec.in_host is None:
+      if not (auto_config.peak_flops and auto_config.intra_host_bandwidth
+              and auto_config.inter_host_bandwidth):
+        known = ", ".join(s.name for s in SPECS if s.in_host)
+        raise PlanError(
+            f"epljax has no cost figures for device kind {kind.lower()!r} (known: {known}). Set "
+            "auto.peak_flops, auto.intra_host_bandwidth and auto.inter_host_bandwidth (and "
+            "auto.memory_limit) for it.")
+      spec = spec or dataclasses.replace(SPECS[2], name=kind)   # (H100's memory and PCIe)
+    chip = Chip(spec.name, spec.bf16_flops, spec.memory_bytes,
+                spec.in_host.bytes_per_s if spec.in_host else 0.0,
+                spec.across_hosts.bytes_per_s if spec.across_hosts else 0.0,
+                spec.to_host.bytes_per_s if spec.to_host else _PCIE5.bytes_per_s)
+    local = local_memory_bytes(devices)
+    if local:
+      chip = dataclasses.replace(chip, memory_bytes=local)
+  overrides = {k: float(getattr(auto_config, k)) for k in
+               ("peak_flops", "efficiency", "intra_host_bandwidth", "inter_host_bandwidth")
+               if getattr(auto_config, k)}
+  bad = [f"auto.{k}={v!r}" for k, v in overrides.items() if not v > 0]
+  if bad:
+    raise PlanError(f"{', '.join(bad)}: the cost model needs positive figures (0 takes the "
+                    "chip table's).")
+  return dataclasses.replace(chip, **overrides)
+
+
+def local_memory_bytes(devices) -> int | None:
+  """XLA's ``bytes_limit`` of the first of ``devices`` this process addresses, or None (a
+  compile-only device, a backend without memory statistics)."""
+  me = jax.process_index()
+  mine = [d for d in devices if getattr(d, "process_index", me) == me]
+  if not mine:
+    return None
+  try:
+    stats = mine[0].memory_stats()
+  except (AttributeError, jax.errors.JaxRuntimeError):
+    return None
+  return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
+
+
+CHIPS: dict[str, Chip] = {
+    s.name: Chip(s.name, s.bf16_flops, s.memory_bytes, s.in_host.bytes_per_s,
+                 s.across_hosts.bytes_per_s, s.to_host.bytes_per_s)
+    for s in SPECS if s.in_host and s.across_hosts and s.to_host}
+CHIPS["cpu"] = CPU
+
+
+def agreed(chip: Chip) -> Chip:
+  """``chip`` with the memory every process agrees on: the smallest of the processes' (one
+  process's ``bytes_limit`` can differ from another's, and a plan chosen from it would differ
+  too: every process must compile the same program). One small all-gather when several."""
+  if jax.process_count() == 1:
+    return chip
+  from jax.experimental import multihost_utils   # (only multi-process jobs need it)
+
+  memory = multihost_utils.process_allgather(np.int64(chip.memory_bytes))
+  return dataclasses.replace(chip, memory_bytes=int(np.min(memory)))
