@@ -15,6 +15,7 @@ from epljax.env import Cluster, Env, init
 from epljax.errors import (CheckpointError, ConfigError, EPLError, NonFiniteError, PlanError,
                            ScopeError, StateError)
 from epljax.memory.remat import GradientCheckError, add_to_collection
+from epljax.mesh.topology import topology
 from epljax.metrics import MetricsWriter
 from epljax.plan import Plan
 from epljax.progress import Progress, progress
@@ -56,4 +57,5 @@ __all__ = [
     "replicate",
     "set_default_strategy",
     "split",
+    "topology",
 ]

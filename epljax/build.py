@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from epljax import batch as batch_lib
 from epljax import communication, memory
+from epljax import cost as cost_lib
 from epljax import pipeline as pipeline_lib
 from epljax import search
 from epljax import step as step_lib
@@ -137,7 +138,7 @@ def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
   waits = step_lib.waits_each_step(where.layout.mesh)
   lines = [sums, skip, step_lib.describe_wait(waits)]
   plan = make_plan(var, cap, where, [*features, *filter(None, lines)], fstate, jits, batch,
-                   rows)
+                   rows, target=cost_lib.Target.of(config, cluster))
   state_shardings = jits.pop("state_shardings")
   user = UserState(state_shardings=state_shardings, params_shape=var.params_shape,
                    state_shape=var.state_shape, optimizer=fns.optimizer, feature_state=fstate,
@@ -419,7 +420,8 @@ class Preflight:
 
 
 def make_plan(var: Variables, cap: Capture, where: Placement, features: Sequence[Feature],
-              fstate: dict, jits: dict[str, Any], batch: Any, rows: int) -> Plan:
+              fstate: dict, jits: dict[str, Any], batch: Any, rows: int,
+              target: cost_lib.Target | None = None) -> Plan:
   """Step 6: the plan, with the compiled facts computed lazily from the same executables."""
   layout, pipe, base = where.layout, where.pipe, where.shardings
   mesh, axes = layout.mesh, where.batch_plan.axes
@@ -460,7 +462,10 @@ def make_plan(var: Variables, cap: Capture, where: Placement, features: Sequence
       placement={"parameters": _where(base.params), "gradients": _where(grads_sh),
                  "optimizer state": _where(base.opt_state),
                  "model state": _where(base.model_state)},
-      compile_grads=lambda: grads_jit.lower(abstract_state, abstract_batch).compile())
+      compile_grads=lambda: grads_jit.lower(abstract_state, abstract_batch).compile(),
+      **({} if target is None else dict(
+          chip=target.chip, chip_note=target.chip_note, memory_limit=target.memory_limit,
+          step_cost=target.step_cost)))
 
 
 def _skips_by_cond(where: Placement, features: Sequence[Feature]) -> bool:

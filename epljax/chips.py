@@ -2,7 +2,9 @@
 
 ``SPECS`` holds what a vendor states for a chip (dense bfloat16 and fp8/int8 peaks, memory)
 and for the system it usually comes in (the per-device link to devices of the same host, the
-per-device link to other hosts, the link to host memory). Bandwidths are bytes per second in
+per-device link to other hosts, the link to host memory). GPU memory is in GiB (a "80 GB"
+H100 has five 16 GiB HBM stacks; XLA's limit on a running GPU replaces it). Bandwidths are
+bytes per second in
 one direction: a datasheet's "900 GB/s bidirectional" NVLink is 450 GB/s here, a "400 Gb/s"
 NIC per GPU 50 GB/s. ``chip_of`` turns a row into the ``Chip`` the cost model reads
 (``epljax.cost``), with the ``auto.*`` overrides; ``peak_flops`` is what the progress bar's MFU
@@ -53,38 +55,38 @@ _NDR = Link(50 * GB, "one 400 Gb/s ConnectX-7 InfiniBand NDR NIC per GPU (DGX/HG
 _NVLINK4 = Link(450 * GB, "NVLink 4 through NVSwitch: 900 GB/s bidirectional per GPU")
 
 SPECS: tuple[Spec, ...] = (
-    Spec("H200", ("h200",), 989e12, 1979e12, 141 * GB,
+    Spec("H200", ("h200",), 989e12, 1979e12, 141 * GiB,
          "NVIDIA H200 Tensor Core GPU datasheet (SXM): 989 TFLOPS BF16, 1,979 FP8 dense, "
          "141 GB HBM3e", _NVLINK4, _NDR, _PCIE5),
-    Spec("H100 PCIe", ("h100 pcie",), 756e12, 1513e12, 80 * GB,
+    Spec("H100 PCIe", ("h100 pcie",), 756e12, 1513e12, 80 * GiB,
          "NVIDIA H100 datasheet (PCIe): 756 TFLOPS BF16, 1,513 FP8 dense, 80 GB",
          Link(300 * GB, "NVLink bridge: 600 GB/s bidirectional per pair"), _NDR, _PCIE5),
-    Spec("H100", ("h100",), 989e12, 1979e12, 80 * GB,
+    Spec("H100", ("h100",), 989e12, 1979e12, 80 * GiB,
          "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989 TFLOPS BF16, 1,979 FP8 dense, "
          "80 GB HBM3", _NVLINK4, _NDR, _PCIE5),
-    Spec("H800", ("h800",), 989e12, 1979e12, 80 * GB,
+    Spec("H800", ("h800",), 989e12, 1979e12, 80 * GiB,
          "NVIDIA H800 (SXM): the H100's compute and memory, NVLink cut to 400 GB/s "
          "bidirectional",
          Link(200 * GB, "NVLink: 400 GB/s bidirectional per GPU"),
          Link(50 * GB, "DeepSeek-V3 technical report (2024), its H800 nodes: InfiniBand "
               "50 GB/s per GPU"), _PCIE5),
-    Spec("B200", ("b200",), 2250e12, 4500e12, 180 * GB,
+    Spec("B200", ("b200",), 2250e12, 4500e12, 180 * GiB,
          "NVIDIA DGX B200 datasheet: 72 PFLOPS FP8 training (sparse) over 8 GPUs, 1,440 GB; "
          "halved for dense, FP8 -> BF16",
          Link(900 * GB, "NVLink 5: 1.8 TB/s bidirectional per GPU"), _NDR, _PCIE5),
-    Spec("A100", ("a100", "a800"), 312e12, None, 80 * GB,
+    Spec("A100", ("a100", "a800"), 312e12, None, 80 * GiB,
          "NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB): 312 TFLOPS BF16 dense, no FP8",
          Link(300 * GB, "NVLink 3 through NVSwitch: 600 GB/s bidirectional per GPU"),
          Link(25 * GB, "one 200 Gb/s ConnectX-6 HDR NIC per GPU (DGX A100)"), _PCIE4),
-    Spec("L40S", ("l40s",), 362e12, 733e12, 48 * GB,
+    Spec("L40S", ("l40s",), 362e12, 733e12, 48 * GiB,
          "NVIDIA L40S datasheet: 362 TFLOPS BF16, 733 FP8 dense, 48 GB GDDR6",
          Link(32 * GB, "no NVLink: PCIe 4.0 x16 between GPUs, 32 GB/s per direction"),
          Link(25 * GB, "assumed: one 200 Gb/s NIC per GPU (no reference design states one)"),
          _PCIE4),
-    Spec("L4", ("l4",), 121e12, 242e12, 24 * GB,
+    Spec("L4", ("l4",), 121e12, 242e12, 24 * GiB,
          "NVIDIA L4 datasheet: 121 TFLOPS BF16, 242 FP8 dense, 24 GB"),
-    Spec("A10", ("a10",), 125e12, None, 24 * GB, "NVIDIA A10 datasheet: 125 TFLOPS BF16 dense"),
-    Spec("V100", ("v100",), 125e12, None, 32 * GB,
+    Spec("A10", ("a10",), 125e12, None, 24 * GiB, "NVIDIA A10 datasheet: 125 TFLOPS BF16 dense"),
+    Spec("V100", ("v100",), 125e12, None, 32 * GiB,
          "NVIDIA V100 datasheet (SXM2): 125 TFLOPS float16 tensor (no bfloat16)"),
     Spec("TPU v6e", ("v6",), 918e12, 1836e12, 32 * GB,
          "Cloud TPU v6e docs: 918 TFLOPs BF16, 1,836 TOPs int8, 32 GB HBM",
@@ -154,7 +156,7 @@ def chip_of(devices, auto_config) -> Chip:
   devices = list(devices) if isinstance(devices, (list, tuple)) else [devices]
   first = devices[0]
   kind = str(getattr(first, "device_kind", ""))
-  if first.platform == "cpu":
+  if first.platform == "cpu":   # (one simulated device's share of this host's memory)
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     chip = dataclasses.replace(CPU, memory_bytes=min(CPU.memory_bytes, total))
   else:
@@ -172,9 +174,9 @@ def chip_of(devices, auto_config) -> Chip:
                 spec.in_host.bytes_per_s if spec.in_host else 0.0,
                 spec.across_hosts.bytes_per_s if spec.across_hosts else 0.0,
                 spec.to_host.bytes_per_s if spec.to_host else _PCIE5.bytes_per_s)
-    local = local_memory_bytes(devices)
-    if local:
-      chip = dataclasses.replace(chip, memory_bytes=local)
+  local = local_memory_bytes(devices)
+  if local:
+    chip = dataclasses.replace(chip, memory_bytes=local)
   overrides = {k: float(getattr(auto_config, k)) for k in
                ("peak_flops", "efficiency", "intra_host_bandwidth", "inter_host_bandwidth")
                if getattr(auto_config, k)}
@@ -214,5 +216,8 @@ def agreed(chip: Chip) -> Chip:
     return chip
   from jax.experimental import multihost_utils   # (only multi-process jobs need it)
 
-  memory = multihost_utils.process_allgather(np.int64(chip.memory_bytes))
-  return dataclasses.replace(chip, memory_bytes=int(np.min(memory)))
+  # (in two 32-bit halves: without jax_enable_x64 a 64-bit integer would be cut to 32 bits)
+  halves = np.array([chip.memory_bytes >> 30, chip.memory_bytes & ((1 << 30) - 1)], np.int32)
+  gathered = np.asarray(multihost_utils.process_allgather(halves)).reshape(-1, 2)
+  memory = min((int(hi) << 30) + int(lo) for hi, lo in gathered)
+  return dataclasses.replace(chip, memory_bytes=memory)

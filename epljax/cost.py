@@ -15,11 +15,14 @@ import dataclasses
 import math
 import re
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from epljax import hlo
+from epljax import chips
 from epljax.chips import Chip
+from epljax.errors import PlanError
 from epljax.mesh import hosts
 
 
@@ -85,6 +88,59 @@ def compiled_cost(compiled, mesh, chip: Chip, host_bytes: int = 0) -> StepCost:
                   host_s=host_bytes / chip.host_bandwidth)
 
 
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """What the plan is measured against: the devices' chip (``epljax.chips``; None with the
+  reason when the table has no figures for them), the memory limit, what offload moves."""
+  chip: Any
+  chip_note: str
+  memory_limit: int | None
+  offload: str
+
+  @classmethod
+  def of(cls, config, cluster) -> Target:
+    try:   # (every process reads the same chip: ``chips.agreed``)
+      chip, note = chips.agreed(chips.chip_of(cluster.devices, config.auto)), ""
+    except PlanError as e:
+      chip, note = None, "no prediction: " + str(e).splitlines()[0]
+    limit = config.auto.memory_limit or (chip.memory_bytes if chip else None)
+    return cls(chip, note, limit, config.offload.level)
+
+  def step_cost(self, plan) -> StepCost:
+    """The predicted cost of ``plan``'s compiled step (``cost.step_cost``)."""
+    host = 0
+    if self.offload:   # weights in and out (v1: the optimizer state too), not in the HLO
+      host = 2 * plan.param_bytes + (2 * plan.optimizer_bytes if self.offload == "v1" else 0)
+    return step_cost(plan.compiled, plan.mesh, self.chip, plan.pipeline, host)
+
+
+def step_cost(compiled, mesh, chip: Chip, pipe=None, host_bytes: int = 0) -> StepCost:
+  """``compiled_cost`` of a train step; with pipeline stages (``pipe``, an
+  ``epljax.pipeline.Pipeline``) its FLOPs and bubble from the schedule (``_pipeline_compute``)."""
+  step = compiled_cost(compiled, mesh, chip, host_bytes)
+  return step if pipe is None else _pipeline_compute(step, pipe, compiled, chip)
+
+
+def _pipeline_compute(step: StepCost, pipe, compiled, chip: Chip) -> StepCost:
+  """``step`` with the FLOPs, compute and bubble its schedule executes.
+
+  XLA's cost analysis counts the tick loop once and its switch as the costliest branch, so the
+  loss and gradient FLOPs are each branch's forward and backward (``runtime.branch_flops``,
+  compiled alone) times its busy slots, per device; the rest of the step (the optimizer
+  update) is what the analysis counts beyond one tick of the costliest branches. A tick runs
+  at the pace of its busiest stage: the bubble is the ticks' paces less the device's work."""
+  from epljax.pipeline import runtime   # (the pipeline package reads this module)
+
+  costs = runtime.branch_flops(pipe.loop, pipe.aux_avals, pipe.batch_avals)
+  per_tick = runtime.tick_flops(costs, pipe.loop.branch_of, pipe.schedule)
+  rest = max(0.0, analysed_flops(compiled) - max(f for f, _ in costs)
+             - max(b for _, b in costs))
+  rate = chip.peak_flops * chip.efficiency
+  work = per_tick.sum() / pipe.schedule.num_stages
+  return dataclasses.replace(step, flops=work + rest, compute_s=(work + rest) / rate,
+                             bubble_s=(per_tick.max(axis=1).sum() - work) / rate)
+
+
 def compiled_flops(compiled, hlo_text: str | None = None) -> float:
   """``cost_analysis()`` FLOPs, with the matmuls of loop bodies counted once per iteration.
 
@@ -94,7 +150,10 @@ def compiled_flops(compiled, hlo_text: str | None = None) -> float:
   ``hlo_text``: ``compiled.as_text()``, where the caller has it already."""
   if hlo_text is None:
     hlo_text = compiled.as_text()
-  return analysed_flops(compiled) + loop_matmul_flops(hlo_text)
+  analysed = analysed_flops(compiled)
+  if not analysed:   # (no cost analysis: XLA:GPU compiling for devices it does not have)
+    return matmul_flops(hlo_text)
+  return analysed + loop_matmul_flops(hlo_text)
 
 
 def analysed_flops(compiled) -> float:
@@ -107,10 +166,40 @@ def analysed_flops(compiled) -> float:
 
 
 _DOT = re.compile(r"lhs_contracting_dims=\{(?P<dims>[\d,]*)\}")
+# XLA:GPU's library matmuls: a custom call whose backend config states the contraction.
+_GEMM = re.compile(r'custom_call_target="__cublas\$(?:lt\$matmul|gemm)[^"]*"')
+_GEMM_DOT = re.compile(r'"lhs_contracting_dimensions":\[(?P<dims>[^\]]*)\]')
 
 
-def loop_matmul_flops(hlo_text: str) -> float:
-  """FLOPs of the matmuls (``dot``) in loop bodies, times the iterations beyond the first."""
+def _body_matmul_flops(text: str) -> float:
+  """FLOPs of one computation's matmuls: ``dot`` instructions and XLA:GPU's cuBLAS calls
+  (2 x output elements x contracted elements)."""
+  types = {m["name"]: m["type"] for m in hlo._INSTRUCTION.finditer(text)}
+  flops = 0.0
+  for m in hlo._INSTRUCTION.finditer(text):
+    line_end = text.find("\n", m.end())
+    rest = text[m.end():line_end if line_end >= 0 else len(text)]
+    if m["op"] == "dot":
+      dims = _DOT.search(rest)
+    elif m["op"] == "custom-call" and _GEMM.search(rest):
+      dims = _GEMM_DOT.search(rest)
+    else:
+      continue
+    first = m["operands"].split(",")[0].strip()
+    lhs = hlo._ARRAY.search(first) or hlo._ARRAY.search(types.get(first.lstrip("%"), ""))
+    out = hlo._ARRAY.search(m["type"])
+    if not (out and lhs and dims):
+      continue
+    shape = [int(d) for d in lhs["dims"].split(",") if d]
+    contracted = math.prod(shape[int(d.strip('" '))] for d in dims["dims"].split(",")
+                           if d.strip('" '))
+    flops += 2.0 * math.prod(int(d) for d in out["dims"].split(",") if d) * contracted
+  return flops
+
+
+def _matmul_runs(hlo_text: str) -> list[tuple[float, int, int]]:
+  """Per computation with matmuls: (their FLOPs, runs per step with loop trips, runs counting
+  each loop body once)."""
   bodies, entry, callers = hlo._computations(hlo_text)
 
   def runs(name: str, trips: bool, seen: dict) -> int:
@@ -122,26 +211,23 @@ def loop_matmul_flops(hlo_text: str) -> float:
                        for c, t, _ in callers.get(name, ()))
     return seen[name]
 
-  with_trips, once, extra = {}, {}, 0.0
+  with_trips, once, out = {}, {}, []
   for name, lines in bodies.items():
-    text = "\n".join(lines)
-    types = {m["name"]: m["type"] for m in hlo._INSTRUCTION.finditer(text)}
-    flops = 0.0
-    for m in hlo._INSTRUCTION.finditer(text):
-      if m["op"] != "dot":
-        continue
-      out = hlo._ARRAY.search(m["type"])
-      lhs = hlo._ARRAY.search(types.get(m["operands"].split(",")[0].strip().lstrip("%"), ""))
-      line_end = text.find("\n", m.end())
-      dims = _DOT.search(text, m.end(), line_end if line_end >= 0 else len(text))
-      if not (out and lhs and dims):
-        continue
-      shape = [int(d) for d in lhs["dims"].split(",") if d]
-      contracted = math.prod(shape[int(d)] for d in dims["dims"].split(",") if d)
-      flops += 2.0 * math.prod(int(d) for d in out["dims"].split(",") if d) * contracted
+    flops = _body_matmul_flops("\n".join(lines))
     if flops:
-      extra += flops * (runs(name, True, with_trips) - runs(name, False, once))
-  return extra
+      out.append((flops, runs(name, True, with_trips), runs(name, False, once)))
+  return out
+
+
+def loop_matmul_flops(hlo_text: str) -> float:
+  """FLOPs of the matmuls in loop bodies, times the iterations beyond the first."""
+  return sum(f * (trips - once) for f, trips, once in _matmul_runs(hlo_text))
+
+
+def matmul_flops(hlo_text: str) -> float:
+  """FLOPs of every matmul one run of the program executes (loop bodies times their trips):
+  what a step computes where ``cost_analysis()`` has nothing (a compile-only GPU)."""
+  return sum(f * trips for f, trips, _ in _matmul_runs(hlo_text))
 
 
 def collective_axis(c: hlo.Collective, mesh) -> tuple[str, int, bool]:

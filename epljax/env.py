@@ -7,11 +7,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -32,6 +33,7 @@ class Cluster:
   local_device_count: int
   platform: str
   devices: tuple[jax.Device, ...] = dataclasses.field(repr=False)
+  compile_only: bool = False   # devices XLA compiles for but nothing runs on (epl.topology)
 
   @property
   def local_devices(self) -> tuple[jax.Device, ...]:
@@ -59,12 +61,18 @@ class Env:
     return f"Env(config={self.config!r}, cluster={self.cluster!r})"
 
 
-def init(config: Config | Mapping[str, Any] | None = None) -> Env:
+def init(config: Config | Mapping[str, Any] | None = None,
+         devices: Sequence[jax.Device] | None = None) -> Env:
   """Starts epljax in this process and returns ``Env``.
 
   ``config`` is an ``epl.Config``, a dict of keys (``{"pipeline.num_micro_batch": 4}``) or
   ``None`` for the defaults and the ``EPL_*`` environment. Calling ``init`` again (a notebook,
   a test) replaces the configuration and forgets earlier scopes and the default strategy.
+
+  ``devices``: plan for these instead of ``jax.devices()``: a subset of this job's devices,
+  or compile-only devices of a cluster this machine is not (``epl.topology("h100", hosts=8,
+  per_host=8)``), for which ``trainer.compile(batch)`` plans and compiles the step and nothing
+  runs. A device's host is its ``process_index``.
 
   In one worker of a multi-process job (``python -m epljax.launch``, or Slurm / Open MPI) the
   first call connects the workers with ``jax.distributed.initialize``, before anything starts
@@ -77,10 +85,13 @@ def init(config: Config | Mapping[str, Any] | None = None) -> Env:
   elif not isinstance(config, Config):
     raise ConfigError(f"epl.init(config) expects an epl.Config, a dict or None; got "
                       f"{type(config).__name__}.")
+  if devices is not None:
+    devices = _given(devices)
   launch_runtime.initialize()   # before _cluster: jax.devices() would start the backend
+  cluster = _cluster(config.cluster, devices if devices is not None else _PLANNED.devices)
   strategy.reset()
   annotations.reset()
-  Env._current = Env(config, _cluster(config.cluster))
+  Env._current = Env(config, cluster)
   return Env._current
 
 
@@ -114,19 +125,73 @@ def _caller_outside_epljax() -> int:
   return level
 
 
-def _cluster(cfg: ClusterConfig) -> Cluster:
-  devices = tuple(jax.devices())
+class _Planned:
+  """The devices ``python -m epljax.plan`` plans an unchanged script for: ``init`` without
+  ``devices`` takes them while it runs the script (``planning_for``)."""
+  devices: tuple[jax.Device, ...] | None = None
+
+
+_PLANNED = _Planned()
+
+
+@contextlib.contextmanager
+def planning_for(devices: Sequence[jax.Device]) -> Iterator[None]:
+  """While inside, ``epl.init`` without ``devices`` plans for ``devices`` (the CLI's
+  ``--topology``); restored after."""
+  saved = _PLANNED.devices
+  _PLANNED.devices = _given(devices)
+  try:
+    yield
+  finally:
+    _PLANNED.devices = saved
+
+
+def _given(devices: Sequence[jax.Device]) -> tuple[jax.Device, ...]:
+  devices = tuple(devices)
+  if not devices or not all(isinstance(d, jax.Device) for d in devices):
+    raise ConfigError("epl.init(devices=...) takes a non-empty list of jax devices "
+                      "(jax.devices(), a subset of them, or epl.topology(...)); got "
+                      f"{[type(d).__name__ for d in devices][:4]}.")
+  if len({d.platform for d in devices}) > 1 or len({d.device_kind for d in devices}) > 1:
+    kinds = sorted({f"{d.platform}:{d.device_kind}" for d in devices})
+    raise ConfigError(f"epl.init(devices=...) got devices of several kinds ({kinds}); one "
+                      "mesh takes devices of one kind.")
+  if len({d.id for d in devices}) < len(devices):
+    raise ConfigError("epl.init(devices=...) names a device twice.")
+  return devices
+
+
+def _cluster(cfg: ClusterConfig, given: tuple[jax.Device, ...] | None = None) -> Cluster:
+  devices = tuple(jax.devices()) if given is None else given
   if cfg.run_visible_devices:
     devices = _visible(devices, cfg.run_visible_devices)
   me = jax.process_index()
+  hosts = sorted({d.process_index for d in devices})
+  if me not in hosts:   # compile-only devices stand for hosts this process is not: the first
+    me = hosts[0]
   return Cluster(
-      worker_num=jax.process_count(),
+      worker_num=len(hosts) if given is not None else jax.process_count(),
       worker_index=me,
       total_gpu_num=len(devices),
       local_device_count=sum(d.process_index == me for d in devices),
       platform=devices[0].platform,
       devices=devices,
+      compile_only=given is not None and not _runs_here(devices),
   )
+
+
+# jax.devices as imported: ``python -m epljax.plan`` answers jax.devices() with the topology's
+# devices while a script runs, and this must still tell them from the backend's own.
+_backend_devices = jax.devices
+
+
+def _runs_here(devices: tuple[jax.Device, ...]) -> bool:
+  """Whether ``devices`` are devices of this job's backends (else compile-only)."""
+  try:
+    known = set(_backend_devices(devices[0].platform))
+  except RuntimeError:   # no backend for that platform in this process
+    return False
+  return all(d in known for d in devices)
 
 
 def _visible(devices: tuple[jax.Device, ...], spec: str) -> tuple[jax.Device, ...]:

@@ -59,7 +59,7 @@ from epljax import strategy as strategy_lib
 from epljax.errors import PlanError, size
 from epljax.memory import offload
 from epljax.mesh import MODEL, STAGE
-from epljax.pipeline import runtime, schedules
+from epljax.pipeline import schedules
 from epljax.pipeline.auto import StageBalanceWarning
 from epljax.sharding import annotations
 
@@ -265,28 +265,9 @@ def _compile_in_order(rows: list[Candidate], bases: dict, make: Callable, chip, 
 
 
 def _compiled_cost(built, features: dict[str, Any], chip) -> cost_lib.StepCost:
-  compiled = built.plan.compiled
-  step = cost_lib.compiled_cost(compiled, built.plan.mesh, chip, _host_bytes(built, features))
-  pipe = built.plan.pipeline
-  return step if pipe is None else _pipeline_compute(step, pipe, compiled, chip)
-
-
-def _pipeline_compute(step: cost_lib.StepCost, pipe, compiled, chip) -> cost_lib.StepCost:
-  """``step`` with the FLOPs, compute and bubble its schedule executes.
-
-  XLA's cost analysis counts the tick loop once and its switch as the costliest branch, so the
-  loss and gradient FLOPs are each branch's forward and backward (``runtime.branch_flops``,
-  compiled alone) times its busy slots, per device; the rest of the step (the optimizer
-  update) is what the analysis counts beyond one tick of the costliest branches. A tick runs
-  at the pace of its busiest stage: the bubble is the ticks' paces less the device's work."""
-  costs = runtime.branch_flops(pipe.loop, pipe.aux_avals, pipe.batch_avals)
-  per_tick = runtime.tick_flops(costs, pipe.loop.branch_of, pipe.schedule)
-  rest = max(0.0, cost_lib.analysed_flops(compiled) - max(f for f, _ in costs)
-             - max(b for _, b in costs))
-  rate = chip.peak_flops * chip.efficiency
-  work = per_tick.sum() / pipe.schedule.num_stages
-  return dataclasses.replace(step, flops=work + rest, compute_s=(work + rest) / rate,
-                             bubble_s=(per_tick.max(axis=1).sum() - work) / rate)
+  """The compiled step's cost on ``chip`` (``build.Target.step_cost``: the offload level of
+  ``features``)."""
+  return cost_lib.Target(chip, "", None, features["offload"]).step_cost(built.plan)
 
 
 def _order(row: Candidate) -> tuple:
@@ -435,15 +416,6 @@ def _estimate(built, facts, features: dict[str, Any], chip, batch_bytes: int, sp
   return Candidate(dict(built.plan.mesh.shape), dict(features), step.bytes_per_device,
                    step.step_s, step.compute_s, step.communication_s, step.bubble_s,
                    compiled=False, split=split, estimate=step)
-
-
-def _host_bytes(built, features: dict[str, Any]) -> int:
-  """Bytes an offloaded step moves between host and device (weights in and out, with v1 the
-  optimizer state too): not in the device's HLO collectives."""
-  if not features["offload"]:
-    return 0
-  plan = built.plan
-  return 2 * plan.param_bytes + (2 * plan.optimizer_bytes if features["offload"] == "v1" else 0)
 
 
 def _calibrated(rows: list[Candidate], measured: Candidate) -> list[Candidate]:

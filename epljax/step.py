@@ -109,10 +109,20 @@ def map_optimizer_state(optimizer: optax.GradientTransformation, fn: Callable[[A
   def masked(x):
     return isinstance(x, optax.MaskedNode)
 
-  return optax.tree_map_params(
-      optimizer, lambda v, p: v if masked(v) else fn(v, p), state, params_like,
-      transform_non_params=non_params,
-      is_leaf=lambda x: masked(x) or (is_leaf is not None and is_leaf(x)))
+  def mapped():
+    return optax.tree_map_params(
+        optimizer, lambda v, p: v if masked(v) else fn(v, p), state, params_like,
+        transform_non_params=non_params,
+        is_leaf=lambda x: masked(x) or (is_leaf is not None and is_leaf(x)))
+
+  # The optimizer's init that tree_map_params calls runs on abstract values (its zeros would
+  # otherwise be computed: a compile and a device array per call); a tree of shardings comes
+  # out unchanged. Arrays in ``state`` (left as they are, no ``non_params``) need the eager way.
+  found = []
+  jax.eval_shape(lambda: found.append(mapped()))
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(found[0])):
+    return mapped()
+  return found[0]
 
 
 SKIP_BY_COND = ("cpu",)   # platforms whose step skips by lax.cond (module doc)

@@ -23,9 +23,10 @@ function (a ``shard_map`` loop over micro batches) instead of ``step.accumulate_
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -131,6 +132,11 @@ class Trainer:
     """
     if Env._current is not self._env_seen:   # epl.init ran again: its config does not apply
       self._env_seen = env_lib.kept_config(self._config)
+    if _STOP_AT_INIT.active:   # python -m epljax.plan: plan for the topology, run nothing
+      raise Planned(self, self.compile(batch))
+    if self._cluster.compile_only:
+      raise StateError(_COMPILE_ONLY.format(n=self._cluster.total_gpu_num,
+                                            kind=self._cluster.devices[0].device_kind))
     if isinstance(rng, int):
       rng = jax.random.key(rng)
     built = self._build(rng, batch)
@@ -140,6 +146,24 @@ class Trainer:
       state = built.user_state.start(variables)
     self._returned = weakref.ref(state)
     return state
+
+  def compile(self, batch: Any, rng: jax.Array | int | None = None) -> Plan:
+    """Plans and compiles the step for ``batch``'s shapes without creating any state:
+    ``init_fn`` and ``loss_fn`` are traced, never run. Returns ``trainer.plan``, whose
+    ``bytes_per_device``, ``fits``, ``collectives`` and ``predicted_step_s`` read the
+    compiled step (the executable ``train_step`` would run, on devices that can run it).
+
+    ``batch``: what this process would pass to ``train_step`` (arrays, or
+    ``jax.ShapeDtypeStruct``); on compile-only devices (``epl.topology``) this one process
+    stands for every host, so it is the global batch.
+    """
+    if Env._current is not self._env_seen:
+      self._env_seen = env_lib.kept_config(self._config)
+    if rng is None or isinstance(rng, int):
+      rng = jax.eval_shape(lambda: jax.random.key(rng or 0))   # (abstract: nothing is made)
+    built = self._build(rng, batch)
+    _ = built.plan.compiled
+    return built.plan
 
   def train_step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
     """One global step over all micro batches; ``metrics["loss"]`` is the global mean loss."""
@@ -310,6 +334,43 @@ class Trainer:
 
 
 _TRAINERS: weakref.WeakSet[Trainer] = weakref.WeakSet()
+
+_COMPILE_ONLY = """\
+This Trainer plans for {n} compile-only devices ({kind}: epl.init(devices=epl.topology(...))):
+XLA compiles for them, but nothing can run on them, so there is no state to create. Plan and
+compile the step instead, and read the plan:
+
+    plan = trainer.compile(batch)      # arrays or jax.ShapeDtypeStruct of the global batch
+    print(plan)                        # bytes per device, fits, collectives, predicted step
+
+To train, call epl.init(config) without devices on the machines themselves."""
+
+
+class Planned(Exception):
+  """Raised out of ``trainer.init`` while ``python -m epljax.plan`` runs a script: the plan
+  is made, the script stops there (``stop_at_init``)."""
+
+  def __init__(self, trainer: Trainer, plan: Plan):
+    super().__init__("planned")
+    self.trainer, self.plan = trainer, plan
+
+
+class _StopAtInit:
+  active = False
+
+
+_STOP_AT_INIT = _StopAtInit()
+
+
+@contextlib.contextmanager
+def stop_at_init() -> Iterator[None]:
+  """While inside, ``Trainer.init`` compiles the plan and raises ``Planned`` instead of
+  creating state (``python -m epljax.plan``)."""
+  saved, _STOP_AT_INIT.active = _STOP_AT_INIT.active, True
+  try:
+    yield
+  finally:
+    _STOP_AT_INIT.active = saved
 
 
 def trainer_of(state: Any) -> Built | None:

@@ -1,8 +1,10 @@
 """``Trainer.plan``: what epljax will do, readable by a person and checkable by a test.
 
 ``print(trainer.plan)`` shows the mesh, the task graphs, every parameter's ``PartitionSpec`` and
-bytes per device, the per-device memory of the compiled step and its collectives. The compiled
-facts come from the same executable ``train_step`` runs (compiled on first use, then cached).
+bytes per device, the per-device memory of the compiled step and whether it fits the device,
+its collectives per mesh axis (and whether they cross hosts) and the step time the cost model
+predicts from them. The compiled facts come from the same executable ``train_step`` runs,
+compiled once on first use (printing compiles nothing else).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from epljax import hlo
 from epljax.errors import size
+from epljax.mesh import hosts
 from epljax.strategy import TaskGraph
 
 
@@ -38,6 +41,15 @@ class Leaf:
   taskgraph: str
   trainable: bool
   rule: str = ""      # why it has its spec: a split rule, or the user's annotation
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCollective(hlo.Collective):
+  """A collective of the compiled step (``hlo.Collective``: kind, shapes, bytes, replica
+  groups) with the mesh axes it runs over (``"data"``, ``"data+model"``; ``"?"`` when its
+  groups are not lines of the mesh) and whether a group crosses hosts."""
+  axes: str = "?"
+  crosses_hosts: bool = False
 
 
 def leaf_bytes_per_device(shape: Sequence[int], dtype: Any, sharding: NamedSharding) -> int:
@@ -72,7 +84,9 @@ class Plan:
                features: Sequence[str | Callable[[], str]] = (),
                compile_step: Callable[[], Any], pipeline: Any = None,
                grads_bytes: int | None = None, placement: dict[str, str] | None = None,
-               compile_grads: Callable[[], Any] | None = None):
+               compile_grads: Callable[[], Any] | None = None, chip: Any = None,
+               memory_limit: int | None = None, step_cost: Callable[[Plan], Any] | None = None,
+               chip_note: str = ""):
     self.mesh = mesh
     self.num_replicas = num_replicas
     self.num_stages = num_stages
@@ -92,6 +106,12 @@ class Plan:
     self.placement = dict(placement or {})   # part of the state -> "device" / "host (...)"
     self._compile_grads = compile_grads
     self._grads_compiled = None
+    self._collectives: list[StepCollective] | None = None
+    self.chip = chip                     # epljax.chips.Chip of the devices, or None
+    self.chip_note = chip_note           # why there is no chip (no cost figures), or ""
+    self.memory_limit = memory_limit     # auto.memory_limit, or the device's memory
+    self._step_cost = step_cost          # plan -> cost.StepCost of its compiled step
+    self._cost = None
     self.search: list[Any] = []          # auto.auto_parallel's rows (``epljax.search``)
     self.search_notes: list[str] = []    # what the search fixed, skipped and assumed
 
@@ -117,14 +137,60 @@ class Plan:
     return self.compiled.memory_analysis()
 
   @property
-  def collectives(self) -> list[hlo.Collective]:
-    """Every collective one step executes (those in loops once per iteration)."""
-    return hlo.executed_collectives(self.compiled.as_text())
+  def collectives(self) -> list[StepCollective]:
+    """Every collective one step executes (those in loops once per iteration), each with the
+    mesh axes it runs over and whether it crosses hosts (``epljax.mesh.hosts``)."""
+    if self._collectives is None:
+      from epljax import cost   # (cost reads plans)
+
+      rows = []
+      for c in hlo.executed_collectives(self.compiled.as_text()):
+        axes, _, across = cost.collective_axis(c, self.mesh)
+        rows.append(StepCollective(c.kind, c.shapes, c.bytes, c.replica_groups, axes, across))
+      self._collectives = rows
+    return self._collectives
+
+  @property
+  def bytes_per_device(self) -> int:
+    """Bytes one device holds at the step's peak: arguments + outputs - aliased + temp of the
+    compiled step (``memory_analysis()``)."""
+    mem = self.memory
+    return (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+            + mem.temp_size_in_bytes)
+
+  @property
+  def fits(self) -> bool:
+    """``bytes_per_device`` within ``memory_limit`` (``auto.memory_limit``, else the memory of
+    the device: XLA's limit on a running GPU, the chip table's for compile-only devices)."""
+    return self.memory_limit is None or self.bytes_per_device <= self.memory_limit
+
+  @property
+  def cost(self):
+    """The cost model's reading of the compiled step (``epljax.cost.StepCost``: FLOPs,
+    collective bytes and seconds per (kind, axis), compute, bubble), or None without a chip."""
+    if self._cost is None and self._step_cost is not None and self.chip is not None:
+      self._cost = self._step_cost(self)
+    return self._cost
+
+  @property
+  def predicted_step_s(self) -> float | None:
+    """Seconds the cost model predicts for one step on ``chip`` (``epljax.cost``), or None."""
+    return None if self.cost is None else self.cost.step_s
+
+  @property
+  def mfu(self) -> float | None:
+    """Model FLOPs utilization the prediction implies: the step's FLOPs per device over the
+    predicted step time and the chip's peak."""
+    cost = self.cost
+    if cost is None or not cost.step_s:
+      return None
+    return cost.flops / (cost.step_s * self.chip.peak_flops)
 
   @property
   def activation_bytes(self) -> int | None:
     """Per device: temporaries of the compiled forward and backward pass (loss and gradients,
-    no update): the activations kept for the backward pass and what is computed from them."""
+    no update): the activations kept for the backward pass and what is computed from them.
+    Compiles that program (once) when first read; printing the plan does not read it."""
     if self._compile_grads is None:
       return None
     if self._grads_compiled is None:
@@ -180,11 +246,47 @@ class Plan:
     out.append(("memory per device", self._memory_blocks()))
     if self.search:
       out.append(("automatic plan (auto.auto_parallel)", self._search_blocks()))
-    summary = hlo.summarize(self.collectives)
-    out.append(("collectives per step (compiled HLO)", [
-        (["kind", "count", "bytes"], [[k, n, size(b)] for k, (n, b) in summary.items()])
-    ] if summary else ["none"]))
+    out.append(("collectives per step (compiled HLO)", self._collective_blocks()))
+    predicted = self._predicted_blocks()
+    if predicted:
+      out.append(("predicted step (epljax.cost)", predicted))
     return out
+
+  def _collective_blocks(self) -> list[Any]:
+    """One row per (kind, axes): count, bytes per device per step, whether it crosses hosts."""
+    rows: dict[tuple[str, str], list] = {}
+    for c in self.collectives:
+      row = rows.setdefault((c.kind, c.axes), [0, 0, False])
+      row[0] += 1
+      row[1] += c.bytes
+      row[2] = row[2] or c.crosses_hosts
+    if not rows:
+      return ["none"]
+    return [(["kind", "axes", "count", "bytes", "crosses hosts"],
+             [[k, a, n, size(b), "yes" if x else "no"]
+              for (k, a), (n, b, x) in sorted(rows.items())])]
+
+  def _predicted_blocks(self) -> list[Any]:
+    if self.chip is None:
+      return [self.chip_note] if self.chip_note else []
+    cost, chip = self.cost, self.chip
+    if cost is None:
+      return []
+    ms = lambda s: f"{s * 1e3:.3g} ms"  # noqa: E731
+    comm = {}
+    for (kind, axis), secs in cost.comm_s.items():
+      comm[axis] = comm.get(axis, 0.0) + secs
+    lines = [f"chip      {chip.name}: {chip.peak_flops / 1e12:.4g} TFLOP/s peak x "
+             f"{chip.efficiency:g} efficiency; links {chip.intra_host_bandwidth / 1e9:.4g} GB/s "
+             f"in a host, {chip.inter_host_bandwidth / 1e9:.4g} GB/s across hosts"
+             + (" (nominal figures: they rank plans, they predict nothing)"
+                if chip.name == "cpu" else ""),
+             f"compute   {ms(cost.compute_s)} ({cost.flops:.4g} FLOPs per device)",
+             *[f"comm      {ms(t)} over {axis}" for axis, t in sorted(comm.items()) if t],
+             *([f"bubble    {ms(cost.bubble_s)}"] if cost.bubble_s else []),
+             *([f"host      {ms(cost.host_s)}"] if cost.host_s else []),
+             f"step      {ms(cost.step_s)} (nothing overlapped), MFU {self.mfu:.1%}"]
+    return lines
 
   def __str__(self) -> str:
     return render_text(self.sections())
@@ -201,15 +303,16 @@ class Plan:
             ["gradients", size(grads), where("gradients")],
             ["optimizer state", size(self.optimizer_bytes), where("optimizer state")],
             ["model state", size(self.model_state_bytes), where("model state")]]
-    activations = self.activation_bytes
-    if activations is not None:
-      rows.append(["activations", size(activations),
-                   "device (temp of the compiled forward + backward)"])
+    rows.append(["activations and temporaries", size(mem.temp_size_in_bytes),
+                 "device (temp of the compiled step)"])
     blocks: list[Any] = [(["part", "bytes", "lives in"], rows)]
     blocks.append(
         f"compiled step: arguments {size(mem.argument_size_in_bytes)}    outputs "
         f"{size(mem.output_size_in_bytes)}    temp {size(mem.temp_size_in_bytes)}    "
         f"aliased {size(mem.alias_size_in_bytes)}")
+    if self.memory_limit is not None:
+      blocks.append(f"per device {size(self.bytes_per_device)} of {size(self.memory_limit)} "
+                    + ("(fits)" if self.fits else "(DOES NOT FIT)"))
     host = (mem.host_argument_size_in_bytes, mem.host_output_size_in_bytes,
             mem.host_temp_size_in_bytes)
     if any(host) or any(v != "device" for v in self.placement.values()):

@@ -1,0 +1,122 @@
+"""``epl.topology``: compile-only devices of a cluster you do not have.
+
+XLA compiles for devices it does not have (``jax.experimental.topologies``): with the CUDA
+plugin installed, ``topology("h100", hosts=8, per_host=8)`` gives 64 H100s in 8 hosts (each
+device's ``process_index`` is its host) that ``epl.init(config, devices=...)`` plans for and
+``trainer.compile(batch)`` compiles for. Nothing can run on them: the plan reads
+``memory_analysis()``, ``cost_analysis()`` and the collectives of the compiled program.
+
+>>> devices = epl.topology("h100", hosts=8, per_host=8)     # doctest: +SKIP
+>>> epl.init({"zero.level": "v3"}, devices=devices)
+>>> print(trainer.compile(batch))                            # the plan for 64 H100s
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from epljax.errors import ConfigError, EPLError
+
+# XLA:GPU's view of each chip (its cost model and autotuner read it): streaming
+# multiprocessors, clock, memory bandwidth and size, L2, compute capability; the figures of
+# NVIDIA's datasheets and CUDA's device queries.
+_GPU_LIMITS = """
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  threads_per_core_limit: 2048
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+  shared_memory_per_block: 49152
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535"""
+_GPUS = {   # kind -> (compute capability, SMs, clock GHz, bytes/s, memory bytes, L2 bytes,
+            #          shared memory per SM, device_kind)
+    "a100": ((8, 0), 108, 1.41, 2039e9, 85899345920, 41943040, 167936,
+             "NVIDIA A100-SXM4-80GB"),
+    "h100": ((9, 0), 132, 1.98, 3352e9, 84929347584, 52428800, 233472, "NVIDIA H100 80GB HBM3"),
+    "h800": ((9, 0), 132, 1.98, 3352e9, 84929347584, 52428800, 233472, "NVIDIA H800"),
+    "h200": ((9, 0), 132, 1.98, 4800e9, 150323855360, 52428800, 233472, "NVIDIA H200"),
+    "b200": ((10, 0), 148, 1.965, 8000e9, 193273528320, 132120576, 233472, "NVIDIA B200"),
+}
+_TPUS = ("v4", "v5e", "v5p", "v6e")
+KINDS = (*_GPUS, *_TPUS)
+
+_NO_PLUGIN = """\
+epl.topology({kind!r}) compiles for {what} without having them, which needs the {plugin} of
+jax {version} ({error}). Install it with
+
+    pip install "epljax[{extra}]"
+
+(or pip install "jax[{extra}]=={version}"); no {what} are needed: the compile runs on this
+machine's CPU."""
+
+
+def topology(kind: str, hosts: int = 1, per_host: int = 8) -> list[jax.Device]:
+  """``hosts`` x ``per_host`` compile-only devices of ``kind`` (``KINDS``: h100, h200, h800,
+  a100, b200; TPU kinds where libtpu is installed), host ``h``'s devices with
+  ``process_index == h``. Pass them to ``epl.init(config, devices=...)``."""
+  name = str(kind).lower()
+  if name not in KINDS:
+    raise ConfigError(f"epl.topology({kind!r}): unknown kind; use one of {', '.join(KINDS)}.")
+  for what, n in (("hosts", hosts), ("per_host", per_host)):
+    if not isinstance(n, int) or n < 1:
+      raise ConfigError(f"epl.topology({kind!r}, {what}={n!r}): a positive int is needed.")
+  from jax._src import xla_bridge
+  from jax.experimental import topologies
+
+  if not xla_bridge.backends_are_initialized():
+    # No GPU here to start a CUDA backend on: the compile-only devices need none.
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS") or "cpu")
+  try:
+    if name in _GPUS:
+      desc = topologies.get_topology_desc(name, "cuda", target_config=_target(name),
+                                          topology=f"1x{hosts}x{per_host}")
+    else:
+      desc = topologies.get_topology_desc(platform="tpu", topology_name=f"{name}:{hosts}x"
+                                          f"{per_host}")
+  except (NotImplementedError, RuntimeError, ValueError, ImportError) as e:
+    gpu = name in _GPUS
+    raise EPLError(_NO_PLUGIN.format(
+        kind=kind, what="GPUs" if gpu else "TPUs", version=jax.__version__,
+        plugin="CUDA plugin" if gpu else "TPU runtime (libtpu)", extra="cuda12" if gpu else "tpu",
+        error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")) from e
+  return list(desc.devices)
+
+
+def parse(text: str) -> list[jax.Device]:
+  """``"h100:8x8"`` (kind:hosts x per host) or ``"h100:8"`` (one host) -> ``topology``."""
+  kind, _, shape = text.partition(":")
+  parts = shape.lower().split("x") if shape else ["1", "8"]
+  if len(parts) == 1:
+    parts = ["1", *parts]
+  try:
+    hosts, per_host = (int(p) for p in parts)
+  except ValueError:
+    raise ConfigError(f"--topology {text!r}: write KIND:HOSTSxGPUS_PER_HOST, for example "
+                      "h100:8x8 (8 hosts of 8 H100s) or h200:8 (one host).") from None
+  return topology(kind, hosts=hosts, per_host=per_host)
+
+
+def _target(kind: str) -> str:
+  (major, minor), sms, ghz, bandwidth, memory, l2, shared, device_kind = _GPUS[kind]
+  return f"""
+gpu_device_info {{
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  core_count: {sms}
+  fpus_per_core: 128
+  clock_rate_ghz: {ghz}
+  memory_bandwidth: {int(bandwidth)}
+  device_memory_size: {memory}
+  l2_cache_size: {l2}
+  shared_memory_per_block_optin: {shared - 1024}
+  shared_memory_per_core: {shared}{_GPU_LIMITS}
+}}
+platform_name: "CUDA"
+runtime_version {{ major: 12 minor: 8 }}
+dnn_version_info {{ major: 9 minor: 7 }}
+device_description_str: "{device_kind}"
+"""

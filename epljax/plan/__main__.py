@@ -1,0 +1,7 @@
+"""``python -m epljax.plan SCRIPT --topology h100:8x8 [ARGS...]`` (``epljax.plan.cli``)."""
+
+import sys
+
+from epljax.plan.cli import main
+
+sys.exit(main())
