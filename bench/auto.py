@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import logging  # noqa: E402
+import re  # noqa: E402
 import time  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
@@ -36,7 +37,6 @@ import numpy as np  # noqa: E402
 
 import epljax as epl  # noqa: E402
 from common import record, table  # noqa: E402
-from epljax import search as search_lib  # noqa: E402
 from epljax.errors import size  # noqa: E402
 from epljax.plan import search_rows  # noqa: E402
 from models import ZOO  # noqa: E402
@@ -85,10 +85,15 @@ def timed(name: str, candidates, rows: int, steps: int) -> list[list[object]]:
   out = []
   for row in candidates:
     epl.init(row.overrides)
+    split = row.mesh_shape.get("model", 1)
+    if split > 1 and row.split == "all":   # the candidate's split, as a user would write it
+      epl.set_default_strategy(epl.split(split))
+    elif split > 1 and row.split:
+      epl.annotate({re.escape(row.split): epl.split(split)})
     rules = (nn.logical_axis_rules(model.logical_rules) if model.logical_rules
              else contextlib.nullcontext())
     try:
-      with rules, search_lib._model_split(row.mesh_shape.get("model", 1), row.split):
+      with rules:
         trainer = epl.Trainer(model.init_fn, model.loss_fn, optax.adamw(1e-3))
         state = trainer.init(jax.random.key(0), batch)
         sharded = trainer.shard_batch(batch)

@@ -123,12 +123,16 @@ class Placement:
 _PROVISIONAL = abstract_mesh()
 
 
-def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
-  """The six steps of the module doc."""
+def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any,
+          scope: search.Scope | None = None) -> Built:
+  """The six steps of the module doc. ``scope``: a plan search's candidate task graph in place
+  of the user's default strategy and ``epl.annotate`` module rules (read, never written)."""
   rows, micro_shapes = _micro_shapes(config, batch)
   if config.auto.auto_parallel and config.pipeline.num_stages is None:
-    return search.search(fns, config, cluster, rng, batch, build)   # the plan, searched
-  var, cap, where, features, ctx = plan_steps(fns, config, cluster, rng, micro_shapes, rows)
+    return search.search(fns, config, cluster, rng, batch,
+                         search.Builders(build, pipeline_plan))   # the plan, searched
+  var, cap, where, features, ctx = plan_steps(fns, config, cluster, rng, micro_shapes, rows,
+                                              scope)
   fstate = {f.name: f.init_state(ctx) for f in features}
   fstate[step_lib.NONFINITE_RUN] = np.zeros((), np.int32)
   by_cond = _skips_by_cond(where, features)
@@ -149,14 +153,15 @@ def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
                waits_each_step=waits, **jits)
 
 
-def pipeline_plan(fns: UserFns, config, cluster, rng: jax.Array, batch: Any):
+def pipeline_plan(fns: UserFns, config, cluster, rng: jax.Array, batch: Any,
+                  scope: search.Scope | None = None):
   """The pipeline plan (``epljax.pipeline.Pipeline``, None without stages) of a configuration
   with ``pipeline.num_stages`` set: steps 1 to 4, traced, nothing compiled. What a search
   weighs a stage candidate by: ``pipe.text()`` prints it as ``print(trainer.plan)`` would,
   ``pipe.param_bytes_per_device`` is what a device stores."""
   rows, micro_shapes = _micro_shapes(config, batch)
   with constraints.explained():
-    return plan_steps(fns, config, cluster, rng, micro_shapes, rows)[2].pipe
+    return plan_steps(fns, config, cluster, rng, micro_shapes, rows, scope)[2].pipe
 
 
 def _micro_shapes(config, batch: Any) -> tuple[int, Any]:
@@ -172,13 +177,17 @@ def _micro_shapes(config, batch: Any) -> tuple[int, Any]:
                                      batch_lib._dtype(x)), batch)
 
 
-def plan_steps(fns: UserFns, config, cluster, rng: jax.Array, micro_shapes: Any, rows: int
+def plan_steps(fns: UserFns, config, cluster, rng: jax.Array, micro_shapes: Any, rows: int,
+               scope: search.Scope | None = None
                ) -> tuple[Variables, Capture, Placement, list[Feature], BuildContext]:
   """Steps 1 to 4 (traced, nothing compiled): the variables, the task graphs, where everything
   lives with the features' shardings, the features and their context."""
   num_micro = config.pipeline.num_micro_batch
   var = trace_variables(fns, rng, micro_shapes)
-  options = dict(module_rules=annotations.module_rules(),
+  rules, defaults = annotations.module_rules(), strategy_lib.Defaults.current()
+  if scope is not None:
+    rules, defaults = [*rules, *scope.module_rules], scope.defaults or defaults
+  options = dict(module_rules=rules, defaults=defaults,
                  definitions=defining_frames(var.init_jaxpr))
   cap = capture_loss(var, micro_shapes, len(cluster.devices), **options)
   if config.auto.auto_parallel:   # EPL's automatic pipeline partitioning

@@ -38,7 +38,6 @@ Not searched: virtual stages, a module split inside stages, features on stage ro
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -90,6 +89,7 @@ class Candidate:
   chosen: bool = False
   reason: str = ""              # why it lost; "" for the chosen
   refused: str = ""             # the PlanError its build raised, if any
+  skipped: str = ""             # why it was not compiled though within the limit, if so
   estimate: Any = dataclasses.field(default=None, repr=False, compare=False)  # cost.StepCost
   cost: Any = dataclasses.field(default=None, repr=False, compare=False)  # compiled, or None
 
@@ -104,7 +104,32 @@ class Candidate:
     return {**{SEARCHED_KEYS[k]: v for k, v in self.features.items()}, **stages}
 
 
-def search(fns, config, cluster, rng, batch, build: Callable) -> Any:
+@dataclasses.dataclass(frozen=True)
+class Scope:
+  """A candidate's ``epl.split(k)`` task graph, handed to ``build`` in place of the user's
+  defaults: the whole model (as the default strategy) or one module (an ``epl.annotate``
+  module rule). Nothing global is written while searching."""
+  defaults: strategy_lib.Defaults | None = None
+  module_rules: tuple[annotations.ModuleRule, ...] = ()
+
+  @classmethod
+  def of(cls, k: int | None, split: str) -> Scope | None:
+    if not k or k == 1 or not split:
+      return None
+    if split == "all":
+      return cls(defaults=strategy_lib.Defaults(strategy_lib.split(k), "epljax/search.py"))
+    return cls(module_rules=(annotations.ModuleRule(re.escape(split), strategy_lib.split(k)),))
+
+
+@dataclasses.dataclass(frozen=True)
+class Builders:
+  """What the search builds candidates with (``epljax.build``'s ``build`` and
+  ``pipeline_plan``): passed in, so this module does not import ``build``."""
+  build: Callable
+  pipeline_plan: Callable
+
+
+def search(fns, config, cluster, rng, batch, builders: Builders) -> Any:
   """The ``Built`` of the chosen plan, its ``plan.search`` the rows weighed (module doc)."""
   chip = chips.agreed(chips.chip_of(cluster.devices, config.auto))
   limit = config.auto.memory_limit or chip.memory_bytes
@@ -117,7 +142,8 @@ def search(fns, config, cluster, rng, batch, build: Callable) -> Any:
     notes.append("offload candidates not searched: " + (
         "on CPU host memory is the device's memory" if cluster.platform == "cpu" else
         f"the {cluster.platform} devices address no {offload.HOST!r} memory"))
-  make = functools.partial(_build_with, build, fns, config.replace({"auto.auto_parallel": False}),
+  make = functools.partial(_build_with, builders.build, fns,
+                           config.replace({"auto.auto_parallel": False}),
                            cluster, rng, batch)
   bases = _base_builds(make, len(cluster.devices), _per_host(cluster), fixed, notes)
   batch_bytes = jax.process_count() * sum(
@@ -132,7 +158,8 @@ def search(fns, config, cluster, rng, batch, build: Callable) -> Any:
   rows = [_estimate(built, facts[key], features, chip, batch_bytes, key[1], residuals, update)
           for key, built in bases.items() for features in _feature_grid(fixed, built)]
   if (1, "") in bases:   # (a mesh the user fixed has no stage axis to search)
-    rows += _stage_rows(functools.partial(_pipeline_plan, fns, config, cluster, rng, batch),
+    rows += _stage_rows(functools.partial(_pipeline_plan, builders.pipeline_plan, fns, config,
+                                          cluster, rng, batch),
                         bases, facts, fixed, chip, batch_bytes, residuals, update, notes)
   rows.sort(key=_order)
   if not rows:
@@ -158,9 +185,8 @@ def search(fns, config, cluster, rng, batch, build: Callable) -> Any:
 def _build_with(build, fns, config, cluster, rng, batch, k: int | None, split: str,
                 overrides: dict[str, Any]):
   """``build`` (traced and placed, not compiled) with ``overrides`` and ``split`` (the whole
-  model, or one module) as an ``epl.split(k)`` task graph when ``k > 1``."""
-  with _model_split(k, split):
-    return build(fns, config.replace(overrides), cluster, rng, batch)
+  model, or one module) as an ``epl.split(k)`` task graph when ``k > 1`` (``Scope``)."""
+  return build(fns, config.replace(overrides), cluster, rng, batch, Scope.of(k, split))
 
 
 def _base_builds(make: Callable, num_devices: int, per_host: int, fixed: dict[str, Any],
@@ -239,18 +265,27 @@ def _compile_in_order(rows: list[Candidate], bases: dict, make: Callable, chip, 
   pace: dict[bool, float] = {}   # pipeline or not -> compiled / estimated step time
   for i in range(len(rows)):
     row = rows[i]   # (rows are recalibrated as compiles go)
-    if row.bytes_per_device > limit or compiles == MAX_COMPILES:
+    if row.bytes_per_device > limit:
       continue
-    if best is not None and (row.predicted_step_s * pace.get(row.stages > 1, 1.0)
+    if compiles == MAX_COMPILES:
+      rows[i] = dataclasses.replace(row, skipped=f"not compiled: the {MAX_COMPILES} compiles "
+                                    "(MAX_COMPILES) were spent on rows estimated faster")
+      continue
+    scale = pace.get(row.stages > 1, 1.0)
+    if best is not None and (row.predicted_step_s * scale
                              >= BETTER * rows[best[0]].predicted_step_s):
+      rows[i] = dataclasses.replace(row, skipped=(
+          f"not compiled: its estimate x {scale:.3g} (compiled / estimated time of the last "
+          f"compiled {'pipeline' if row.stages > 1 else 'unpipelined'} row) is "
+          f"{_ms(row.predicted_step_s * scale)}, not {BETTER:g} x the fitting compiled "
+          f"{_ms(rows[best[0]].predicted_step_s)}"))
       continue
     k, split = (row.mesh_shape[MODEL], row.split) if row.stages > 1 else next(
         key for key, b in bases.items()
         if dict(b.plan.mesh.shape) == row.mesh_shape and key[1] == row.split)
     try:
       built = make(k, split, row.overrides)
-      with _model_split(k, split):   # (the step is traced when compiled)
-        step = _compiled_cost(built, row.features, chip)
+      step = _compiled_cost(built, row.features, chip)
     except PlanError as e:   # a feature this model refuses: the row says why
       rows[i] = dataclasses.replace(row, refused=str(e).splitlines()[0])
       continue
@@ -280,13 +315,11 @@ def _order(row: Candidate) -> tuple:
           OFFLOAD.index(f["offload"]))
 
 
-def _pipeline_plan(fns, config, cluster, rng, batch, stages: int, micro: int, k: int):
-  from epljax import build as build_lib   # (build imports this module)
-
-  with _model_split(k, "all"):
-    return build_lib.pipeline_plan(fns, config.replace(
-        {"auto.auto_parallel": True, "pipeline.num_stages": stages,
-         "pipeline.num_micro_batch": micro}), cluster, rng, batch)
+def _pipeline_plan(pipeline_plan, fns, config, cluster, rng, batch, stages: int, micro: int,
+                   k: int):
+  return pipeline_plan(fns, config.replace(
+      {"auto.auto_parallel": True, "pipeline.num_stages": stages,
+       "pipeline.num_micro_batch": micro}), cluster, rng, batch, Scope.of(k, "all"))
 
 
 def _stage_rows(make_pipe: Callable, bases: dict, facts: dict, fixed: dict[str, Any], chip,
@@ -350,27 +383,6 @@ def _feature_grid(fixed: dict[str, Any], built) -> Iterator[dict[str, Any]]:
     choices[name] = (value,)
   for values in itertools.product(*choices.values()):
     yield dict(zip(choices, values))
-
-
-@contextlib.contextmanager
-def _model_split(k: int | None, split: str) -> Iterator[None]:
-  """While a candidate is traced: the whole model (``split="all"``, the default strategy) or
-  one module (an ``epl.annotate`` module rule for its path) as one ``epl.split(k)`` task
-  graph; restored after."""
-  saved = strategy_lib._GLOBAL.default, strategy_lib._GLOBAL.default_site
-  rule = None
-  try:
-    if k and k > 1 and split == "all":
-      strategy_lib._GLOBAL.default = strategy_lib.split(k)
-      strategy_lib._GLOBAL.default_site = "epljax/search.py"
-    elif k and k > 1 and split:
-      rule = annotations.ModuleRule(re.escape(split), strategy_lib.split(k))
-      annotations._MODULE_RULES.append(rule)
-    yield
-  finally:
-    strategy_lib._GLOBAL.default, strategy_lib._GLOBAL.default_site = saved
-    if rule is not None:
-      annotations._MODULE_RULES.remove(rule)
 
 
 def _user_scoped() -> str:
@@ -452,9 +464,14 @@ def _lost(row: Candidate, best: Candidate, limit: int) -> Candidate:
   how = "compiled" if row.compiled else "estimated, not compiled"
   if row.refused:
     return dataclasses.replace(row, reason=f"refused: {row.refused}")
+  against = (f"; {_ms(row.predicted_step_s)} against the chosen "
+             f"{_ms(best.predicted_step_s)}")
   if row.bytes_per_device > limit:
     return dataclasses.replace(
-        row, reason=f"over the limit by {size(row.bytes_per_device - limit)} ({how})")
+        row, reason=f"over the limit by {size(row.bytes_per_device - limit)} ({how})"
+        + against)
+  if row.skipped and row.predicted_step_s <= best.predicted_step_s:
+    return dataclasses.replace(row, reason=row.skipped + against)
   mine, theirs = (row.cost, best.cost) if row.compiled else (row.estimate, best.estimate)
   diffs = {"compute": mine.compute_s - theirs.compute_s,
            "host transfers": mine.host_s - theirs.host_s,
@@ -466,8 +483,9 @@ def _lost(row: Candidate, best: Candidate, limit: int) -> Candidate:
   # bubble, then collectives by kind and axis), so the text is the same every run.
   what, delta = max(diffs.items(), key=lambda kv: kv[1])
   if mine.step_s - theirs.step_s > 1e-12 and delta > 0:
-    return dataclasses.replace(row, reason=f"+{_ms(delta)} {what} ({how})")
-  return dataclasses.replace(row, reason=f"as fast, but a simpler plan fitted first ({how})")
+    return dataclasses.replace(row, reason=f"+{_ms(delta)} {what} ({how})" + against)
+  return dataclasses.replace(row, reason=f"as fast, but a simpler plan fitted first ({how})"
+                             + against)
 
 
 def _ms(seconds: float) -> str:

@@ -148,6 +148,18 @@ def set_default_strategy(strategy: Strategy) -> None:
     _GLOBAL.default_site = _site(where)
 
 
+@dataclasses.dataclass(frozen=True)
+class Defaults:
+  """The default strategy a trace starts from, and where it was set (``file.py:line``): the
+  user's ``set_default_strategy`` (``current``), or a plan search's candidate."""
+  strategy: Strategy | None = None
+  site: str | None = None
+
+  @classmethod
+  def current(cls) -> Defaults:
+    return cls(_GLOBAL.default, _GLOBAL.default_site)
+
+
 def default_strategy() -> Strategy | None:
   """The strategy set by ``set_default_strategy`` outside any trace, if any."""
   return _GLOBAL.default

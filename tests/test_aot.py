@@ -10,7 +10,6 @@ import sys
 import types
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest

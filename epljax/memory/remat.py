@@ -26,7 +26,6 @@ from jax.ad_checkpoint import checkpoint_name
 from epljax import strategy as strategy_lib
 from epljax.config import GradientCheckpointConfig
 from epljax.errors import EPLError, PlanError, StateError
-from epljax.sharding import annotations
 from epljax.features import BuildContext, Feature, ForwardFn, GradientFn, UpdateFn
 from epljax.memory import blocks
 from epljax.memory.recompute import rematerialize
@@ -85,7 +84,7 @@ class GradientCheckpoint(Feature):
   def forward(self, fn: ForwardFn, ctx: BuildContext) -> ForwardFn:
     platform = ctx.mesh.devices.flat[0].platform
     taskgraphs = ctx.capture.taskgraphs if ctx.capture is not None else ()
-    rules = annotations.module_rules()   # as the capture read them
+    rules = ctx.capture.module_rules if ctx.capture is not None else ()   # as it applied them
     offload = self.config.offload_activations
 
     def checkpointed(params, *args):

@@ -22,7 +22,8 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 
-USAGE = "python -m epljax.plan SCRIPT --topology KIND:HOSTSxPER_HOST [--memory-limit GIB] [--] [ARGS...]"
+USAGE = ("python -m epljax.plan SCRIPT --topology KIND:HOSTSxPER_HOST [--memory-limit GIB] "
+         "[--] [ARGS...]")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

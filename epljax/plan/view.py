@@ -22,7 +22,6 @@ from jax.sharding import PartitionSpec as P
 
 from epljax import hlo
 from epljax.errors import size
-from epljax.mesh import hosts
 from epljax.strategy import TaskGraph
 
 
@@ -274,7 +273,7 @@ class Plan:
       return []
     ms = lambda s: f"{s * 1e3:.3g} ms"  # noqa: E731
     comm = {}
-    for (kind, axis), secs in cost.comm_s.items():
+    for (_, axis), secs in cost.comm_s.items():
       comm[axis] = comm.get(axis, 0.0) + secs
     lines = [f"chip      {chip.name}: {chip.peak_flops / 1e12:.4g} TFLOP/s peak x "
              f"{chip.efficiency:g} efficiency; links {chip.intra_host_bandwidth / 1e9:.4g} GB/s "

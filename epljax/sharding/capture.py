@@ -49,6 +49,7 @@ class Capture:
   input_taskgraph: tuple[int | None, ...]         # per variable leaf; None when unused
   input_explicit: tuple[bool, ...]                # per variable leaf: used by a tagged node
   input_paths: tuple[str, ...]                    # per variable leaf
+  module_rules: tuple[ModuleRule, ...] = ()       # the epl.annotate module rules it applied
 
 
 ANNOTATED = "epl.annotate "   # the scope text of a task graph an annotate rule made
@@ -65,6 +66,7 @@ class _Spec:
 def capture(fn: Callable[..., Any], variables: Sequence[Any], extra: Sequence[Any], *,
             input_paths: Sequence[str], num_devices: int,
             module_rules: Sequence[ModuleRule] = (),
+            defaults: strategy_lib.Defaults | None = None,
             definitions: Sequence[Frame | None] = (),
             stage_cuts: Sequence[int] | None = None,
             rewrite: Callable[[Any], Any] | None = None) -> Capture:
@@ -82,7 +84,7 @@ def capture(fn: Callable[..., Any], variables: Sequence[Any], extra: Sequence[An
     if rewrite is not None:
       closed = rewrite(closed)
   program = Program(closed)
-  top_default = _top_default(program)
+  top_default = _top_default(program, defaults or strategy_lib.Defaults.current())
   specs: dict[str, _Spec] = {}
   labels, explicit, order = _assign_labels(program, top_default, module_rules, specs)
   if stage_cuts is not None:
@@ -109,7 +111,7 @@ def capture(fn: Callable[..., Any], variables: Sequence[Any], extra: Sequence[An
     input_explicit.append(any(explicit[n.index] for n, _ in uses)
                           or (bool(defined) and defined[i] is not None))
   return Capture(program, taskgraphs, node_tg, tuple(explicit), tuple(input_tg),
-                 tuple(input_explicit), tuple(input_paths))
+                 tuple(input_explicit), tuple(input_paths), tuple(module_rules))
 
 
 def defining_frames(closed_jaxpr) -> list[Frame | None]:
@@ -128,13 +130,13 @@ def defining_frames(closed_jaxpr) -> list[Frame | None]:
   return out
 
 
-def _top_default(program: Program):
+def _top_default(program: Program, defaults: strategy_lib.Defaults):
   """The default set before tracing, unless it came from a call that also cuts this very
   program (model code that once ran eagerly, e.g. a Linen ``model.init`` outside jit)."""
-  top = strategy_lib.default_strategy()
+  top = defaults.strategy
   if top is None:
     return None
-  site = strategy_lib.default_strategy_site()
+  site = defaults.site
   for node in program.nodes:
     frame = _innermost_frame(node)
     if frame is not None and frame.default and frame.site == site:
