@@ -115,3 +115,43 @@ def test_the_python_blocks_of_a_page_run(path, tmp_path, monkeypatch):
     except Exception as error:
       raise AssertionError(f"{os.path.relpath(path, REPO)}, the block at line {line} "
                            f"failed: {type(error).__name__}: {error}") from error
+
+
+def test_every_figure_of_the_docs_is_in_the_latest_record_of_its_bench():
+  """A measured figure (1.02x, 0.4 ms, 14.44 MiB) stands in a ``figures`` block naming the
+  records that hold it, or in a ``record`` block generated from one; either way it must be in
+  the latest section of its bench in bench/RESULTS.md."""
+  hooks = load_hooks()
+  errors = [f"{os.path.relpath(p, REPO)}: {e}" for p in PAGES
+            for e in hooks.figure_errors(open(p).read())]
+  assert not errors, "\n".join(errors)
+
+
+def test_record_blocks_are_the_records():
+  """The tables copied from bench/RESULTS.md are today's: a page equals its own ``sync``."""
+  hooks = load_hooks()
+  stale = [os.path.relpath(p, REPO) for p in PAGES if hooks.sync(open(p).read()) !=
+           open(p).read()]
+  assert not stale, (f"{stale}: a record block differs from bench/RESULTS.md; regenerate with "
+                     "python docs/hooks/epljax_docs.py")
+
+
+def test_a_figure_no_record_holds_fails():
+  hooks = load_hooks()
+  key = hooks.records_module().keys()[0]
+  assert hooks.figure_errors(f"<!-- figures: {key} -->\nit ran 123.456x faster\n"
+                             "<!-- /figures -->\n")
+  assert hooks.figure_errors("it ran 1.5x faster, unsourced\n")
+  assert not hooks.figure_errors("1.5 times the mean, a rule and not a measurement\n")
+
+
+def test_a_record_replaces_its_bench_and_keeps_the_others(tmp_path):
+  records = load_hooks().records_module()
+  key = records.record_key("Automatic plans (bench/auto.py)",
+                           "python bench/auto.py --limit 460000 --record", "8 x cpu")
+  assert key == "Automatic plans (bench/auto.py --limit 460000) on 8 x cpu"
+  text = records.CURRENT_HEAD + "\n## a\n\nold a\n\n## b\n\nb\n"
+  text = records.replace(text, records.Section("a", "\nnew a\n"))
+  text = records.replace(text, records.Section("c", "\nc\n"))
+  assert [s.heading for s in records.sections(text)[1]] == ["a", "b", "c"]
+  assert "new a" in text and "old a" not in text

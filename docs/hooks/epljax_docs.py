@@ -21,7 +21,8 @@ from mkdocs.structure.files import File
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MARKER = "<!-- config-reference -->"
 # Repository files the site carries, as globs relative to the repository root.
-CARRIED = ("examples/*.py", "examples/*.ipynb", "bench/*.py", "bench/RESULTS.md")
+CARRIED = ("examples/*.py", "examples/*.ipynb", "bench/*.py", "bench/RESULTS.md",
+           "bench/RESULTS-archive.md")
 # The page that explains each section (a section missing here just gets no link).
 EXPLAINED = {
     "pipeline": ("Pipeline parallelism", "pipeline.md"),
@@ -91,3 +92,99 @@ def _type_name(hint) -> str:
   if isinstance(hint, type):
     return hint.__name__
   return str(hint).replace("typing.", "").replace("NoneType", "None")
+
+
+# --- Figures from the benchmark records (bench/RESULTS.md) ----------------------------------
+# <!-- record: KEY § SUBSECTION, rows N --> ... <!-- /record -->: the lines between are the
+# record's (sub)section up to its N-th table row, rewritten by ``sync`` (README and pages alike,
+# so GitHub shows them too); tests/test_docs.py fails when a page is not its own ``sync``.
+# <!-- figures: KEY; KEY --> ... <!-- /figures -->: every measured figure between (a decimal
+# with a unit: 1.02x, 0.4 ms, 14.44 MiB, 1.9-2.3x) must be in those records; a measured figure
+# outside both kinds of block fails too.
+RECORD = re.compile(r"(<!-- record: (?P<key>.+?)(?: § (?P<sub>.+?))?(?:, rows (?P<rows>\d+))? -->\n)"
+                    r"(?P<body>.*?)(<!-- /record -->)", re.S)
+FIGURES = re.compile(r"<!-- figures: (?P<keys>.+?) -->(?P<body>.*?)<!-- /figures -->", re.S)
+NUMBER = r"\d+\.\d+"
+FIGURE = re.compile(rf"(?<![\w.]){NUMBER}(?:\s?[-–]\s?{NUMBER})?\s?"
+                    r"(?:x|×|ms|us|µs|s|%|KiB|MiB|GiB|kB|MB|GB|kchars)(?![\w])")
+
+
+def records_module():
+  """bench/records.py, loaded by path (bench/ is not a package)."""
+  import importlib.util
+  import sys
+
+  if "epljax_bench_records" in sys.modules:
+    return sys.modules["epljax_bench_records"]
+  spec = importlib.util.spec_from_file_location("epljax_bench_records",
+                                                os.path.join(ROOT, "bench", "records.py"))
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+def excerpt(key: str, sub: str | None, rows: int | None) -> str:
+  """The record's text (its ``### sub`` subsection), cut after its ``rows``-th table row."""
+  text = records_module().current(key)
+  if sub:
+    parts = re.split(r"^### ", text, flags=re.M)
+    found = [p for p in parts[1:] if p.split("\n", 1)[0].strip() == sub]
+    if not found:
+      raise KeyError(f"bench/RESULTS.md, section '{key}', has no '### {sub}'")
+    text = found[0].split("\n", 1)[1]
+  out, seen = [], 0
+  for line in text.strip("\n").split("\n"):
+    if rows is not None and line.startswith("|") and not line.startswith("|-"):
+      seen += 1
+      if seen > rows + 1:           # the header row, then ``rows`` rows
+        break
+    out.append(line)
+  return "\n".join(out).strip("\n") + "\n"
+
+
+def sync(text: str) -> str:
+  """``text`` with each record block regenerated from bench/RESULTS.md."""
+  def one(m):
+    rows = int(m.group("rows")) if m.group("rows") else None
+    return m.group(1) + excerpt(m.group("key"), m.group("sub"), rows) + m.group(6)
+  return RECORD.sub(one, text)
+
+
+def _code_free(text: str) -> str:
+  """The text with fenced code blocks blanked (line numbers kept)."""
+  return re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
+
+
+def figure_errors(text: str) -> list[str]:
+  """Each measured figure of ``text`` that its records do not hold, or that no block covers."""
+  errors = []
+  current = records_module().current
+  for m in FIGURES.finditer(text):
+    held = "\n".join(current(k.strip()) for k in m.group("keys").split(";"))
+    for fig in FIGURE.finditer(m.group("body")):
+      for number in re.findall(NUMBER, fig.group(0)):
+        if not re.search(rf"(?<![\d.]){re.escape(number)}(?!\d)", held):
+          line = text.count("\n", 0, m.start("body") + fig.start()) + 1
+          errors.append(f"line {line}: {fig.group(0)!r} is in no record of {m.group('keys')}")
+  rest = RECORD.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+  rest = FIGURES.sub(lambda m: "\n" * m.group(0).count("\n"), rest)
+  rest = _code_free(re.sub(r"<!--.*?-->", "", rest, flags=re.S))
+  for fig in FIGURE.finditer(rest):
+    line = rest.count("\n", 0, fig.start()) + 1
+    errors.append(f"line {line}: {fig.group(0)!r} is quoted outside a figures or record block")
+  return errors
+
+
+def sync_files() -> None:
+  """Rewrites the record blocks of the README and every page from bench/RESULTS.md."""
+  for path in sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))) + [
+      os.path.join(ROOT, "README.md")]:
+    text = open(path).read()
+    if sync(text) != text:
+      with open(path, "w") as f:
+        f.write(sync(text))
+
+
+if __name__ == "__main__":
+  sync_files()
