@@ -71,6 +71,17 @@ def test_the_config_reference_is_generated_from_every_key_of_the_schema():
           "\\|", "|"), row
 
 
+def test_every_section_of_the_config_reference_links_to_its_pages():
+  hooks = load_hooks()
+  assert set(hooks.EXPLAINED) == set(SECTIONS)
+  text = hooks.config_reference()
+  for section, pages in hooks.EXPLAINED.items():
+    block = text.split(f"### `{section}`")[1].split("### ")[0]
+    for title, link in zip(pages[::2], pages[1::2]):
+      assert f"[{title}]({link})" in block, section
+      assert os.path.exists(os.path.join(DOCS, link.split("#")[0])), link
+
+
 def _error_classes():
   """Every EPLError subclass of the package (every module imported, but no ``__main__``)."""
   for info in pkgutil.walk_packages(epl.__path__, "epljax."):
@@ -155,3 +166,50 @@ def test_a_record_replaces_its_bench_and_keeps_the_others(tmp_path):
   text = records.replace(text, records.Section("c", "\nc\n"))
   assert [s.heading for s in records.sections(text)[1]] == ["a", "b", "c"]
   assert "new a" in text and "old a" not in text
+
+
+def _resolves(dotted: str) -> bool:
+  """``epljax.a.b.C`` names a module or an attribute of one."""
+  parts = dotted.split(".")
+  for cut in range(len(parts), 0, -1):
+    try:
+      obj = importlib.import_module(".".join(parts[:cut]))
+    except ImportError:
+      continue
+    try:
+      for name in parts[cut:]:
+        obj = getattr(obj, name)
+    except AttributeError:
+      return False
+    return True
+  return False
+
+
+def test_every_epljax_name_the_docs_quote_exists():
+  """`epljax.progress.PEAK_TFLOPS` in a page, where the table is epljax.cost.PEAK_FLOPS, fails."""
+  missing = []
+  for path in PAGES:
+    text = open(path).read()
+    for name in sorted(set(re.findall(r"`(epljax(?:\.\w+)+)`", text))):
+      if not _resolves(name):
+        missing.append(f"{os.path.relpath(path, REPO)}: {name}")
+  assert not missing, missing
+
+
+def test_the_plan_printed_in_concepts_is_todays(capsys):
+  """docs/concepts.md shows the quick start's plan as ``examples/quickstart.py --plan`` prints
+  it now (the same on jax 0.10 and 0.12: the figures are the compiled step's)."""
+  import runpy
+
+  text = open(os.path.join(DOCS, "concepts.md")).read()
+  m = re.search(r"<!-- plan of: examples/quickstart.py (?P<args>[^>]*?) -->\n```text\n"
+                r"(?P<plan>.*?)\n```", text, re.S)
+  assert m, "docs/concepts.md has no '<!-- plan of: examples/quickstart.py ... -->' block"
+  module = runpy.run_path(os.path.join(REPO, "examples", "quickstart.py"))
+  capsys.readouterr()
+  module["main"](m.group("args").split())
+  printed = capsys.readouterr().out
+  plan = printed[:printed.index("\nIteration")].rstrip()
+  assert m.group("plan") == plan, (
+      "docs/concepts.md's plan is not what examples/quickstart.py prints today; paste this:\n"
+      + plan)

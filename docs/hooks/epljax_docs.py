@@ -23,7 +23,8 @@ MARKER = "<!-- config-reference -->"
 # Repository files the site carries, as globs relative to the repository root.
 CARRIED = ("examples/*.py", "examples/*.ipynb", "bench/*.py", "bench/RESULTS.md",
            "bench/RESULTS-archive.md")
-# The page that explains each section (a section missing here just gets no link).
+# The pages that explain each section: (title, link) pairs, flat (tests/test_docs.py checks
+# that every section of the schema has one).
 EXPLAINED = {
     "pipeline": ("Pipeline parallelism", "pipeline.md"),
     "gradient_checkpoint": ("Memory features", "memory.md"),
@@ -34,7 +35,8 @@ EXPLAINED = {
     "cluster": ("Devices and placement", "concepts.md#devices-and-placement"),
     "communication": ("Communication options", "data-parallel.md#communication-options"),
     "io": ("Input files", "launching.md#input-files-io"),
-    "auto": ("Automatic stages", "pipeline.md#automatic-stages-autoauto_parallel"),
+    "auto": ("Automatic plans", "automatic-plans.md",
+             "Automatic stages", "pipeline.md#automatic-stages-autoauto_parallel"),
 }
 
 
@@ -67,7 +69,9 @@ def config_reference() -> str:
     if _own_doc(cls):
       out += [cls.__doc__.strip(), ""]
     if section in EXPLAINED:
-      out += [f"Explained in [{EXPLAINED[section][0]}]({EXPLAINED[section][1]}).", ""]
+      pages = EXPLAINED[section]
+      links = [f"[{t}]({u})" for t, u in zip(pages[::2], pages[1::2])]
+      out += [f"Explained in {' and '.join(links)}.", ""]
     out += ["| key | type / allowed values | default | what it does |", "|---|---|---|---|"]
     for field in dataclasses.fields(cls):
       allowed = field.metadata["allowed"]
