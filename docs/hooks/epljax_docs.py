@@ -3,6 +3,9 @@
 - The configuration reference is generated from ``epljax/config/schema.py`` at build time:
   ``<!-- config-reference -->`` in a page becomes one table per section (key, type or allowed
   values, default, meaning), so the page cannot drift from the schema.
+- ``notebook.md`` is generated from ``examples/notebook.ipynb`` with the outputs saved in it
+  (plans as HTML tables, the progress bars' last state, plots), which tests/test_notebook.py
+  keeps equal to what the notebook prints today.
 - The pages link to the repository's examples and benchmarks as GitHub shows them
   (``../examples/quickstart.py``); the site carries those files too (examples/, bench/, with
   ``bench/RESULTS.md`` as a page), and the links are rewritten to point there.
@@ -20,6 +23,7 @@ from mkdocs.structure.files import File
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MARKER = "<!-- config-reference -->"
+NOTEBOOK_PAGE = "notebook.md"     # examples/notebook.ipynb with its saved outputs, as a page
 # Repository files the site carries, as globs relative to the repository root.
 CARRIED = ("examples/*.py", "examples/*.ipynb", "bench/*.py", "bench/RESULTS.md",
            "bench/RESULTS-archive.md")
@@ -46,6 +50,8 @@ def on_files(files, config):
       uri = os.path.relpath(path, ROOT).replace(os.sep, "/")
       if files.get_file_from_path(uri) is None:
         files.append(File.generated(config, uri, abs_src_path=path))
+  files.append(File.generated(config, NOTEBOOK_PAGE, content=notebook_markdown(
+      os.path.join(ROOT, "examples", "notebook.ipynb"))))
   return files
 
 
@@ -192,3 +198,56 @@ def sync_files() -> None:
 
 if __name__ == "__main__":
   sync_files()
+
+
+# --- The notebook as a page ---------------------------------------------------------------
+def notebook_markdown(path: str) -> str:
+  """The notebook's cells in order: Markdown as it is, code as Python blocks, each output as
+  what Jupyter shows (HTML, PNG images inline, a progress bar from its saved widget state,
+  text)."""
+  import html
+  import json
+
+  notebook = json.load(open(path))
+  widgets = notebook.get("metadata", {}).get("widgets", {}).get(
+      "application/vnd.jupyter.widget-state+json", {}).get("state", {})
+  link = "[examples/notebook.ipynb](examples/notebook.ipynb)"
+  out = [f"<!-- generated from examples/notebook.ipynb by docs/hooks/epljax_docs.py -->\n",
+         f"*This page is {link} with the outputs saved in it (`tests/test_notebook.py` checks "
+         "them against a fresh run).*\n"]
+  for cell in notebook["cells"]:
+    source = "".join(cell["source"])
+    if cell["cell_type"] == "markdown":
+      out.append(source + "\n")
+      continue
+    out.append(f"```python\n{source}\n```\n")
+    for o in cell.get("outputs", []):
+      data = o.get("data", {})
+      if o["output_type"] == "stream":
+        out.append(f"```text\n{''.join(o['text']).rstrip()}\n```\n")
+      elif "application/vnd.jupyter.widget-view+json" in data:
+        out.append(_bar(widgets, data["application/vnd.jupyter.widget-view+json"]["model_id"],
+                        "".join(data.get("text/plain", ""))))
+      elif "image/png" in data:
+        png = "".join(data["image/png"]).replace("\n", "")
+        out.append(f'<img alt="output" src="data:image/png;base64,{png}">\n')
+      elif "text/html" in data:
+        out.append(f'<div class="epljax-output">\n{"".join(data["text/html"])}\n</div>\n')
+      elif "text/plain" in data:
+        out.append(f"```text\n{html.unescape(''.join(data['text/plain'])).rstrip()}\n```\n")
+  return "\n".join(out)
+
+
+def _bar(widgets: dict, model_id: str, fallback: str) -> str:
+  """A tqdm widget's last state: its text before and after, and the bar as ``<progress>``."""
+  box = widgets.get(model_id, {}).get("state", {})
+  parts = []
+  for child in box.get("children", []):
+    state = widgets.get(child.replace("IPY_MODEL_", ""), {}).get("state", {})
+    if "max" in state:
+      parts.append(f'<progress value="{state["value"]}" max="{state["max"]}"></progress>')
+    else:
+      parts.append(state.get("value", ""))
+  if not parts:
+    return f"```text\n{fallback}\n```\n"
+  return f'<div class="epljax-bar"><code>{" ".join(parts)}</code></div>\n'
