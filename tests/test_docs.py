@@ -57,7 +57,20 @@ def test_the_site_builds_strict(tmp_path):
   config = open(tmp_path / "site" / "config" / "index.html").read()
   assert "pipeline.num_micro_batch" in config and "gradients_reduce_method" in config
   api = open(tmp_path / "site" / "api" / "index.html").read()
-  assert "Trainer" in api and "train_step" in api      # rendered from the docstrings
+  # Every public name has its entry, rendered from Google-style docstrings (parameter tables,
+  # no literal "Args:"), with the warnings, the Plan's fields and Checkpointer.close.
+  ids = set(re.findall(r'id="(epljax\.[\w.]+)"', api))
+  names = [f"epljax.{n}" for n in epl.__all__] + [
+      "epljax.Checkpointer.close", "epljax.Plan.num_replicas", "epljax.Plan.param_specs",
+      "epljax.Plan.search", "epljax.errors.PipelineWarning",
+      "epljax.pipeline.auto.StageBalanceWarning"]
+  assert not [n for n in names if n not in ids], [n for n in names if n not in ids]
+  assert "Args:" not in api and "Parameters" in api
+  for page, text in (("tutorial", "2 hosts x 8 GPUs"), ("migrating", "SHARD_GRAD_OP")):
+    assert text in open(tmp_path / "site" / page / "index.html").read(), page
+  notebook = open(tmp_path / "site" / "notebook" / "index.html").read()
+  assert notebook.count("epljax-plan") >= 3 and "data:image/png;base64," in notebook
+  assert '<div class="epljax-bar">' in notebook           # the bars' last state
 
 
 def test_the_config_reference_is_generated_from_every_key_of_the_schema():
@@ -122,7 +135,9 @@ def test_the_python_blocks_of_a_page_run(path, tmp_path, monkeypatch):
     if reason is not None:
       continue
     try:
-      exec(compile(code, f"{os.path.relpath(path, REPO)}:{line}", "exec"), namespace)
+      # dont_inherit: this file's `from __future__ import annotations` must not reach the page
+      exec(compile(code, f"{os.path.relpath(path, REPO)}:{line}", "exec", dont_inherit=True),
+           namespace)
     except Exception as error:
       raise AssertionError(f"{os.path.relpath(path, REPO)}, the block at line {line} "
                            f"failed: {type(error).__name__}: {error}") from error
