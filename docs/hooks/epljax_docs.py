@@ -108,15 +108,17 @@ def _type_name(hint) -> str:
 # <!-- record: KEY § SUBSECTION, rows N --> ... <!-- /record -->: the lines between are the
 # record's (sub)section up to its N-th table row, rewritten by ``sync`` (README and pages alike,
 # so GitHub shows them too); tests/test_docs.py fails when a page is not its own ``sync``.
-# <!-- figures: KEY; KEY --> ... <!-- /figures -->: every measured figure between (a decimal
-# with a unit: 1.02x, 0.4 ms, 14.44 MiB, 1.9-2.3x) must be in those records; a measured figure
-# outside both kinds of block fails too.
+# <!-- figures: KEY; KEY --> ... <!-- /figures -->: every figure between (a number with a unit:
+# 1.02x, 0.4 ms, 14.44 MiB, 6-8x, 22%; code spans aside) must be in those records; a measured
+# figure (a decimal with a unit) outside both kinds of block fails too.
 RECORD = re.compile(r"(<!-- record: (?P<key>.+?)(?: § (?P<sub>.+?))?(?:, rows (?P<rows>\d+))? -->\n)"
                     r"(?P<body>.*?)(<!-- /record -->)", re.S)
 FIGURES = re.compile(r"<!-- figures: (?P<keys>.+?) -->(?P<body>.*?)<!-- /figures -->", re.S)
 NUMBER = r"\d+\.\d+"
-FIGURE = re.compile(rf"(?<![\w.]){NUMBER}(?:\s?[-–]\s?{NUMBER})?\s?"
-                    r"(?:x|×|ms|us|µs|s|%|KiB|MiB|GiB|kB|MB|GB|kchars)(?![\w])")
+UNIT = r"(?:[x×]|\s?(?:ms|us|µs|s|%|KiB|MiB|GiB|kB|KB|MB|GB|kchars))(?![\w])"
+FIGURE = re.compile(rf"(?<![\w.]){NUMBER}(?:\s?[-–]\s?{NUMBER})?{UNIT}")
+# Inside a figures block whole numbers count too (6-8x, 22%, 95 s): all of them are quoted.
+ANY_FIGURE = re.compile(rf"(?<![\w.])\d+(?:\.\d+)?(?:\s?[-–]\s?\d+(?:\.\d+)?)?{UNIT}")
 
 
 def records_module():
@@ -135,7 +137,8 @@ def records_module():
 
 
 def excerpt(key: str, sub: str | None, rows: int | None) -> str:
-  """The record's text (its ``### sub`` subsection), cut after its ``rows``-th table row."""
+  """The record's text (its ``### sub`` subsection); with ``rows``, up to its first table,
+  cut after that table's ``rows``-th row."""
   text = records_module().current(key)
   if sub:
     parts = re.split(r"^### ", text, flags=re.M)
@@ -149,6 +152,8 @@ def excerpt(key: str, sub: str | None, rows: int | None) -> str:
       seen += 1
       if seen > rows + 1:           # the header row, then ``rows`` rows
         break
+    elif rows is not None and seen and not line.startswith("|"):
+      break                         # the end of the first table
     out.append(line)
   return "\n".join(out).strip("\n") + "\n"
 
@@ -172,8 +177,8 @@ def figure_errors(text: str) -> list[str]:
   current = records_module().current
   for m in FIGURES.finditer(text):
     held = "\n".join(current(k.strip()) for k in m.group("keys").split(";"))
-    for fig in FIGURE.finditer(m.group("body")):
-      for number in re.findall(NUMBER, fig.group(0)):
+    for fig in ANY_FIGURE.finditer(re.sub(r"`[^`]*`", "", m.group("body"))):
+      for number in re.findall(r"\d+(?:\.\d+)?", fig.group(0)):
         if not re.search(rf"(?<![\d.]){re.escape(number)}(?!\d)", held):
           line = text.count("\n", 0, m.start("body") + fig.start()) + 1
           errors.append(f"line {line}: {fig.group(0)!r} is in no record of {m.group('keys')}")
