@@ -185,6 +185,7 @@ def figure_errors(text: str) -> list[str]:
   rest = RECORD.sub(lambda m: "\n" * m.group(0).count("\n"), text)
   rest = FIGURES.sub(lambda m: "\n" * m.group(0).count("\n"), rest)
   rest = _code_free(re.sub(r"<!--.*?-->", "", rest, flags=re.S))
+  rest = re.sub(r"`[^`\n]*`", "", rest)             # code spans: literal text, not claims
   for fig in FIGURE.finditer(rest):
     line = rest.count("\n", 0, fig.start()) + 1
     errors.append(f"line {line}: {fig.group(0)!r} is quoted outside a figures or record block")
