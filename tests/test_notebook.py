@@ -39,9 +39,26 @@ def _execute(tmp_path, monkeypatch):
   return notebook
 
 
+def _bar_text(notebook, model_id: str) -> str | None:
+  """A tqdm widget's last state as the text tqdm prints in a terminal (what GitHub, which does
+  not run widgets, then shows instead of the bar's first state)."""
+  import html
+
+  state = notebook.metadata.get("widgets", {}).get(
+      "application/vnd.jupyter.widget-state+json", {}).get("state", {})
+  children = state.get(model_id, {}).get("state", {}).get("children", [])
+  parts = [state.get(c.replace("IPY_MODEL_", ""), {}).get("state", {}) for c in children]
+  if len(parts) != 3 or "max" not in parts[1]:
+    return None
+  done = int(10 * parts[1]["value"] / max(parts[1]["max"], 1))
+  return html.unescape(f"{parts[0].get('value', '')}|{'█' * done}{' ' * (10 - done)}|"
+                       f"{parts[2].get('value', '')}").replace("\u2007", " ")
+
+
 def _kept(notebook):
   """The executed notebook as committed: without stderr (warnings name local paths) and
-  execution counts, with the jax version that made the outputs."""
+  execution counts, each bar's text its last state, with the jax version that made the
+  outputs."""
   import jax
 
   for cell in notebook.cells:
@@ -52,6 +69,10 @@ def _kept(notebook):
       for o in cell.outputs:
         if "execution_count" in o:
           o.execution_count = None
+        view = o.get("data", {}).get("application/vnd.jupyter.widget-view+json")
+        text = view and _bar_text(notebook, view["model_id"])
+        if text:
+          o.data["text/plain"] = text
   notebook.metadata["epljax"] = {"outputs_made_with": f"jax {jax.__version__}"}
   return notebook
 
