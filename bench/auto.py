@@ -1,7 +1,7 @@
 """The plan search (``auto.auto_parallel`` without ``pipeline.num_stages``) on the model zoo.
 
     python bench/auto.py                  # GPT-2 and Llama of tests/models, 8 CPU devices
-    python bench/auto.py --record         # and append the tables to bench/RESULTS.md
+    python bench/auto.py --record         # and replace their section in bench/RESULTS.md
     python bench/auto.py --models gpt2 vit --limit 600000
     python bench/auto.py --time 30        # on a GPU: time the 5 fastest-predicted candidates
     JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python bench/auto.py --gpus 1x2x4

@@ -2,7 +2,7 @@
 the analytic minimum.
 
     python bench/comm.py            # print the tables
-    python bench/comm.py --record   # and append them to bench/RESULTS.md
+    python bench/comm.py --record   # and replace their section in bench/RESULTS.md
     python bench/comm.py --zoo      # only the zoo models split with their one annotate rule
 
 The zoo table trains nothing: each model of ``tests/models`` is split over 2 devices with the

@@ -129,13 +129,20 @@ def mlp_problem(width: int, depth: int, rows: int) -> tuple[MLP, dict[str, Any],
   return model, batch, loss_fn
 
 
+def devices() -> str:
+  """``8 x cpu``, ``1 x NVIDIA H200``: the devices a record's key names."""
+  found = jax.devices()
+  return f"{len(found)} x {found[0].device_kind}"
+
+
 def record(title: str, body: str, argv: Sequence[str] | None = None) -> None:
-  """Appends a dated section to bench/RESULTS.md; the command is the running script with
-  ``argv`` (default: this process's arguments)."""
+  """Records a run (``records.write``): replaces the section of this bench (title, command,
+  devices) in bench/RESULTS.md and appends it, dated, to bench/RESULTS-archive.md. The command
+  is the running script with ``argv`` (default: this process's arguments)."""
+  import records
+
   args = list(sys.argv[1:] if argv is None else argv)
   command = " ".join(["python", f"bench/{os.path.basename(sys.argv[0])}", *args])
-  path = os.path.join(os.path.dirname(__file__), "RESULTS.md")
+  key = records.record_key(title, command, devices())
   stamp = datetime.date.today().isoformat()
-  with open(path, "a") as f:
-    f.write(f"\n## {title} ({stamp})\n\nMachine: {machine()}  \nCommand: `{command}`\n\n"
-            f"{body}\n")
+  records.write(key, stamp, f"Machine: {machine()}  \nCommand: `{command}`\n\n{body}")

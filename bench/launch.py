@@ -1,7 +1,7 @@
 """Multi-process start-up and step time: 2 processes x 4 CPU devices against 1 process x 8.
 
     python bench/launch.py              # print the table
-    python bench/launch.py --record     # and append it to bench/RESULTS.md
+    python bench/launch.py --record     # and replace its section in bench/RESULTS.md
     python bench/launch.py --faults [--record]   # how fast a failure ends the job
 
 Each round launches the same data-parallel job twice through ``python -m epljax.launch``, once

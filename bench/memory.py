@@ -1,7 +1,7 @@
 """Per-device memory and FLOPs of each memory feature on a small transformer.
 
     python bench/memory.py            # print the tables
-    python bench/memory.py --record   # and append them to bench/RESULTS.md
+    python bench/memory.py --record   # and replace their section in bench/RESULTS.md
     python bench/memory.py --zoo      # the model zoo of tests/models instead (--record too)
     python bench/memory.py --zoo-gc 2048   # the zoo's GC auto cut at a batch of 2048 rows
 

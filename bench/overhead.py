@@ -1,7 +1,7 @@
 """epljax's data-parallel step against a hand-written ``jax.jit`` with the same shardings.
 
     python bench/overhead.py            # print the table
-    python bench/overhead.py --record   # and append it to bench/RESULTS.md
+    python bench/overhead.py --record   # and replace its section in bench/RESULTS.md
 
 Both steps train the same model (an MLP of two sizes, and a GPT of 4 layers) with the same optax
 optimizer on the same pre-sharded global

@@ -2,7 +2,7 @@
 unpipelined model.
 
     python bench/pipeline.py            # print the tables
-    python bench/pipeline.py --record   # and append them to bench/RESULTS.md
+    python bench/pipeline.py --record   # and replace their section in bench/RESULTS.md
     python bench/pipeline.py --compile  # compile time and HLO size vs depth (pipeline_compile.py)
     python bench/pipeline.py --compile-split  # where the 48-block step's compile time goes
     python bench/pipeline.py --memory   # 1F1B stash (S - s per stage) and temp memory vs M

@@ -106,6 +106,8 @@ class Checkpointer:
     self._manager.wait_until_finished()
 
   def close(self) -> None:
+    """Waits for pending saves and releases the manager's threads; the Checkpointer is not
+    used after it (a program that exits without it may leave its last save uncommitted)."""
     self._manager.close()
 
   # -- restoring ---------------------------------------------------------------------------

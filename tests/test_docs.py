@@ -57,7 +57,20 @@ def test_the_site_builds_strict(tmp_path):
   config = open(tmp_path / "site" / "config" / "index.html").read()
   assert "pipeline.num_micro_batch" in config and "gradients_reduce_method" in config
   api = open(tmp_path / "site" / "api" / "index.html").read()
-  assert "Trainer" in api and "train_step" in api      # rendered from the docstrings
+  # Every public name has its entry, rendered from Google-style docstrings (parameter tables,
+  # no literal "Args:"), with the warnings, the Plan's fields and Checkpointer.close.
+  ids = set(re.findall(r'id="(epljax\.[\w.]+)"', api))
+  names = [f"epljax.{n}" for n in epl.__all__] + [
+      "epljax.Checkpointer.close", "epljax.Plan.num_replicas", "epljax.Plan.param_specs",
+      "epljax.Plan.search", "epljax.errors.PipelineWarning",
+      "epljax.pipeline.auto.StageBalanceWarning"]
+  assert not [n for n in names if n not in ids], [n for n in names if n not in ids]
+  assert "Args:" not in api and "Parameters" in api
+  for page, text in (("tutorial", "2 hosts x 8 GPUs"), ("migrating", "SHARD_GRAD_OP")):
+    assert text in open(tmp_path / "site" / page / "index.html").read(), page
+  notebook = open(tmp_path / "site" / "notebook" / "index.html").read()
+  assert notebook.count("epljax-plan") >= 3 and "data:image/png;base64," in notebook
+  assert '<div class="epljax-bar">' in notebook           # the bars' last state
 
 
 def test_the_config_reference_is_generated_from_every_key_of_the_schema():
@@ -69,6 +82,17 @@ def test_the_config_reference_is_generated_from_every_key_of_the_schema():
       assert row is not None, f"{section}.{field.name} is missing"
       assert f"`{field.default!r}`" in row and field.metadata["doc"][:30] in row.replace(
           "\\|", "|"), row
+
+
+def test_every_section_of_the_config_reference_links_to_its_pages():
+  hooks = load_hooks()
+  assert set(hooks.EXPLAINED) == set(SECTIONS)
+  text = hooks.config_reference()
+  for section, pages in hooks.EXPLAINED.items():
+    block = text.split(f"### `{section}`")[1].split("### ")[0]
+    for title, link in zip(pages[::2], pages[1::2]):
+      assert f"[{title}]({link})" in block, section
+      assert os.path.exists(os.path.join(DOCS, link.split("#")[0])), link
 
 
 def _error_classes():
@@ -111,7 +135,96 @@ def test_the_python_blocks_of_a_page_run(path, tmp_path, monkeypatch):
     if reason is not None:
       continue
     try:
-      exec(compile(code, f"{os.path.relpath(path, REPO)}:{line}", "exec"), namespace)
+      # dont_inherit: this file's `from __future__ import annotations` must not reach the page
+      exec(compile(code, f"{os.path.relpath(path, REPO)}:{line}", "exec", dont_inherit=True),
+           namespace)
     except Exception as error:
       raise AssertionError(f"{os.path.relpath(path, REPO)}, the block at line {line} "
                            f"failed: {type(error).__name__}: {error}") from error
+
+
+def test_every_figure_of_the_docs_is_in_the_latest_record_of_its_bench():
+  """A measured figure (1.02x, 0.4 ms, 14.44 MiB) stands in a ``figures`` block naming the
+  records that hold it, or in a ``record`` block generated from one; either way it must be in
+  the latest section of its bench in bench/RESULTS.md."""
+  hooks = load_hooks()
+  errors = [f"{os.path.relpath(p, REPO)}: {e}" for p in PAGES
+            for e in hooks.figure_errors(open(p).read())]
+  assert not errors, "\n".join(errors)
+
+
+def test_record_blocks_are_the_records():
+  """The tables copied from bench/RESULTS.md are today's: a page equals its own ``sync``."""
+  hooks = load_hooks()
+  stale = [os.path.relpath(p, REPO) for p in PAGES if hooks.sync(open(p).read()) !=
+           open(p).read()]
+  assert not stale, (f"{stale}: a record block differs from bench/RESULTS.md; regenerate with "
+                     "python docs/hooks/epljax_docs.py")
+
+
+def test_a_figure_no_record_holds_fails():
+  hooks = load_hooks()
+  key = hooks.records_module().keys()[0]
+  assert hooks.figure_errors(f"<!-- figures: {key} -->\nit ran 123.456x faster\n"
+                             "<!-- /figures -->\n")
+  assert hooks.figure_errors("it ran 1.5x faster, unsourced\n")
+  assert not hooks.figure_errors("1.5 times the mean, a rule and not a measurement\n")
+
+
+def test_a_record_replaces_its_bench_and_keeps_the_others(tmp_path):
+  records = load_hooks().records_module()
+  key = records.record_key("Automatic plans (bench/auto.py)",
+                           "python bench/auto.py --limit 460000 --record", "8 x cpu")
+  assert key == "Automatic plans (bench/auto.py --limit 460000) on 8 x cpu"
+  text = records.CURRENT_HEAD + "\n## a\n\nold a\n\n## b\n\nb\n"
+  text = records.replace(text, records.Section("a", "\nnew a\n"))
+  text = records.replace(text, records.Section("c", "\nc\n"))
+  assert [s.heading for s in records.sections(text)[1]] == ["a", "b", "c"]
+  assert "new a" in text and "old a" not in text
+
+
+def _resolves(dotted: str) -> bool:
+  """``epljax.a.b.C`` names a module or an attribute of one."""
+  parts = dotted.split(".")
+  for cut in range(len(parts), 0, -1):
+    try:
+      obj = importlib.import_module(".".join(parts[:cut]))
+    except ImportError:
+      continue
+    try:
+      for name in parts[cut:]:
+        obj = getattr(obj, name)
+    except AttributeError:
+      return False
+    return True
+  return False
+
+
+def test_every_epljax_name_the_docs_quote_exists():
+  """`epljax.progress.PEAK_TFLOPS` in a page, where the table is epljax.cost.PEAK_FLOPS, fails."""
+  missing = []
+  for path in PAGES:
+    text = open(path).read()
+    for name in sorted(set(re.findall(r"`(epljax(?:\.\w+)+)`", text))):
+      if not _resolves(name):
+        missing.append(f"{os.path.relpath(path, REPO)}: {name}")
+  assert not missing, missing
+
+
+def test_the_plan_printed_in_concepts_is_todays(capsys):
+  """docs/concepts.md shows the quick start's plan as ``examples/quickstart.py --plan`` prints
+  it now (the same on jax 0.10 and 0.12: the figures are the compiled step's)."""
+  import runpy
+
+  text = open(os.path.join(DOCS, "concepts.md")).read()
+  m = re.search(r"<!-- plan of: examples/quickstart.py (?P<args>[^>]*?) -->\n```text\n"
+                r"(?P<plan>.*?)\n```", text, re.S)
+  assert m, "docs/concepts.md has no '<!-- plan of: examples/quickstart.py ... -->' block"
+  module = runpy.run_path(os.path.join(REPO, "examples", "quickstart.py"))
+  capsys.readouterr()
+  module["main"](m.group("args").split())
+  printed = capsys.readouterr().out
+  plan = printed[:printed.index("\nIteration")].rstrip()
+  assert m.group("plan") == plan, (
+      "docs/concepts.md's plan is not what examples/quickstart.py prints today; paste this:\n"
+      + plan)
