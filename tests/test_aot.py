@@ -214,3 +214,20 @@ def test_two_workers_whose_devices_differ_choose_one_plan():
                  if "PLAN " in line)
   assert [p[0] for p in plans] == ["0", "1"], done.stdout
   assert plans[0][1] == plans[1][1] and plans[0][1].startswith(str(3 << 30))
+
+
+@needs_plugin
+def test_zero3_under_mixed_precision_gathers_half_the_bytes_on_xla_gpu():
+  """XLA:GPU keeps the bfloat16 all-gathers epljax asks for (XLA:CPU widens them): ZeRO v3
+  with amp.level O1 gathers half the bytes of ZeRO v3 alone, every gather in bfloat16."""
+  devices = epl.topology("h100", hosts=1, per_host=8)
+  found = {}
+  for name, config in (("f32", {}), ("amp", {"amp.level": "O1"})):
+    epl.init({"zero.level": "v3", **config}, devices=devices)
+    init_fn, loss_fn = linen_fns(MLP(hidden=256))
+    plan = epl.Trainer(init_fn, loss_fn, optax.adamw(1e-3)).compile(classification_batch(64))
+    gathers = [c for c in plan.collectives if c.kind == "all-gather"]
+    found[name] = (sum(c.bytes for c in gathers),
+                   {s.split("[")[0] for c in gathers for s in c.shapes})
+  assert found["amp"][1] == {"bf16"} and found["f32"][1] == {"f32"}
+  assert 2 * found["amp"][0] == found["f32"][0], found

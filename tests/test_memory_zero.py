@@ -178,3 +178,38 @@ def test_zero3_with_the_gpu_refetch_matches_the_reference(reference, monkeypatch
   np.testing.assert_allclose(loss0, history[0][0], **TOL)
   assert_trees_close(grads0, history[0][1])
   assert_trees_close(trainer.variables(state), expected)
+
+
+def test_zero3_gathers_weights_in_the_compute_dtype():
+  """Under mixed precision a ZeRO v3 weight is cast to bfloat16 before its all-gather (half
+  the bytes): every gather of a kernel in the lowered step is bfloat16, and the run is the
+  mixed-precision run without ZeRO at bfloat16's tolerance, as test_memory_amp compares (the
+  reduce-scatter sums the bfloat16 products in another order). XLA:CPU computes bfloat16
+  collectives in float32, so the compiled bytes are read on XLA:GPU (tests/test_aot.py)."""
+  import re
+
+  from test_memory_amp import LOSS_RTOL, assert_close_in_bf16
+
+  batch = classification_batch(32)
+  init_fn, loss_fn = linen_fns(MLP())
+  runs = {}
+  for name, config in (("amp", {"amp.level": "O1", "amp.loss_scale": 1.0}),
+                       ("zero", {"amp.level": "O1", "amp.loss_scale": 1.0, "zero.level": "v3"})):
+    epl.init(config)
+    trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1, momentum=0.9))
+    state = trainer.init(jax.random.key(0), batch)
+    text = trainer.lower(state, batch).as_text()
+    losses = []
+    for _ in range(2):
+      state, metrics = trainer.train_step(state, batch)
+      losses.append(float(metrics["loss"]))
+    runs[name] = (losses, trainer.variables(state)["params"], text, trainer.plan)
+  np.testing.assert_allclose(runs["zero"][0], runs["amp"][0], rtol=LOSS_RTOL)
+  assert_close_in_bf16(runs["zero"][1], runs["amp"][1])
+  text, plan = runs["zero"][2], runs["zero"][3]
+  kernels = {"x".join(map(str, leaf.shape)) for leaf in plan.leaves if len(leaf.shape) == 2}
+  # A constraint to the whole (replicated) layout is the gather at a use.
+  gathered = re.findall(r"sharding_constraint %\S+ <@mesh, \[\{\}(?:, \{\})*\]> : "
+                        r"tensor<([\dx]+)x(\w+)>", text)
+  dtypes = {(shape, dtype) for shape, dtype in gathered if shape in kernels}
+  assert {shape for shape, _ in dtypes} == kernels and {d for _, d in dtypes} == {"bf16"}, dtypes

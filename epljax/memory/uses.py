@@ -269,8 +269,20 @@ class _Run:
       v = self._place(index[j], v)
       return views[j].apply(v) if views[j] else v
 
+    # A ZeRO v3 weight used in a lower precision (mixed precision, or a layer that casts its
+    # kernel) is cast before it is gathered: the all-gather moves the low-precision bytes, and
+    # the values are the same (a cast is elementwise). Not for weights in host memory, whose
+    # cast would run on the host, nor through views that change the shape.
+    early = self.zero is not None and self.zero.gather and not self.stream
+
     def value(j, v):
-      return cast(placed(j, v) if direct[j] else v)
+      if not direct[j]:
+        return cast(v)
+      if early and views[j] is None:
+        return self._place(index[j], cast(v))
+      if early and views[j].casts_only:
+        return cast(self._place(index[j], views[j].apply(v)))
+      return cast(placed(j, v))
 
     def forward(a, b):
       return bind_here(step.eqn, [value(0, a), value(1, b)], **changes)[0]
@@ -338,6 +350,11 @@ class _View:
   param: _Param
   stored: Any             # the parameter's value as this program reads it
   steps: tuple = ()
+
+  @property
+  def casts_only(self) -> bool:
+    """Its steps change the dtype only (a layer casting its kernel to its compute dtype)."""
+    return all(step.primitive == "convert_element_type" for step in self.steps)
 
   def apply(self, value):
     """The steps, replayed on ``value`` (the parameter, placed)."""
