@@ -300,6 +300,8 @@ class _Run:
       ops = [value(j, r) if flags[j] else r for j, r in enumerate(res)]
       grads = _pullback(step, ops, changes)(ct)
       for j in range(2):   # back through a view's steps, to the stored layout
+        if views[j] and early and views[j].casts_only:
+          continue   # (the cast back to the stored dtype below is its pullback)
         if views[j]:
           out, pull = jax.vjp(views[j].apply, self._place(index[j], res[j]))
           grads[j] = pull(amp_lib.cast(grads[j], out.dtype))[0]
