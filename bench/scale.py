@@ -10,10 +10,13 @@
 rematerialized, AdamW) are planned by epljax for 8 (1 host), 16 (2 hosts) and 64 (8 hosts)
 H100s in the layouts people use, and the same step is written by hand for the same layout:
 
-- ``fsdp``: ``zero.level: v3`` against ``hand_layouts.fsdp`` (every parameter split over all
-  devices along its largest dimension).
+- ``fsdp``: ``zero.level: v3`` against hand FSDP (every parameter split over all devices along
+  its largest dimension; the Llamas' layers gather their kernels in bfloat16 inside the scan,
+  ``hand_llama.fsdp``, GPT-2 leaves the gathers to GSPMD, ``hand_layouts.fsdp``).
 - ``tp``: the model ``epl.split(8)`` (a host's 8 GPUs; data parallel across hosts) against
   ``hand_layouts.megatron`` with the model's Megatron specs.
+- ``tp_pp``: that split cut into pipeline stages (``pipeline_config``; stages of 4 GPUs on one
+  host) against ``hand_llama.gpipe`` (Llama only; GPT-2's hand columns stay empty).
 
 Only ``ShapeDtypeStruct`` batches are given: nothing of the real size is ever created; epljax is
 driven through ``trainer._build`` (plan) and ``plan.compiled`` (compile). Each row: bytes per
@@ -65,6 +68,7 @@ class Problem:
   megatron: dict
   split_pattern: str                      # module-path regex a user splits for ``tp``
   logical_rules: tuple | None = None
+  llama_size: Any = None                  # a Llama's size: hand_llama writes its GPipe
 
   def batch(self, rows: int) -> dict:
     ids = jax.ShapeDtypeStruct((rows, self.length), jnp.int32)
@@ -81,7 +85,7 @@ def llama_problem(size_name: str, length: int) -> Problem:
   size = llama.SIZES[size_name]
   init_fn, loss_fn = llama.fns(size)
   return Problem(f"llama {size_name}", init_fn, loss_fn, length, size.vocab, size.params,
-                 llama.MEGATRON, "Llama", llama.LOGICAL_RULES)
+                 llama.MEGATRON, "Llama", llama.LOGICAL_RULES, size)
 
 
 def gpt2_problem(size_name: str, length: int | None = None) -> Problem:
@@ -146,10 +150,23 @@ def compile_epl(problem: Problem, layout: str, rows: int, tp: int = TP,
 
 
 def compile_hand(problem: Problem, layout: str, rows: int, devices: list,
-                 tp: int = TP) -> Figures:
+                 tp: int = TP, config: dict | None = None) -> Figures | None:
+  """The hand-written step of ``layout`` (None: no hand GPipe of this model)."""
   with problem.rules():
     variables = hand_layouts.abstract_params(problem.init_fn, problem.batch(rows))
   batch = problem.batch(rows)
+  if layout == "tp_pp":
+    if problem.llama_size is None:
+      return None
+    import hand_llama
+
+    return hand_llama.gpipe(problem.llama_size, optimizer(), variables, batch, devices, tp,
+                               config["pipeline.num_stages"],
+                               config["pipeline.num_micro_batch"], problem.megatron)
+  if layout == "fsdp" and problem.llama_size is not None:
+    import hand_llama
+
+    return hand_llama.fsdp(problem.llama_size, optimizer(), variables, batch, devices)
   if layout == "fsdp":
     return hand_layouts.fsdp(problem.loss_fn, optimizer(), variables, batch, devices)
   return hand_layouts.megatron(problem.loss_fn, optimizer(), variables, batch, devices, tp,
@@ -160,24 +177,38 @@ def gib(n: int) -> str:
   return f"{n / 2**30:.2f}"
 
 
+def pipeline_config(devices: int, tp: int = TP) -> dict:
+  """``tp_pp`` over ``devices`` H100s: 2 stages per 8 GPUs up to 4, 2 micro batches a stage."""
+  stages = min(4, max(2, devices // 16))
+  return {"auto.auto_parallel": True, "pipeline.num_stages": stages,
+          "pipeline.num_micro_batch": 2 * stages}
+
+
 def row(name: str, layout: str, topology: str, rows: int, devices: list,
         tp: int = TP) -> list[str]:
   problem = PROBLEMS[name]()
+  pipeline = layout == "tp_pp"
+  if pipeline:   # a stage of 4 GPUs on one host, of 8 across hosts
+    tp = min(tp, len(devices) // 2)
+  config = pipeline_config(len(devices), tp) if pipeline else None
   with tempfile.NamedTemporaryFile("r", suffix=".log") as log:
     with stderr_to(log.name):
-      ours, plan_s, plan = compile_epl(problem, layout, rows, tp, devices)
+      ours, plan_s, plan = compile_epl(problem, "tp" if pipeline else layout, rows, tp,
+                                       devices, config)
     warned = log.read().count(REMAT_WARNING)
-  hand = compile_hand(problem, layout, rows, devices, tp)
+  hand = compile_hand(problem, layout, rows, devices, tp, config)
   mesh = " x ".join(f"{a}={n}" for a, n in plan.mesh.shape.items() if n > 1)
-  DETAILS.append(f"- {problem.name} {layout} on {topology}: epljax {ours.kinds_text()}; "
-                 f"hand {hand.kinds_text()} (GiB)")
+  DETAILS.append(f"- {problem.name} {layout} on {topology}: epljax {ours.kinds_text()}"
+                 + (f"; hand {hand.kinds_text()}" if hand else ""))
   ratio = lambda a, b: f"{a / b:.3f}" if b else ("1.000" if a == b else "inf")  # noqa: E731
+  theirs = ((gib(hand.bytes_per_device), ratio(ours.bytes_per_device, hand.bytes_per_device))
+            if hand else ("", ""))
+  moved = ((gib(hand.collective_bytes), ratio(ours.collective_bytes, hand.collective_bytes))
+           if hand else ("", ""))
   return [problem.name, f"{problem.params / 1e9:.2f}B", layout, topology, mesh, rows,
-          gib(ours.bytes_per_device), gib(hand.bytes_per_device),
-          ratio(ours.bytes_per_device, hand.bytes_per_device),
-          gib(ours.collective_bytes), gib(hand.collective_bytes),
-          ratio(ours.collective_bytes, hand.collective_bytes),
-          f"{plan_s:.0f}", f"{ours.compile_s:.0f}", f"{hand.compile_s:.0f}", warned]
+          gib(ours.bytes_per_device), *theirs, gib(ours.collective_bytes), *moved,
+          f"{plan_s:.0f}", f"{ours.compile_s:.0f}", f"{hand.compile_s:.0f}" if hand else "",
+          warned]
 
 
 HEADERS = ["model", "params", "layout", "H100s", "epljax mesh", "rows", "GiB/device epljax",
@@ -195,7 +226,8 @@ def main(argv=None):
   parser.add_argument("--models", nargs="+", default=list(PROBLEMS), choices=list(PROBLEMS))
   parser.add_argument("--devices", nargs="+", type=int, default=list(TOPOLOGIES),
                       choices=list(TOPOLOGIES))
-  parser.add_argument("--layouts", nargs="+", default=["fsdp", "tp"], choices=["fsdp", "tp"])
+  parser.add_argument("--layouts", nargs="+", default=["fsdp", "tp", "tp_pp"],
+                      choices=["fsdp", "tp", "tp_pp"])
   parser.add_argument("--cells", nargs="+", default=[], metavar="MODEL:DEVICES:LAYOUT",
                       help="these cells, in this order, instead of the product of the above")
   parser.add_argument("--rows_per_device", type=int, default=1,
