@@ -16,6 +16,8 @@ is jax's transpose of that (all forwards, then all backwards: GPipe).
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -54,8 +56,11 @@ def _loss_around(size, layers_fn):
 
 def llama_fsdp_loss(size, mesh: Mesh):
   """FSDP as JAX users write it by hand: each layer's kernels cast to the compute dtype and
-  gathered (a replicated sharding constraint) inside the scan, rows kept over ``data``."""
-  run = _layer_fn(size)
+  gathered (a replicated sharding constraint) inside the rematerialized layer, so that the
+  backward gathers them again instead of keeping every layer's whole; rows over ``data``."""
+  from models import llama
+
+  layer = llama.Layer(size)
   rows = NamedSharding(mesh, P("data"))
   whole = NamedSharding(mesh, P())
 
@@ -63,10 +68,13 @@ def llama_fsdp_loss(size, mesh: Mesh):
     p = p.astype(size.dtype) if p.ndim >= 2 else p   # kernels; norm scales stay float32
     return jax.lax.with_sharding_constraint(p, whole)
 
+  @functools.partial(jax.checkpoint, prevent_cse=False)
+  def run(h, params):
+    return layer.apply({"params": jax.tree.map(gathered, params)}, h, None)[0]
+
   def layers_fn(layers, x):
     def one(h, params):
-      h = run(h, jax.tree.map(gathered, params))
-      return jax.lax.with_sharding_constraint(h, rows), None
+      return jax.lax.with_sharding_constraint(run(h, params), rows), None
     return jax.lax.scan(one, jax.lax.with_sharding_constraint(x, rows), layers)[0]
 
   return _loss_around(size, layers_fn)

@@ -8,14 +8,14 @@
 The model is the zoo's Llama (``tests/models/llama.py``: layers under ``nn.scan``, Flax logical
 axis names, grouped-query attention, SwiGLU, rotary positions). ``--size`` picks its shape:
 
-=======  ===================================  =========  ===========  ==================
-size     shape                                compute    seq x batch  for
-=======  ===================================  =========  ===========  ==================
-small    4 layers, 32 wide (the zoo's)        float32    64 x 16      8 CPU devices
-tiny     2 layers, 64 wide, 8 heads           bfloat16   64 x 16      8 CPU devices
-8b       Llama-3-8B (32 x 4096, vocab 128256)  bfloat16   2048 x 64    GPUs / epljax.plan
-70b      Llama-2-70B (80 x 8192, vocab 32000)  bfloat16   2048 x 64    GPUs / epljax.plan
-=======  ===================================  =========  ===========  ==================
+=====  ====================================  ========  ===========  ==================
+size   shape                                 compute   seq x batch  for
+=====  ====================================  ========  ===========  ==================
+small  4 layers, 32 wide (the zoo's)         float32   64 x 16      8 CPU devices
+tiny   2 layers, 64 wide, 8 heads            bfloat16  64 x 16      8 CPU devices
+8b     Llama-3-8B (32 x 4096, vocab 128256)  bfloat16  2048 x 64    GPUs / epljax.plan
+70b    Llama-2-70B (80 x 8192, vocab 32000)  bfloat16  2048 x 64    GPUs / epljax.plan
+=====  ====================================  ========  ===========  ==================
 
 The weights are float32 in every size (bfloat16 compute casts them at use); 8b and 70b
 rematerialize each layer. Small sizes read their vocabulary from the text (characters, padded
