@@ -79,10 +79,11 @@ class Problem:
             else contextlib.nullcontext())
 
 
-def llama_problem(size_name: str, length: int) -> Problem:
+def llama_problem(size_name: str, length: int, **changes) -> Problem:
+  """The Llama preset ``size_name`` (with ``changes`` to its ``Size``: ``dtype=...``)."""
   from models import llama
 
-  size = llama.SIZES[size_name]
+  size = dataclasses.replace(llama.SIZES[size_name], **changes)
   init_fn, loss_fn = llama.fns(size)
   return Problem(f"llama {size_name}", init_fn, loss_fn, length, size.vocab, size.params,
                  llama.MEGATRON, "Llama", llama.LOGICAL_RULES, size)

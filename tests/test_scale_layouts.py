@@ -1,11 +1,13 @@
 """The layouts of ``bench/scale.py`` at a size 8 CPU devices compile in seconds: the tiny Llama
 preset (the 8B/70B program: ``nn.scan``, bfloat16 compute over float32 weights, each layer
 rematerialized, AdamW) planned by epljax as FSDP (``zero.level: v3``), tensor x data and tensor
-x pipeline x data. epljax's step holds no more bytes per device than 1.05x the hand-written
-``jax.jit`` of the same layout (``bench/hand_layouts.py``) nor moves more collective bytes, and
-XLA never warns "Involuntary full rematerialization" while compiling it (a reshard through a
-replicated copy of a whole tensor, which XLA logs from C++ to file descriptor 2: read here with
-``capfd``, and shown to be seen by provoking one).
+x pipeline x data, each against the hand-written step of the same layout (``jax.jit`` with
+explicit shardings, ``bench/hand_layouts.py``; FSDP and GPipe, ``bench/hand_llama.py``, shown
+here to compute the model's loss and gradients). epljax's step holds no more than 1.05x the
+hand step's bytes per device and moves no more collective bytes (where it does, a strict xfail
+names the bug), and XLA never warns "Involuntary full rematerialization" while compiling it (a
+reshard through a replicated copy of a whole tensor, which XLA logs from C++ to file
+descriptor 2: read with ``capfd``, shown to be seen by provoking one).
 """
 
 from __future__ import annotations
@@ -32,12 +34,15 @@ BYTES_RATIO = 1.05
 # and the finite flag of its metrics, scalars over the model axis (30 bytes in the tp layout).
 METRIC_SCALARS = 64
 
-# layout -> epljax config (``tp_pp`` adds stages to ``tp``'s split).
+# ``tp_pp``: ``tp``'s split cut into stages.
 PIPELINE = {"auto.auto_parallel": True, "pipeline.num_stages": 2, "pipeline.num_micro_batch": 2}
 
 
-@pytest.fixture(scope="module")
-def problem():
+def problem_of(layout: str):
+  """The tiny Llama; in float32 for ``tp_pp``, whose hand GPipe in bfloat16 crashes XLA:CPU
+  ("Invalid binary instruction opcode copy", jax 0.10.2 and 0.12)."""
+  if layout == "tp_pp":
+    return scale.llama_problem("tiny", LENGTH, dtype=jnp.float32)
   return scale.llama_problem("tiny", LENGTH)
 
 
@@ -58,24 +63,30 @@ def test_capture_sees_involuntary_rematerialization(capfd):
 _COMPILED: dict[str, tuple] = {}
 
 
-def compiled(problem, layout: str, capfd) -> tuple:
+def compiled(layout: str, capfd) -> tuple:
   """``(epljax's figures, its plan, what XLA wrote to fd 2 compiling it, the hand figures)``
   of ``layout``, compiled once for the tests that read them."""
   if layout not in _COMPILED:
+    problem = problem_of(layout)
+    config = PIPELINE if layout == "tp_pp" else None
     capfd.readouterr()
-    ours, _, plan = scale.compile_epl(problem, layout, ROWS, TP)
+    ours, _, plan = scale.compile_epl(problem, "tp" if config else layout, ROWS, TP,
+                                      config=config)
     err = capfd.readouterr().err
-    hand = scale.compile_hand(problem, layout, ROWS, jax.devices()[:8], TP)
+    hand = scale.compile_hand(problem, layout, ROWS, jax.devices()[:8], TP, config)
     _COMPILED[layout] = (ours, plan, err, hand)
   return _COMPILED[layout]
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "tp"])
-def test_layout_bytes_against_hand_written(problem, layout, capfd):
-  ours, plan, err, hand = compiled(problem, layout, capfd)
+MESHES = {"fsdp": {"data": 8}, "tp": {"data": 4, "model": TP},
+          "tp_pp": {"data": 2, "stage": 2, "model": TP}}
+
+
+@pytest.mark.parametrize("layout", list(MESHES))
+def test_layout_bytes_against_hand_written(layout, capfd):
+  ours, plan, err, hand = compiled(layout, capfd)
   assert scale.REMAT_WARNING not in err
-  expected = {"fsdp": {"data": 8}, "tp": {"data": 4, "model": TP}}[layout]
-  assert {a: n for a, n in plan.mesh.shape.items() if n > 1} == expected
+  assert {a: n for a, n in plan.mesh.shape.items() if n > 1} == MESHES[layout]
   assert ours.bytes_per_device <= BYTES_RATIO * hand.bytes_per_device, (ours, hand)
 
 
@@ -85,18 +96,15 @@ def test_layout_bytes_against_hand_written(problem, layout, capfd):
         "hand FSDP's 1,642,244 (all-gather f32 1,116,416 B against 1,051,136 B, and an "
         "all-to-all the hand step has not); on XLA:GPU epljax gathers float32 parameters "
         "where the hand step gathers bfloat16 (bench/scale.py, Llama-2-70B on 64 H100s)"))),
-    "tp"])
-def test_layout_collectives_against_hand_written(problem, layout, capfd):
-  ours, _, _, hand = compiled(problem, layout, capfd)
+    "tp",
+    pytest.param("tp_pp", marks=pytest.mark.xfail(strict=True, reason=(
+        "epljax bug: the split pipeline's step all-reduces 1,955,136 B over the model axis "
+        "where the hand GPipe all-reduces 1,214,212 B (2,283,328 collective bytes against "
+        "1,443,588: 1.58x); Llama-2-70B on 64 H100s: 830.5 against 283.6 GiB "
+        "(bench/scale.py)")))])
+def test_layout_collectives_against_hand_written(layout, capfd):
+  ours, _, _, hand = compiled(layout, capfd)
   assert ours.collective_bytes <= hand.collective_bytes + METRIC_SCALARS, (ours, hand)
-
-
-def test_tensor_pipeline_data_compiles_without_rematerialization(problem, capfd):
-  capfd.readouterr()
-  _, _, plan = scale.compile_epl(problem, "tp", ROWS, TP, config=PIPELINE)
-  assert scale.REMAT_WARNING not in capfd.readouterr().err
-  assert dict(plan.mesh.shape) == {"data": 2, "stage": 2, "model": TP}
-  assert plan.num_stages == 2
 
 
 def test_llama_example_trains_on_shakespeare(tmp_path, capsys):
