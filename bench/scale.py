@@ -15,8 +15,9 @@ H100s in the layouts people use, and the same step is written by hand for the sa
   ``hand_llama.fsdp``, GPT-2 leaves the gathers to GSPMD, ``hand_layouts.fsdp``).
 - ``tp``: the model ``epl.split(8)`` (a host's 8 GPUs; data parallel across hosts) against
   ``hand_layouts.megatron`` with the model's Megatron specs.
-- ``tp_pp``: that split cut into pipeline stages (``pipeline_config``; stages of 4 GPUs on one
-  host) against ``hand_llama.gpipe`` (Llama only; GPT-2's hand columns stay empty).
+- ``tp_pp``: that split cut into pipeline stages (``pipeline_config``: one host, 2 stages of 4
+  GPUs; several, stages of 8, 4 stages from 64 GPUs) against ``hand_llama.gpipe`` (Llama only;
+  GPT-2's hand columns stay empty).
 
 Only ``ShapeDtypeStruct`` batches are given: nothing of the real size is ever created; epljax is
 driven through ``trainer._build`` (plan) and ``plan.compiled`` (compile). Each row: bytes per
@@ -179,7 +180,7 @@ def gib(n: int) -> str:
 
 
 def pipeline_config(devices: int, tp: int = TP) -> dict:
-  """``tp_pp`` over ``devices`` H100s: 2 stages per 8 GPUs up to 4, 2 micro batches a stage."""
+  """``tp_pp`` over ``devices`` H100s: 2 stages, 4 from 64 devices; 2 micro batches a stage."""
   stages = min(4, max(2, devices // 16))
   return {"auto.auto_parallel": True, "pipeline.num_stages": stages,
           "pipeline.num_micro_batch": 2 * stages}
