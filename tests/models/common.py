@@ -14,6 +14,17 @@ def lm_loss(logits, targets):
   return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
+def lm_fns(model):
+  """``(init_fn, loss_fn)`` of a language model on batches ``{"x": ids, "y": next ids}``."""
+  def init_fn(rng, batch):
+    return model.init(rng, batch["x"])
+
+  def loss_fn(variables, batch):
+    return lm_loss(model.apply(variables, batch["x"]), batch["y"])
+
+  return init_fn, loss_fn
+
+
 def classification_loss(logits, labels):
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 

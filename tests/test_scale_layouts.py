@@ -1,0 +1,149 @@
+"""The layouts of ``bench/scale.py`` at a size 8 CPU devices compile in seconds: the tiny Llama
+preset (the 8B/70B program: ``nn.scan``, bfloat16 compute over float32 weights, each layer
+rematerialized, AdamW) planned by epljax as FSDP (``zero.level: v3``), tensor x data and tensor
+x pipeline x data, each against the hand-written step of the same layout (``jax.jit`` with
+explicit shardings, ``bench/hand_layouts.py``; FSDP and GPipe, ``bench/hand_llama.py``, shown
+here to compute the model's loss and gradients). epljax's step holds no more than 1.05x the
+hand step's bytes per device and moves no more collective bytes (where it does, a strict xfail
+names the bug), and XLA never warns "Involuntary full rematerialization" while compiling it (a
+reshard through a replicated copy of a whole tensor, which XLA logs from C++ to file
+descriptor 2: read with ``capfd``, shown to be seen by provoking one).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+
+import scale  # noqa: E402
+
+ROWS = 8
+LENGTH = 32
+TP = 2
+BYTES_RATIO = 1.05
+# What epljax's step reduces that the hand step does not compute: the global gradient norm
+# and the finite flag of its metrics, scalars over the model axis (30 bytes in the tp layout).
+METRIC_SCALARS = 64
+
+# ``tp_pp``: ``tp``'s split cut into stages.
+PIPELINE = {"auto.auto_parallel": True, "pipeline.num_stages": 2, "pipeline.num_micro_batch": 2}
+
+
+def problem_of(layout: str):
+  """The tiny Llama; in float32 for ``tp_pp``, whose hand GPipe in bfloat16 crashes XLA:CPU
+  ("Invalid binary instruction opcode copy", jax 0.10.2 and 0.12)."""
+  if layout == "tp_pp":
+    return scale.llama_problem("tiny", LENGTH, dtype=jnp.float32)
+  return scale.llama_problem("tiny", LENGTH)
+
+
+def test_capture_sees_involuntary_rematerialization(capfd):
+  """A reshape that splits a dimension sharded 8 ways into (2, 12): XLA can only replicate the
+  tensor and split it again, and says so on file descriptor 2."""
+  mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+  def constrain(x, spec):
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+  def uneven(x):
+    y = constrain(x * 2, P(("a", "b"), None)).reshape(2, 12, 4)
+    return constrain(y + 1, P(None, ("a", "b"), None)) * 3
+  capfd.readouterr()
+  jax.jit(uneven).lower(jax.ShapeDtypeStruct((24, 4), jnp.float32)).compile()
+  assert scale.REMAT_WARNING in capfd.readouterr().err
+
+
+_COMPILED: dict[str, tuple] = {}
+
+
+def compiled(layout: str, capfd) -> tuple:
+  """``(epljax's figures, its plan, what XLA wrote to fd 2 compiling it, the hand figures)``
+  of ``layout``, compiled once for the tests that read them."""
+  if layout not in _COMPILED:
+    problem = problem_of(layout)
+    config = PIPELINE if layout == "tp_pp" else None
+    capfd.readouterr()
+    ours, _, plan = scale.compile_epl(problem, "tp" if config else layout, ROWS, TP,
+                                      config=config)
+    err = capfd.readouterr().err
+    hand = scale.compile_hand(problem, layout, ROWS, jax.devices()[:8], TP, config)
+    _COMPILED[layout] = (ours, plan, err, hand)
+  return _COMPILED[layout]
+
+
+MESHES = {"fsdp": {"data": 8}, "tp": {"data": 4, "model": TP},
+          "tp_pp": {"data": 2, "stage": 2, "model": TP}}
+
+
+@pytest.mark.parametrize("layout", list(MESHES))
+def test_layout_bytes_against_hand_written(layout, capfd):
+  ours, plan, err, hand = compiled(layout, capfd)
+  assert scale.REMAT_WARNING not in err
+  assert {a: n for a, n in plan.mesh.shape.items() if n > 1} == MESHES[layout]
+  assert ours.bytes_per_device <= BYTES_RATIO * hand.bytes_per_device, (ours, hand)
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param("fsdp", marks=pytest.mark.xfail(strict=True, reason=(
+        "epljax bug: zero.level v3 moves 1,651,304 collective bytes a step, more than the "
+        "hand FSDP's 1,642,244 (all-gather f32 1,116,416 B against 1,051,136 B, and an "
+        "all-to-all the hand step has not); on XLA:GPU epljax gathers float32 parameters "
+        "where the hand step gathers bfloat16 (bench/scale.py, Llama-2-70B on 64 H100s)"))),
+    "tp",
+    pytest.param("tp_pp", marks=pytest.mark.xfail(strict=True, reason=(
+        "epljax bug: the split pipeline's step all-reduces 1,955,136 B over the model axis "
+        "where the hand GPipe all-reduces 1,214,212 B (2,283,328 collective bytes against "
+        "1,443,588: 1.58x); Llama-2-70B on 64 H100s: 830.5 against 283.6 GiB "
+        "(bench/scale.py)")))])
+def test_layout_collectives_against_hand_written(layout, capfd):
+  ours, _, _, hand = compiled(layout, capfd)
+  assert ours.collective_bytes <= hand.collective_bytes + METRIC_SCALARS, (ours, hand)
+
+
+def test_llama_example_trains_on_shakespeare(tmp_path, capsys):
+  """examples/llama.py, the smallest preset as FSDP on 8 CPU devices: the loss goes down."""
+  import importlib.util
+
+  text = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
+                      "tinyshakespeare.txt")
+  if not os.path.exists(text):   # any text will do: the repository's own docs
+    text = os.path.join(os.path.dirname(__file__), "..", "README.md")
+  path = os.path.join(os.path.dirname(__file__), "..", "examples", "llama.py")
+  spec = importlib.util.spec_from_file_location("llama_example", path)
+  example = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(example)
+  losses = example.main(["--data", text, "--steps", "30", "--log_every", "10", "--seq", "32",
+                         "--batch", "8"])
+  assert "held-out loss" in capsys.readouterr().out
+  assert np.mean(losses[-5:]) < losses[0] - 0.5, losses
+
+
+def test_hand_llama_steps_are_the_model():
+  """The hand-written programs the layouts are held against compute the model's loss and
+  gradients (float32 tiny Llama): the FSDP gathering each layer inside the scan, and the GPipe
+  (its 2 layers in 2 stages, 2 micro batches)."""
+  import dataclasses
+
+  import hand_llama
+  from flax.core import meta
+  from helpers import DEEP_TOL, assert_trees_close
+  from models import common, llama
+
+  size = dataclasses.replace(llama.SIZES["tiny"], dtype=jnp.float32)
+  init_fn, loss_fn = llama.fns(size)
+  batch = common.token_batch(ROWS, 16, size.vocab)
+  params = meta.unbox(init_fn(jax.random.key(0), batch))["params"]
+  mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 2, 2), ("data", "stage", "model"))
+  piped = jax.jit(jax.value_and_grad(hand_llama.llama_loss(size, mesh, 2, 2)))
+  expected = jax.value_and_grad(lambda p: loss_fn({"params": p}, batch))(params)
+  assert_trees_close(piped(params, batch), expected, DEEP_TOL)
+  flat = Mesh(np.asarray(jax.devices()[:8]), ("data",))
+  fsdp = jax.jit(jax.value_and_grad(hand_llama.llama_fsdp_loss(size, flat)))
+  assert_trees_close(fsdp(params, batch), expected, DEEP_TOL)
