@@ -480,8 +480,7 @@ def make_plan(var: Variables, cap: Capture, where: Placement, features: Sequence
 def _skips_by_cond(where: Placement, features: Sequence[Feature]) -> bool:
   on_device = all(_where(t) == "device" for t in (where.shardings.params,
                                                   where.shardings.opt_state))
-  return step_lib.skips_by_cond(where.layout.mesh, features, state_on_device=on_device,
-                                stages=where.layout.num_stages)
+  return step_lib.skips_by_cond(where.layout.mesh, features, state_on_device=on_device)
 
 
 def _where(shardings: Any) -> str:

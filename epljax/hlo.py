@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -185,25 +185,33 @@ def executed_collectives(hlo_text: str, include_trivial: bool = False) -> list[C
   return out
 
 
-def computations_in_branches(hlo_text: str) -> tuple[dict[str, list[str]], set[str]]:
+def computations_in_branches(hlo_text: str, in_loops: bool = False
+                             ) -> tuple[dict[str, list[str]], set[str]]:
   """The lines of each computation of ``hlo_text``, and the names of those that run inside a
-  branch of a conditional (or in what a branch calls)."""
+  branch of a conditional (or in what a branch calls); ``in_loops``: of a conditional that
+  itself runs inside a ``while`` body (a pipeline loop's switch, not a step-wide cond)."""
   bodies, _, callers = _computations(hlo_text)
-  inside: dict[str, bool] = {}
 
-  def in_branch(name: str) -> bool:
-    if name not in inside:
-      inside[name] = False   # guards against a cycle
-      inside[name] = any(how == "branch" or in_branch(c) for c, _, how in callers.get(name, ()))
-    return inside[name]
+  def walk(start: Callable[[str, str], bool]) -> Callable[[str], bool]:
+    seen: dict[str, bool] = {}
 
+    def reached(name: str) -> bool:
+      if name not in seen:
+        seen[name] = False   # guards against a cycle
+        seen[name] = any(start(c, how) or reached(c) for c, _, how in callers.get(name, ()))
+      return seen[name]
+    return reached
+
+  in_loop = walk(lambda caller, how: how == "body")
+  in_branch = walk(lambda caller, how: how == "branch" and (not in_loops or in_loop(caller)))
   return bodies, {name for name in bodies if in_branch(name)}
 
 
-def collectives_in_branches(hlo_text: str) -> list[Collective]:
+def collectives_in_branches(hlo_text: str, in_loops: bool = False) -> list[Collective]:
   """The collectives of ``hlo_text`` that run inside a branch of a conditional (or in what a
-  branch calls): only the devices that take that branch reach them."""
-  bodies, inside = computations_in_branches(hlo_text)
+  branch calls): only the devices that take that branch reach them. ``in_loops``: as in
+  ``computations_in_branches``."""
+  bodies, inside = computations_in_branches(hlo_text, in_loops)
   return [c for name, lines in bodies.items() if name in inside
           for c in collectives("\n".join(lines))]
 

@@ -129,12 +129,13 @@ SKIP_BY_COND = ("cpu",)   # platforms whose step skips by lax.cond (module doc)
 
 
 def skips_by_cond(mesh: jax.sharding.Mesh, features: Sequence[Feature], *,
-                  state_on_device: bool, stages: int) -> bool:
+                  state_on_device: bool) -> bool:
   """Whether the step over ``mesh`` checks and skips the XLA:CPU way (module doc): not for
   state in host memory (a value's memory space is part of its type, which a cond's branches
-  must agree on), nor with pipeline stages (whose step is refused when a collective sits in a
-  branch, and a sharded update's would), nor under a feature that rewrites the update."""
-  return (mesh.devices.flat[0].platform in SKIP_BY_COND and state_on_device and stages == 1
+  must agree on), nor under a feature that rewrites the update. Pipeline stages too: every
+  device takes the cond's same branch (the pipeline refuses collectives in its loop's stage
+  branches only, ``Pipeline.check_compiled``)."""
+  return (mesh.devices.flat[0].platform in SKIP_BY_COND and state_on_device
           and not any(f.rewrites_update for f in features))
 
 

@@ -209,10 +209,16 @@ def test_zero_v3_gathers_each_parameter_again_for_its_backward_use_and_no_more()
   assert total(ours.collectives) <= total(theirs.collectives) + param_bytes
 
 
+def _bench_on_path() -> None:
+  bench = os.path.join(os.path.dirname(__file__), os.pardir, "bench")
+  if bench not in sys.path:
+    sys.path.insert(0, bench)
+
+
 @functools.cache
 def pipeline_costs(layers: int = 8) -> tuple[Cost, Cost]:
   """(epljax 1F1B, hand-written GPipe) costs: 4 stages x 2 replicas, 8 micro batches."""
-  sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "bench"))
+  _bench_on_path()
   import pipeline_compile as hand
   trainer, b = hand.epljax_trainer(
       hand.Scanned(layers), {"pipeline.num_micro_batch": hand.M, "auto.auto_parallel": True,
@@ -236,3 +242,18 @@ def test_pipeline_sends_what_a_hand_written_gpipe_sends_and_reduces_no_more():
   assert ours.collectives["collective-permute"] == theirs.collectives["collective-permute"]
   assert total(ours.collectives) <= total(theirs.collectives), (ours.collectives,
                                                                 theirs.collectives)
+
+
+def test_pipeline_bytes_per_device_no_more_than_a_hand_written_gpipe():
+  # A parameter-bound GPT (4 layers of width 256, one per stage, AdamW, GPipe over 4 micro
+  # batches of 2 rows; bench/pipeline_memory.py), so the bytes compared are mostly the
+  # parameters' copies. Peak bytes per device: arguments + outputs - aliased + temp.
+  _bench_on_path()
+  import pipeline_memory as pm
+  layers, width, micro = 4, 256, 4
+  theirs = pm.hand_bytes(layers, width, micro)
+  ours = pm.epljax_bytes(layers, width, micro, "PreferForward")
+  assert ours.peak <= (1 + TOLERANCE) * theirs.peak, (
+      f"pipeline peak {ours.peak / 2**20:.1f} MiB per device vs the hand-written GPipe's "
+      f"{theirs.peak / 2**20:.1f} MiB ({ours.peak / theirs.peak:.3f}x, at most "
+      f"{1 + TOLERANCE:.2f}x)")

@@ -93,6 +93,27 @@ def test_collectives_in_branches_are_those_only_some_devices_may_reach():
       "collective-permute", "all-reduce"]
 
 
+# The same conditional, once at the top (a step-wide cond) and once inside a while body (a
+# pipeline loop's switch).
+LOOPED = BRANCHED.replace("ENTRY %main", "%loop_body") + """
+%loop_cond (s: (f32[4], s32[])) -> pred[] {
+  ROOT %t = pred[] constant(true)
+}
+
+ENTRY %main2 (a: f32[4], i: s32[]) -> f32[4] {
+  %w = (f32[4], s32[]) while(%a), condition=%loop_cond, body=%loop_body
+  ROOT %c2 = f32[4]{0} conditional(%i, %a, %a), branch_computations={%permute_in_branch, %idle}
+}
+"""
+
+
+def test_collectives_in_branches_in_loops_are_those_of_a_conditional_in_a_while_body():
+  assert [c.kind for c in hlo.collectives_in_branches(BRANCHED, in_loops=True)] == []
+  assert [c.kind for c in hlo.collectives_in_branches(LOOPED, in_loops=True)] == [
+      "collective-permute"]
+  assert [c.kind for c in hlo.collectives_in_branches(LOOPED)] == ["collective-permute"]
+
+
 def test_replica_groups_are_read_in_every_form_xla_prints():
   def groups(text):
     return hlo.Collective("all-reduce", (), 0, text).device_groups(8)

@@ -91,7 +91,7 @@ def test_the_pipeline_plan_prints_without_compiling_the_step():
   assert [row.split()[:4] for row in lines[2:4]] == [["0", "stage_0", "2", "2.6"],
                                                       ["1", "stage_1", "4", "4.1"]]
   assert "  schedule  PreferBackward (1F1B): 10 ticks, bubble (S-1)/(M+S-1) = 1/5 = 20%" in text
-  assert "  stash     residuals: 2 micro batches (+1 scratch slot)" in text
+  assert "  stash     residuals: 2 micro batches x " in text
   assert "packed for the largest stage inside the step" in text
   total = (20 * 32 + 32 + 32 * 24 + 24 + 24 * 10 + 10) * 4
   assert pipe.param_bytes_per_device == trainer.plan.param_bytes == total // 2

@@ -118,7 +118,7 @@ def test_split_plan_shows_the_model_split_of_each_stage(scopes_run):
           "5.6 KiB of 9.8 KiB per device") in text
   assert ("split     stage 1 'stage_1': epl.split(2) over model; 5 of 8 parameters split, "
           "4.6 KiB of 9.1 KiB per device") in text
-  assert re.search(r"stash     residuals: 2 micro batches \(\+1 scratch slot\) x [\d.]+ KiB per "
+  assert re.search(r"stash     residuals: 2 micro batches x [\d.]+ KiB per "
                    r"device before the model split; 2 distinct stage functions", text), text
 
 
@@ -127,7 +127,7 @@ def test_split_stages_stash_their_residuals_split_over_model(scopes_run):
   at their ``model`` split, 32 features per device; nothing is gathered to stash it."""
   trainer, state, batch = scopes_run
   text = trainer.lower(state, batch).compile().as_text()
-  slots = trainer.plan.pipeline.schedule.num_slots + 1
+  slots = trainer.plan.pipeline.schedule.num_slots
   assert re.search(rf"f32\[{slots},4,32\]", text)
   assert not re.search(rf"f32\[{slots},4,64\]", text)
   assert not [c for c in hlo.collectives(text) if c.kind == "all-gather"]
@@ -176,10 +176,13 @@ def test_a_permute_inside_a_split_stage_is_refused_before_the_step_runs(scopes_r
   with pytest.raises(PlanError, match=r"(?s)1 collective\(s\) \(collective-permute: f32\[4\]\) "
                      r"inside a\stensor-parallel\sstage's computation \('stage_0': split\(2\), "
                      r"'stage_1': split\(2\)\).* would hang"):
-    pipe.check_compiled(test_hlo.BRANCHED)
+    pipe.check_compiled(test_hlo.LOOPED)
+  # A step-wide conditional (outside the loop: the XLA:CPU skip of a non-finite update) is
+  # taken by every device alike.
+  pipe.check_compiled(test_hlo.BRANCHED)
   # Other collectives in a branch: fine within one stage's devices (mesh data 2 x stage 2 x
   # model 2: partitions 0, 1 are stage 0's model pair), refused across stages (0 and 2).
-  within = test_hlo.BRANCHED.replace(
+  within = test_hlo.LOOPED.replace(
       "collective-permute(%p), channel_id=1, source_target_pairs={{0,1},{1,0}}",
       "all-reduce(%p), channel_id=1, replica_groups=[4,2]<=[8], to_apply=%add")
   pipe.check_compiled(within)

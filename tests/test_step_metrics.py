@@ -76,8 +76,7 @@ def skip(request, monkeypatch):
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_nan_batch_leaves_the_state_bit_identical(case, skip):
   trainer, state = make(**CASES[case], max_nonfinite_steps=3)
-  # (pipeline stages keep the select: step.skips_by_cond)
-  expected_line = "lax.cond" if skip == "cond" and case != "pipeline" else "select fused"
+  expected_line = "lax.cond" if skip == "cond" else "select fused"
   assert any(expected_line in f for f in trainer.plan.features if f.startswith("non-finite"))
   state, metrics = trainer.train_step(state, classification_batch(32))   # one good step
   assert bool(metrics["finite"]) and int(metrics["step"]) == 1

@@ -163,7 +163,7 @@ class Pipeline:
       return groups is None or any(
           len({np.unravel_index(d, mesh_shape)[stage_axis] for d in g}) > 1 for g in groups)
 
-    stuck = [c for c in hlo.collectives_in_branches(hlo_text) if crosses(c)]
+    stuck = [c for c in hlo.collectives_in_branches(hlo_text, in_loops=True) if crosses(c)]
     if stuck:
       raise PlanError(_PERMUTE_IN_STAGE.format(
           n=len(stuck), kinds=", ".join(sorted({c.kind for c in stuck})),

@@ -108,7 +108,7 @@ def describe(pipe: Pipeline) -> list[str]:
         packing.nbytes(buffers.payload) if buffers.keep_inputs else 0)
     kept = "micro batches" if virtual == 1 else "micro batch chunks"
     lines.append(
-        f"stash     residuals: {pipe.schedule.num_slots} {kept} (+1 scratch slot) x "
+        f"stash     residuals: {pipe.schedule.num_slots} {kept} x "
         f"{size(per_slot)} per device{' before the model split' if pipe.slotted else ''}; "
         f"{len(pipe.loop.branches)} distinct stage functions")
   lines.append(f"params    {size(param_bytes_per_device(pipe))} per device as stored (the "

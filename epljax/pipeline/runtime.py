@@ -279,7 +279,12 @@ def _take(buffers: dict, index) -> dict:
   return {k: lax.dynamic_index_in_dim(v, index, keepdims=False) for k, v in buffers.items()}
 
 
-def _put(buffers: dict, index, values: dict) -> dict:
+def _put(buffers: dict, index, values: dict, keep=None) -> dict:
+  """``values`` written at ``index``; where ``keep``, the slot as it was (an idle forward
+  writes its busy slot back in place, so idle ticks need no stash slot of their own)."""
+  if keep is not None:
+    values = {k: jnp.where(keep, lax.dynamic_index_in_dim(v, index, keepdims=False), values[k])
+              for k, v in buffers.items()}
   return {k: lax.dynamic_update_index_in_dim(v, values[k], index, 0) for k, v in buffers.items()}
 
 
@@ -351,12 +356,13 @@ def pipelined_gradients(loop: Loop, aux_avals, schedule: Schedule, mesh: Mesh,
 
   def local(params, state, micro, seed):   # params: this stage's v chunk rows
     stage = lax.axis_index(STAGE)
+    # The mean over micro batches and replicas, folded into the cotangent every backward
+    # starts from: the summed gradients come out scaled, with no pass over them.
+    seed = seed / (n_micro * shards)
     carry = dict(
         fwd=packing.zeros(sizes.payload), bwd=packing.zeros(sizes.grad_payload),
-        # One slot more than the schedule keeps: idle forwards write there, so a write needs
-        # no read of the old slot and updates the loop's buffer in place.
-        stash_x=packing.zeros(sizes.payload if sizes.keep_inputs else {}, (slots + 1,)),
-        stash_r=packing.zeros(sizes.residuals, (slots + 1,)),
+        stash_x=packing.zeros(sizes.payload if sizes.keep_inputs else {}, (slots,)),
+        stash_r=packing.zeros(sizes.residuals, (slots,)),
         grads=packing.zeros(sizes.params, (n_virtual,)), losses=jnp.zeros((n_micro,), jnp.float32),
         aux=[jnp.zeros((n_micro, *a.shape), a.dtype) for a in aux_avals],
         state={k: v[0] for k, v in state.items()})
@@ -366,9 +372,8 @@ def pipelined_gradients(loop: Loop, aux_avals, schedule: Schedule, mesh: Mesh,
       batch = [lax.dynamic_index_in_dim(x, f_m, keepdims=False) for x in micro]
       out, loss, aux, res, new_state = lax.switch(
           f_branch, fwd, _chunk(params, f_j, n_virtual), c["fwd"], batch, c["state"])
-      write = jnp.where(f_branch == idle, slots, f_slot)
-      stash_x = _put(c["stash_x"], write, c["fwd"])
-      stash_r = _put(c["stash_r"], write, res)
+      stash_x = _put(c["stash_x"], f_slot, c["fwd"], keep=f_branch == idle)
+      stash_r = _put(c["stash_r"], f_slot, res, keep=f_branch == idle)
       losses = c["losses"].at[f_m].add(loss)
       auxes = [acc.at[f_m].add(a) for acc, a in zip(c["aux"], aux)]
       batch = [lax.dynamic_index_in_dim(x, b_m, keepdims=False) for x in micro]
@@ -381,7 +386,7 @@ def pipelined_gradients(loop: Loop, aux_avals, schedule: Schedule, mesh: Mesh,
                   aux=auxes, state=new_state), None
 
     c, _ = lax.scan(tick, carry, jnp.asarray(tables))
-    grads = {k: lax.psum(g, data_axes) / (n_micro * shards) for k, g in c["grads"].items()}
+    grads = {k: lax.psum(g, data_axes) for k, g in c["grads"].items()}
     loss = lax.pmean(lax.psum(jnp.sum(c["losses"]), STAGE) / n_micro, data_axes)
     aux = [_gather_aux(lax.psum(a, STAGE), data_axes) for a in c["aux"]]  # made on the last
     return loss, aux, grads, {k: v[None] for k, v in c["state"].items()}

@@ -1,0 +1,226 @@
+"""Pipeline bytes per device against a hand-written ``shard_map`` GPipe of the same model.
+
+    python bench/pipeline_memory.py            # XLA:CPU, 8 simulated devices
+    python bench/pipeline_memory.py --gpu      # 8 compile-only H100s (v312 venv, JAX_PLATFORMS=cpu)
+    python bench/pipeline_memory.py --record   # and append the table to bench/RESULTS.md
+
+A GPT of ``L`` decoder layers of width ``W`` (a Python loop of layers, cut into 4 stages by
+``auto.auto_parallel``), 2 pipeline replicas on 8 devices, ``M`` micro batches, AdamW. The
+hand-written side stacks the layers ``(S, L/S, ...)`` stored over ``stage`` (AdamW's state
+likewise), runs a GPipe loop of ``M + S - 1`` ticks with ``ppermute`` in a ``shard_map`` over
+``(data, stage)``, differentiates through it with ``jax.grad`` and applies ``optax.adamw``,
+jitted with donated state. Both are compiled from shapes alone (nothing runs); the figure is
+peak bytes per device, ``arguments + outputs - aliased + temp`` of ``memory_analysis()``, and
+temp over one stage's parameter bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import epljax as epl  # noqa: E402
+from gpu_aot import as_devices  # noqa: E402
+
+S, VOCAB, HEADS, SEQ, ROWS = 4, 256, 4, 32, 2   # ROWS: per micro batch per replica
+CASES = ((8, 512, 8, "PreferForward"), (8, 512, 8, "PreferBackward"),
+         (4, 1024, 4, "PreferForward"))          # (layers, width, M, strategy)
+
+
+class Layer(nn.Module):
+  width: int
+
+  @nn.compact
+  def __call__(self, x):
+    mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+    x = x + nn.MultiHeadDotProductAttention(HEADS)(nn.LayerNorm()(x), mask=mask)
+    return x + nn.Dense(self.width)(nn.gelu(nn.Dense(4 * self.width)(nn.LayerNorm()(x))))
+
+
+class Stem(nn.Module):
+  width: int
+
+  @nn.compact
+  def __call__(self, tokens):
+    return nn.Embed(VOCAB, self.width)(tokens) + self.param(
+        "position", nn.initializers.normal(0.02), (SEQ, self.width))
+
+
+class Head(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(VOCAB)(nn.LayerNorm()(x))
+
+
+class GPT(nn.Module):
+  layers: int
+  width: int
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = Stem(self.width)(tokens)
+    for _ in range(self.layers):
+      x = Layer(self.width)(x)
+    return Head()(x)
+
+
+def batch_shapes(micro: int) -> dict:
+  rows = 2 * micro * ROWS
+  return {"x": jax.ShapeDtypeStruct((rows, SEQ), jnp.int32),
+          "y": jax.ShapeDtypeStruct((rows, SEQ), jnp.int32)}
+
+
+def ce(logits, y):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+@dataclasses.dataclass(frozen=True)
+class Bytes:
+  peak: int          # arguments + outputs - aliased + temp, per device
+  temp: int
+
+  @classmethod
+  def of(cls, compiled) -> Bytes:
+    m = compiled.memory_analysis()
+    return cls(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+               + m.temp_size_in_bytes, m.temp_size_in_bytes)
+
+
+def epljax_bytes(layers: int, width: int, micro: int, strategy: str, devices=None) -> Bytes:
+  """The epljax step's bytes (auto cut into ``S`` stages, AdamW), compiled from shapes."""
+  model = GPT(layers, width)
+  b = {k: np.zeros(v.shape, v.dtype) for k, v in batch_shapes(micro).items()}
+  with as_devices((devices or jax.devices())[:2 * S]):
+    epl.init({"pipeline.num_micro_batch": micro, "pipeline.num_stages": S,
+              "auto.auto_parallel": True, "pipeline.strategy": strategy})
+    trainer = epl.Trainer(lambda k, bt: model.init(k, bt["x"]),
+                          lambda v, bt: ce(model.apply(v, bt["x"]), bt["y"]), optax.adamw(1e-3))
+    return Bytes.of(trainer._build(jax.random.key(0), b).plan.compiled)
+
+
+def stacked_shapes(layers: int, width: int) -> dict:
+  """The hand-written GPipe's parameters: stem, head, and the layers stacked ``(S, L/S, ...)``."""
+  h = jnp.zeros((1, SEQ, width))
+  one = jax.eval_shape(lambda: Layer(width).init(jax.random.key(0), h)["params"])
+  return {"stem": jax.eval_shape(lambda: Stem(width).init(
+              jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32))["params"]),
+          "blocks": jax.tree.map(lambda a: jax.ShapeDtypeStruct((S, layers // S, *a.shape),
+                                                                a.dtype), one),
+          "head": jax.eval_shape(lambda: Head().init(jax.random.key(0), h)["params"])}
+
+
+def hand_bytes(layers: int, width: int, micro: int, devices=None) -> Bytes:
+  """A GPipe written by hand (see the module doc) with AdamW, compiled from shapes."""
+  devices = devices or jax.devices()
+  mesh = Mesh(np.array(devices[:2 * S]).reshape(2, S), ("data", "stage"))
+  shapes = stacked_shapes(layers, width)
+  spec = lambda path, _: P("stage") if path[0].key == "blocks" else P()  # noqa: E731
+  shard = jax.tree.map(lambda s: NamedSharding(mesh, s),
+                       jax.tree_util.tree_map_with_path(spec, shapes))
+  block = lambda p, a: Layer(width).apply({"params": p}, a)  # noqa: E731
+  optimizer = optax.adamw(1e-3)
+
+  def pipeline(blocks, h):          # h: (M, rows, ...) per replica; stage-local blocks
+    stage = lax.axis_index("stage")
+    blocks = jax.tree.map(lambda a: a[0], blocks)
+
+    def tick(carry, t):
+      inbox, outs = carry
+      x = jnp.where(stage == 0, h[jnp.minimum(t, micro - 1)], inbox)
+      y = lax.scan(lambda c, p: (block(p, c), None), x, blocks)[0]
+      m = t - (S - 1)
+      outs = jnp.where((stage == S - 1) & (m >= 0),
+                       outs.at[jnp.clip(m, 0, micro - 1)].set(y), outs)
+      return (lax.ppermute(y, "stage", [(i, (i + 1) % S) for i in range(S)]), outs), None
+
+    (_, outs), _ = lax.scan(tick, (jnp.zeros_like(h[0]), jnp.zeros_like(h)),
+                            jnp.arange(micro + S - 1))
+    return lax.psum(jnp.where(stage == S - 1, outs, 0.0), "stage")
+
+  run = jax.shard_map(pipeline, mesh=mesh, in_specs=(P("stage"), P(None, "data")),
+                      out_specs=P(None, "data"), check_vma=False)
+
+  def loss(p, b):
+    x = b["x"].reshape(micro, -1, SEQ)
+    h = jax.vmap(lambda xm: Stem(width).apply({"params": p["stem"]}, xm))(x)
+    logits = jax.vmap(lambda hm: Head().apply({"params": p["head"]}, hm))(run(p["blocks"], h))
+    return ce(logits, b["y"].reshape(micro, -1, SEQ))
+
+  def step(p, opt, b):
+    value, grads = jax.value_and_grad(loss)(p, b)
+    updates, opt = optimizer.update(grads, opt, p)
+    return optax.apply_updates(p, updates), opt, value
+
+  opt_shapes = jax.eval_shape(optimizer.init, shapes)
+  opt_shard = optax.tree_map_params(optimizer, lambda _, s: s, opt_shapes, shard,
+                                    transform_non_params=lambda _: NamedSharding(mesh, P()))
+  abstract = lambda tree, sh: jax.tree.map(  # noqa: E731
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, sh)
+  b_sh = NamedSharding(mesh, P("data"))
+  b = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=b_sh)
+       for k, v in batch_shapes(micro).items()}
+  jitted = jax.jit(step, out_shardings=(shard, opt_shard, NamedSharding(mesh, P())),
+                   donate_argnums=(0, 1))
+  return Bytes.of(jitted.lower(abstract(shapes, shard), abstract(opt_shapes, opt_shard),
+                               b).compile())
+
+
+def stage_param_bytes(layers: int, width: int) -> int:
+  """One stage's layer parameter bytes (the stacked blocks, per stage device)."""
+  return sum(a.size * a.dtype.itemsize
+             for a in jax.tree.leaves(stacked_shapes(layers, width)["blocks"])) // S
+
+
+def rows(devices=None) -> list[list]:
+  out = []
+  for layers, width, micro, strategy in CASES:
+    hand = hand_bytes(layers, width, micro, devices)
+    ours = epljax_bytes(layers, width, micro, strategy, devices)
+    per = stage_param_bytes(layers, width)
+    name = "GPipe" if strategy == "PreferForward" else "1F1B"
+    out.append([f"{layers} layers, width {width}, M={micro}, {name}",
+                f"{hand.peak / 2**20:.1f}", f"{ours.peak / 2**20:.1f}",
+                f"**{ours.peak / hand.peak:.2f}x**", f"{hand.temp / per:.2f}",
+                f"{ours.temp / per:.2f}"])
+    print(out[-1], flush=True)
+  return out
+
+
+HEADER = ["model, schedule", "hand GPipe peak MiB", "epljax peak MiB", "epljax / hand",
+          "hand temp / stage param B", "epljax temp / stage param B"]
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--gpu", action="store_true", help="8 compile-only H100s")
+  parser.add_argument("--record", action="store_true")
+  args = parser.parse_args(argv)
+  from common import record, table
+  devices = None
+  if args.gpu:
+    from gpu_aot import h100s
+    devices = h100s()
+  text = table(HEADER, rows(devices))
+  print(text)
+  if args.record:
+    where = "8 compile-only H100s (XLA:GPU)" if args.gpu else "XLA:CPU, 8 simulated devices"
+    record(f"Pipeline bytes per device vs a hand-written GPipe, {where}", text)
+
+
+if __name__ == "__main__":
+  main()
