@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+os.environ.setdefault("JAX_PLATFORMS", "cpu")   # (this process compiles nothing: no GPU to start)
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
