@@ -133,12 +133,11 @@ def compile_epl(problem: Problem, layout: str, rows: int, tp: int = TP,
                 devices: list | None = None, config: dict | None = None
                 ) -> tuple[Figures, float, Any]:
   """epljax's step for ``layout``: its figures, the plan seconds and the plan. Over
-  ``devices`` (compile-only ones, ``gpu_aot``) or ``jax.devices()``; ``config`` adds keys
-  (pipeline stages)."""
-  from gpu_aot import as_devices
-
-  with as_devices(devices) if devices else contextlib.nullcontext(), problem.rules():
-    epl.init({**epl_config(layout), **(config or {})})
+  ``devices`` (compile-only ones, ``epl.topology``) or ``jax.devices()``; ``config`` adds keys
+  (pipeline stages). ``trainer._build`` and ``plan.compiled`` are ``trainer.compile``'s two
+  halves, timed apart."""
+  with problem.rules():
+    epl.init({**epl_config(layout), **(config or {})}, devices=devices)
     if layout == "tp":
       epl.annotate({problem.split_pattern: epl.split(tp)})
     trainer = epl.Trainer(problem.init_fn, problem.loss_fn, optimizer())
@@ -217,13 +216,11 @@ HEADERS = ["model", "params", "layout", "H100s", "epljax mesh", "rows", "GiB/dev
            "hand", "ratio", "collective GiB epljax", "hand", "ratio", "plan s",
            "compile s epljax", "hand", "remat warnings"]
 DETAILS: list[str] = []   # collectives by kind of each row, printed under the table
-TOPOLOGIES = {8: "1x1x8", 16: "1x2x8", 64: "1x8x8"}
+TOPOLOGIES = {8: 1, 16: 2, 64: 8}   # devices -> hosts of 8 H100s
 
 
 def main(argv=None):
   from common import record, table
-  from gpu_aot import h100s
-
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", nargs="+", default=list(PROBLEMS), choices=list(PROBLEMS))
   parser.add_argument("--devices", nargs="+", type=int, default=list(TOPOLOGIES),
@@ -241,7 +238,7 @@ def main(argv=None):
   rows, gpus = [], {}
   for name, n, layout in cells:
     if n not in gpus:
-      gpus[n] = h100s(TOPOLOGIES[n])
+      gpus[n] = epl.topology("h100", hosts=TOPOLOGIES[n], per_host=8)
     where, before = f"{n} ({n // 8} host{'s' * (n > 8)})", len(DETAILS)
     try:
       rows.append(row(name, layout, where, n * args.rows_per_device, gpus[n]))
