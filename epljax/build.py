@@ -215,6 +215,7 @@ def features_for(config, clip_norm: float | None = None) -> list[Feature]:
 def trace_variables(fns: UserFns, rng: jax.Array, micro_shapes: Any) -> Variables:
   """Step 1: ``init_fn`` traced on abstract values."""
   found: dict[str, Model] = {}
+  constraints.no_context_mesh()
 
   def init_split(r, b):
     model, params, model_state = Model.split(fns.init_fn(r, b))

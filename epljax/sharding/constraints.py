@@ -34,7 +34,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from epljax.errors import PlanError
-from epljax.mesh import DATA, MODEL, STAGE
+from epljax.mesh import AXES, DATA, MODEL, STAGE
 from epljax.sharding.program import rewrite_eqns, walk
 
 # Mesh axis names of common codebases (MaxText, t5x, Megatron, praxis) -> epljax's axis.
@@ -78,6 +78,10 @@ def explained(place: str = "") -> Iterator[None]:
     yield
   except ValueError as e:
     text = str(e)
+    explicit = re.search(r"AbstractMesh\(([^()]*), axis_types=\(([^)]*Explicit[^)]*)\)", text)
+    if explicit:
+      raise PlanError(_EXPLICIT_TYPES.format(mesh=explicit[1], types=explicit[2],
+                                             jax=text.splitlines()[0])) from e
     bare = re.search(r"Resource axis: (\S+) of (.*) is not found in mesh: (\(.*?\))", text)
     if bare:
       raise PlanError(_BARE.format(axis=bare[1], spec=bare[2], ours=bare[3])) from e
@@ -85,6 +89,15 @@ def explained(place: str = "") -> Iterator[None]:
       raise PlanError(_UNREACHED.format(place=place or "a pipeline stage",
                                               jax=text.splitlines()[0])) from e
     raise
+
+
+def no_context_mesh() -> None:
+  """Refuses a mesh the caller set around epljax with ``jax.set_mesh``: epljax traces the model
+  under its own mesh, and JAX cannot change the context mesh's size inside."""
+  outer = jax.sharding.get_abstract_mesh()
+  if not outer.empty and tuple(outer.axis_names) != AXES:
+    raise PlanError(_CONTEXT_MESH.format(mesh=_show_mesh(dict(outer.shape)),
+                                         types=", ".join(t.name for t in outer.axis_types)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,7 +287,24 @@ the constraint as NamedSharding(mesh, PartitionSpec(...))."""
 _EXPLICIT = """\
 {prim} with output sharding {sharding}, at {where}, in {place}: the model
 traces with Explicit mesh axes (shardings in the types), which epljax's pipeline cannot carry
-onto its own mesh. Use Auto axes (the default) in the model's mesh."""
+onto its own mesh. Make the model's mesh with Auto axes:
+    jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))"""
+
+_EXPLICIT_TYPES = """\
+The model's values carry shardings on a mesh with Explicit axes ({mesh}, axis_types=({types})):
+jax.make_mesh makes Explicit axes unless told otherwise, and jax.sharding.reshard needs them.
+epljax lays out every value itself over its own mesh, so it cannot take a model's sharding
+types; it carries sharding hints (Auto axes) instead. Make the model's mesh with Auto axes and
+constrain with with_sharding_constraint where the model calls reshard:
+    mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+    x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(...)))
+JAX says: {jax}"""
+
+_CONTEXT_MESH = """\
+A mesh {mesh} (axis types {types}) is set around epljax (jax.set_mesh): epljax builds its own
+mesh over the devices and traces the model under it, and JAX cannot swap a set mesh for one of
+another shape. Call trainer.init, train_step, lower and compile outside jax.set_mesh, and name
+the model's mesh in its constraints (NamedSharding(mesh, PartitionSpec(...)))."""
 
 _BARE = """\
 with_sharding_constraint with the bare PartitionSpec {spec} names mesh axis '{axis}', which
