@@ -123,7 +123,12 @@ _PROVISIONAL = abstract_mesh()
 
 
 def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
-  """The six steps of the module doc."""
+  """The six steps of the module doc, outside a mesh the caller set (``jax.set_mesh``)."""
+  with constraints.outside_set_mesh():
+    return _build(fns, config, cluster, rng, batch)
+
+
+def _build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any) -> Built:
   rows, micro_shapes = _micro_shapes(config, batch)
   if config.auto.auto_parallel and config.pipeline.num_stages is None:
     return search.search(fns, config, cluster, rng, batch, build)   # the plan, searched
@@ -215,7 +220,6 @@ def features_for(config, clip_norm: float | None = None) -> list[Feature]:
 def trace_variables(fns: UserFns, rng: jax.Array, micro_shapes: Any) -> Variables:
   """Step 1: ``init_fn`` traced on abstract values."""
   found: dict[str, Model] = {}
-  constraints.no_context_mesh()
 
   def init_split(r, b):
     model, params, model_state = Model.split(fns.init_fn(r, b))

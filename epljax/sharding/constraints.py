@@ -91,13 +91,21 @@ def explained(place: str = "") -> Iterator[None]:
     raise
 
 
-def no_context_mesh() -> None:
-  """Refuses a mesh the caller set around epljax with ``jax.set_mesh``: epljax traces the model
-  under its own mesh, and JAX cannot change the context mesh's size inside."""
+@contextlib.contextmanager
+def outside_set_mesh() -> Iterator[None]:
+  """epljax plans under its own mesh. A mesh the caller set with ``jax.set_mesh`` is set aside
+  meanwhile, as a ``with mesh:`` is (a bare ``PartitionSpec`` in the model is then read against
+  epljax's mesh: ``_BARE``); one with Explicit axes is refused, since JAX would type the
+  values of epljax's programs by it."""
   outer = jax.sharding.get_abstract_mesh()
-  if not outer.empty and tuple(outer.axis_names) != AXES:
+  if outer.empty or tuple(outer.axis_names) == AXES:   # none, or epljax's own
+    yield
+    return
+  if AxisType.Explicit in tuple(outer.axis_types):
     raise PlanError(_CONTEXT_MESH.format(mesh=_show_mesh(dict(outer.shape)),
                                          types=", ".join(t.name for t in outer.axis_types)))
+  with jax.set_mesh(None):
+    yield
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,10 +309,11 @@ constrain with with_sharding_constraint where the model calls reshard:
 JAX says: {jax}"""
 
 _CONTEXT_MESH = """\
-A mesh {mesh} (axis types {types}) is set around epljax (jax.set_mesh): epljax builds its own
-mesh over the devices and traces the model under it, and JAX cannot swap a set mesh for one of
-another shape. Call trainer.init, train_step, lower and compile outside jax.set_mesh, and name
-the model's mesh in its constraints (NamedSharding(mesh, PartitionSpec(...)))."""
+A mesh {mesh} with Explicit axes ({types}) is set around epljax (jax.set_mesh; jax.make_mesh
+makes Explicit axes unless told otherwise): JAX would type every value of epljax's programs by
+it, while epljax lays them out over its own mesh. Set a mesh with Auto axes, which epljax sets
+aside while it plans, or call trainer.init outside jax.set_mesh:
+    mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))"""
 
 _BARE = """\
 with_sharding_constraint with the bare PartitionSpec {spec} names mesh axis '{axis}', which
