@@ -28,6 +28,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 
 import jax
+from jax._src import core as jax_core   # ShardingTypeError
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
@@ -53,6 +54,10 @@ MESH_AXIS_RULES: Mapping[str, str | None] = {
 
 _overrides: list[Mapping[str, str | None]] = []
 
+# JAX raises sharding type errors as ShardingTypeError (not exported, not a ValueError) on some
+# paths and as ValueError on others.
+_SHARDING_ERRORS = (ValueError, getattr(jax_core, "ShardingTypeError", ValueError))
+
 
 @contextlib.contextmanager
 def mesh_axis_rules(rules: Mapping[str, str | None]) -> Iterator[None]:
@@ -76,7 +81,7 @@ def explained(place: str = "") -> Iterator[None]:
   ``fit`` cannot reach, such as a ``custom_vjp`` backward), into a ``PlanError``."""
   try:
     yield
-  except ValueError as e:
+  except _SHARDING_ERRORS as e:
     text = str(e)
     explicit = re.search(r"AbstractMesh\(([^()]*), axis_types=\(([^)]*Explicit[^)]*)\)", text)
     if explicit:
