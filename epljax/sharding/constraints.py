@@ -78,7 +78,8 @@ def mesh_axis_rules(rules: Mapping[str, str | None]) -> Iterator[None]:
 def explained(place: str = "") -> Iterator[None]:
   """Turns JAX's errors about a constraint on another mesh, raised while epljax traces the
   model (a bare ``PartitionSpec`` under the model's ``with mesh:``; a constraint in a body
-  ``fit`` cannot reach, such as a ``custom_vjp`` backward), into a ``PlanError``."""
+  ``fit`` cannot reach, such as a ``custom_vjp`` backward; values typed by a mesh with Explicit
+  axes), into a ``PlanError``."""
   try:
     yield
   except _SHARDING_ERRORS as e:
