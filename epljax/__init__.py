@@ -8,6 +8,8 @@
 See README.md for the whole picture; each name below documents itself.
 """
 
+from importlib import metadata as _metadata
+
 from epljax import hlo, io, nn
 from epljax.checkpoint import Checkpointer
 from epljax.config import Config
@@ -25,7 +27,12 @@ from epljax.step import TrainState
 from epljax.strategy import TaskGraph, replicate, set_default_strategy, split
 from epljax.train import Trainer
 
-__version__ = "0.1.0"
+# The version is written once, in pyproject.toml; a checkout on sys.path that was never
+# installed has no metadata to read.
+try:
+  __version__ = _metadata.version("epljax")
+except _metadata.PackageNotFoundError:
+  __version__ = "0+unknown"
 
 __all__ = [
     "CheckpointError",

@@ -125,8 +125,15 @@ _PROVISIONAL = abstract_mesh()
 
 def build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any,
           scope: search.Scope | None = None) -> Built:
-  """The six steps of the module doc. ``scope``: a plan search's candidate task graph in place
-  of the user's default strategy and ``epl.annotate`` module rules (read, never written)."""
+  """The six steps of the module doc, outside a mesh the caller set (``jax.set_mesh``).
+  ``scope``: a plan search's candidate task graph in place of the user's default strategy and
+  ``epl.annotate`` module rules (read, never written)."""
+  with constraints.outside_set_mesh():
+    return _build(fns, config, cluster, rng, batch, scope)
+
+
+def _build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any,
+           scope: search.Scope | None = None) -> Built:
   rows, micro_shapes = _micro_shapes(config, batch)
   if config.auto.auto_parallel and config.pipeline.num_stages is None:
     return search.search(fns, config, cluster, rng, batch,

@@ -28,13 +28,14 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 
 import jax
+from jax._src import core as jax_core   # ShardingTypeError
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from epljax.errors import PlanError
-from epljax.mesh import DATA, MODEL, STAGE
+from epljax.mesh import AXES, DATA, MODEL, STAGE
 from epljax.sharding.program import rewrite_eqns, walk
 
 # Mesh axis names of common codebases (MaxText, t5x, Megatron, praxis) -> epljax's axis.
@@ -52,6 +53,10 @@ MESH_AXIS_RULES: Mapping[str, str | None] = {
 # parallelism); a constraint splitting a dimension over one of them is refused.
 
 _overrides: list[Mapping[str, str | None]] = []
+
+# JAX raises sharding type errors as ShardingTypeError (not exported, not a ValueError) on some
+# paths and as ValueError on others.
+_SHARDING_ERRORS = (ValueError, getattr(jax_core, "ShardingTypeError", ValueError))
 
 
 @contextlib.contextmanager
@@ -73,11 +78,16 @@ def mesh_axis_rules(rules: Mapping[str, str | None]) -> Iterator[None]:
 def explained(place: str = "") -> Iterator[None]:
   """Turns JAX's errors about a constraint on another mesh, raised while epljax traces the
   model (a bare ``PartitionSpec`` under the model's ``with mesh:``; a constraint in a body
-  ``fit`` cannot reach, such as a ``custom_vjp`` backward), into a ``PlanError``."""
+  ``fit`` cannot reach, such as a ``custom_vjp`` backward; values typed by a mesh with Explicit
+  axes), into a ``PlanError``."""
   try:
     yield
-  except ValueError as e:
+  except _SHARDING_ERRORS as e:
     text = str(e)
+    explicit = re.search(r"AbstractMesh\(([^()]*), axis_types=\(([^)]*Explicit[^)]*)\)", text)
+    if explicit:
+      raise PlanError(_EXPLICIT_TYPES.format(mesh=explicit[1], types=explicit[2],
+                                             jax=text.splitlines()[0])) from e
     bare = re.search(r"Resource axis: (\S+) of (.*) is not found in mesh: (\(.*?\))", text)
     if bare:
       raise PlanError(_BARE.format(axis=bare[1], spec=bare[2], ours=bare[3])) from e
@@ -85,6 +95,23 @@ def explained(place: str = "") -> Iterator[None]:
       raise PlanError(_UNREACHED.format(place=place or "a pipeline stage",
                                               jax=text.splitlines()[0])) from e
     raise
+
+
+@contextlib.contextmanager
+def outside_set_mesh() -> Iterator[None]:
+  """epljax plans under its own mesh. A mesh the caller set with ``jax.set_mesh`` is set aside
+  meanwhile, as a ``with mesh:`` is (a bare ``PartitionSpec`` in the model is then read against
+  epljax's mesh: ``_BARE``); one with Explicit axes is refused, since JAX would type the
+  values of epljax's programs by it."""
+  outer = jax.sharding.get_abstract_mesh()
+  if outer.empty or tuple(outer.axis_names) == AXES:   # none, or epljax's own
+    yield
+    return
+  if AxisType.Explicit in tuple(outer.axis_types):
+    raise PlanError(_CONTEXT_MESH.format(mesh=_show_mesh(dict(outer.shape)),
+                                         types=", ".join(t.name for t in outer.axis_types)))
+  with jax.set_mesh(None):
+    yield
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,7 +301,25 @@ the constraint as NamedSharding(mesh, PartitionSpec(...))."""
 _EXPLICIT = """\
 {prim} with output sharding {sharding}, at {where}, in {place}: the model
 traces with Explicit mesh axes (shardings in the types), which epljax's pipeline cannot carry
-onto its own mesh. Use Auto axes (the default) in the model's mesh."""
+onto its own mesh. Make the model's mesh with Auto axes:
+    jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))"""
+
+_EXPLICIT_TYPES = """\
+The model's values carry shardings on a mesh with Explicit axes ({mesh}, axis_types=({types})):
+jax.make_mesh makes Explicit axes unless told otherwise, and jax.sharding.reshard needs them.
+epljax lays out every value itself over its own mesh, so it cannot take a model's sharding
+types; it carries sharding hints (Auto axes) instead. Make the model's mesh with Auto axes and
+constrain with with_sharding_constraint where the model calls reshard:
+    mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+    x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(...)))
+JAX says: {jax}"""
+
+_CONTEXT_MESH = """\
+A mesh {mesh} with Explicit axes ({types}) is set around epljax (jax.set_mesh; jax.make_mesh
+makes Explicit axes unless told otherwise): JAX would type every value of epljax's programs by
+it, while epljax lays them out over its own mesh. Set a mesh with Auto axes, which epljax sets
+aside while it plans, or call trainer.init outside jax.set_mesh:
+    mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))"""
 
 _BARE = """\
 with_sharding_constraint with the bare PartitionSpec {spec} names mesh axis '{axis}', which
