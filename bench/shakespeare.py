@@ -92,7 +92,8 @@ def main(argv=None) -> None:
   parser.add_argument("--pairs", type=int, default=40)
   parser.add_argument("--plot", default=os.path.join(HERE, "..", "docs", "shakespeare_loss.png"),
                       help="where the loss plot goes ('': no plot)")
-  parser.add_argument("--record", action="store_true", help="replace its section in bench/RESULTS.md (history: RESULTS-archive.md)")
+  parser.add_argument("--record", action="store_true",
+                      help="replace its section in bench/RESULTS.md (history: RESULTS-archive.md)")
   args = parser.parse_args(argv)
 
   text = sc.read_text(args.data)
