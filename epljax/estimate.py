@@ -163,9 +163,13 @@ def step_cost(built, facts: ProgramFacts, features: dict[str, Any], chip, batch_
                            host_s=host / chip.host_bandwidth, parts=parts)
 
 
-# A pipeline step's bytes per byte of a device's stored parameters: the parameters and five
-# copies in its temp (``stage_cost``; measured 6.05x on XLA:GPU, 5.6x on XLA:CPU, SGD).
-PIPELINE_PARAM_COPIES = 6
+# A pipeline step's bytes per byte of a device's stored parameters: the parameters and four
+# copies in its temp (``stage_cost``). Fitted: 5.10x on XLA:CPU for test_auto_plan's Convs
+# (8 convolutions of width 512, 2 stages x 4 replicas, SGD with momentum; compiled bytes less
+# the optimizer state, activations, model state and batch, over the stored parameters) after
+# the pipeline step lost its per-tick packed gradient and the select's copy (2026-11-27); it
+# was 6.05x on XLA:GPU and 5.6x on XLA:CPU before.
+PIPELINE_PARAM_COPIES = 5
 
 
 def stage_cost(dp, facts: ProgramFacts, pipe, schedule, features: dict[str, Any], chip,
@@ -180,7 +184,7 @@ def stage_cost(dp, facts: ProgramFacts, pipe, schedule, features: dict[str, Any]
   over model. ``update``: as ``step_cost``'s, on the parameters a stage's device stores.
 
   Bytes (fitted to compiled steps, XLA:CPU and XLA:GPU, the zoo's GPT-2 and a conv MLP on 2
-  and 4 stages: 0.87-1.0x): the stored parameters and, in the step's temp, five more copies
+  and 4 stages: 0.87-1.0x): the stored parameters and, in the step's temp, four more copies
   of them (the loop's packed parameters, the gradient accumulator, the gradients summed and
   unpacked: ``PIPELINE_PARAM_COPIES``), the optimizer state in proportion to the parameters,
   and the tick loop's stash: the schedule's slots of the largest stage's residuals per micro
