@@ -77,11 +77,13 @@ class Collective:
 def _mesh_form(text: str) -> tuple[list[int], list[int]] | None:
   """``mesh['data'=2,'stage'=2,'model'=2] {'data'}`` (newer XLA) -> (axis sizes, the indices of
   the axes each group spans), or None for another form."""
-  mesh = re.match(r"mesh\[(.*?)\]\s*\{(.*?)\}", text)
+  mesh = re.match(r"mesh\[(.*?)\](?:\s*\{(.*?)\})?\s*$", text.strip())
   if not mesh:
     return None
   named = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
   axes = [a for a, _ in named]
+  if mesh.group(2) is None:   # no axes named: one group over every axis (jax 0.10's XLA)
+    return [int(n) for _, n in named], list(range(len(axes)))
   return ([int(n) for _, n in named],
           [axes.index(a) for a in re.findall(r"'(\w+)'", mesh.group(2)) if a in axes])
 
