@@ -21,51 +21,14 @@ import jax
 # driver to check. Import this module before anything asks jax for devices.
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
-# The H100 SXM (80 GB HBM3) as XLA:GPU's cost model and autotuner see it: 132 SMs at 1.98 GHz,
-# 3.35 TB/s, 50 MiB L2, compute capability 9.0.
-H100 = """
-gpu_device_info {
-  cuda_compute_capability { major: 9 minor: 0 }
-  core_count: 132
-  fpus_per_core: 128
-  clock_rate_ghz: 1.98
-  memory_bandwidth: 3352320000000
-  device_memory_size: 84929347584
-  l2_cache_size: 52428800
-  threads_per_block_limit: 1024
-  threads_per_warp: 32
-  threads_per_core_limit: 2048
-  registers_per_core_limit: 65536
-  registers_per_block_limit: 65536
-  shared_memory_per_block: 49152
-  shared_memory_per_block_optin: 232448
-  shared_memory_per_core: 233472
-  block_dim_limit_x: 2147483647
-  block_dim_limit_y: 65535
-  block_dim_limit_z: 65535
-}
-platform_name: "CUDA"
-runtime_version { major: 12 minor: 8 }
-dnn_version_info { major: 9 minor: 7 }
-device_description_str: "NVIDIA H100 80GB HBM3"
-"""
-
 
 def h100s(topology: str = "1x1x8") -> list:
-  """Compile-only H100s: ``topology`` is slices x hosts x GPUs per host ("1x2x4": 2 hosts of 4)."""
-  from jax._src import xla_bridge
-  from jax.experimental import topologies
+  """Compile-only H100s: ``topology`` is slices x hosts x GPUs per host ("1x2x4": 2 hosts of 4);
+  ``epl.topology`` (its XLA:GPU description of the H100 SXM) for the benches' spelling."""
+  import epljax as epl
 
-  if not xla_bridge.backends_are_initialized():
-    jax.config.update("jax_platforms", "cpu")   # compile-only GPUs: no CUDA backend to start
-  try:
-    return list(topologies.get_topology_desc("h100", "cuda", target_config=H100,
-                                             topology=topology).devices)
-  except (NotImplementedError, RuntimeError) as e:
-    raise SystemExit(f"No compile-only CUDA devices ({type(e).__name__}: {e}). Install the "
-                     "CUDA plugin of this jax (pip install \"jax[cuda12]==" + jax.__version__
-                     + "\") and run with JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1."
-                     ) from e
+  _, hosts, per_host = (int(n) for n in topology.split("x"))
+  return epl.topology("h100", hosts=hosts, per_host=per_host)
 
 
 @contextlib.contextmanager
