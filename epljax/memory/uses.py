@@ -166,6 +166,7 @@ class _Run:
   zero: _Zero | None
   explicit: bool      # weight gradients reduce-scattered by an explicit psum_scatter
   stream: bool        # parameters in host memory, copied in at each use
+  recomputed: bool = False   # inside a ``checkpoint`` body that saves nothing of its own
 
   @property
   def _rows(self) -> tuple[str, ...]:
@@ -210,8 +211,11 @@ class _Run:
         sliced = j >= nc + nk       # the stacked parameter of a loop over layers
         if not (sliced and outer.sliced):   # a loop inside a loop over layers: GSPMD places it
           refs[j] = _Param(outer.index, sliced or outer.sliced)
+    recomputed = self.recomputed or (step.primitive in REMAT
+                                     and _saves_no_gathers(step.eqn.params.get("policy")))
     return run_body(step, raw, lambda body, flat: dataclasses.replace(
-        self, program=body, flat=flat, refs={body.inputs[j]: r for j, r in refs.items()})())
+        self, program=body, flat=flat, refs={body.inputs[j]: r for j, r in refs.items()},
+        recomputed=recomputed)())
 
   # -- a parameter at one use ------------------------------------------------------------
   def _ref(self, step, j) -> _Param:
@@ -282,6 +286,11 @@ class _Run:
     # the values are the same (a cast is elementwise). Not for weights in host memory, whose
     # cast would run on the host, nor through views that change the shape.
     early = self.zero is not None and self.zero.gather and not self.stream
+    # Inside a rematerialized layer the forward runs again in the backward pass, right before
+    # this unit's backward: the weight it gathers there is kept for the backward matmuls (one
+    # layer's weights, for that layer's backward only) instead of gathered a third time. The
+    # step then gathers each weight twice, as a hand FSDP under remat does (bench/scale.py).
+    keep = early and self.recomputed
 
     def value(j, v):
       if not direct[j]:
@@ -301,11 +310,18 @@ class _Run:
 
     def fwd(a, b):
       res = tuple(v if flags[j] else value(j, v) for j, v in enumerate((a, b)))
-      return forward(a, b), res
+      if not keep:
+        return forward(a, b), (res, None)
+      used = tuple(value(j, v) for j, v in enumerate((a, b)))
+      return bind_here(step.eqn, list(used), **changes)[0], (res, used)
 
-    def bwd(res, ct):
-      res = refetch(res, ct, platform=platform)
-      ops = [value(j, r) if flags[j] else r for j, r in enumerate(res)]
+    def bwd(saved, ct):
+      res, used = saved
+      if used is not None:
+        ops = list(used)
+      else:
+        res = refetch(res, ct, platform=platform)
+        ops = [value(j, r) if flags[j] else r for j, r in enumerate(res)]
       grads = _pullback(step, ops, changes)(ct)
       for j in range(2):   # back through a view's steps, to the stored layout
         if views[j] and early and views[j].casts_only:
@@ -395,6 +411,15 @@ def _reshard_cotangent(forward_sharding, backward_sharding):
   f.defvjp(lambda x: (f(x), None),
            lambda _, ct: (jax.lax.with_sharding_constraint(ct, backward_sharding),))
   return f
+
+
+def _saves_no_gathers(policy) -> bool:
+  """Whether a ``checkpoint`` with this policy keeps none of a unit's gathered weights: no
+  policy (nothing saved) or one that saves only matmul outputs."""
+  named = (None, jax.checkpoint_policies.nothing_saveable,
+           jax.checkpoint_policies.dots_saveable,
+           jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+  return any(policy is p for p in named)
 
 
 def _rewrites_inside(step, direct) -> bool:
