@@ -175,6 +175,27 @@ def test_hybrid_shard_size_errors_and_hosts():
     group_size("host", 2, 8, [SimpleNamespace(process_index=i // 4) for i in range(16)])
 
 
+def test_hybrid_by_host_keeps_zero_inside_each_host_of_a_two_host_cluster():
+  """zero.shard_size='host' on 2 hosts of 4 compile-only H100s: ZeRO's gathers and
+  reduce-scatters run over 'data' inside a host, the gradient shards' all-reduce over 'replica'
+  is the one collective that crosses hosts."""
+  from test_aot import needs_plugin
+
+  if needs_plugin.args[0]:
+    pytest.skip(needs_plugin.kwargs["reason"])
+  epl.init({"zero.level": "v3", "zero.shard_size": "host"},
+           devices=epl.topology("h100", hosts=2, per_host=4))
+  init_fn, loss_fn = linen_fns(MODEL)
+  plan = epl.Trainer(init_fn, loss_fn, optax.adam(1e-2)).compile(
+      classification_batch(64, classes=16))
+  assert dict(plan.mesh.shape) == {"replica": 2, "data": 4, "stage": 1, "model": 1}
+  rows = {(c.kind, c.axes, c.crosses_hosts) for c in plan.collectives}
+  assert {("all-gather", "data", False), ("reduce-scatter", "data", False),
+          ("all-reduce", "replica", True)} <= rows, rows
+  assert {r for r in rows if r[2]} <= {("all-reduce", "replica", True),
+                                       ("all-reduce", "replica+data", True)}, rows
+
+
 def test_invalid_level_lists_the_valid_ones():
   with pytest.raises(epl.ConfigError, match=r"'zero.level' .* must be one of '', 'v1', 'v2', "
                      r"'v3'; got 'v4'"):
