@@ -13,6 +13,8 @@ H100s in the layouts people use, and the same step is written by hand for the sa
 - ``fsdp``: ``zero.level: v3`` against hand FSDP (every parameter split over all devices along
   its largest dimension; the Llamas' layers gather their kernels in bfloat16 inside the scan,
   ``hand_llama.fsdp``, GPT-2 leaves the gathers to GSPMD, ``hand_layouts.fsdp``).
+- ``hsdp``: ``zero.level: v3`` with ``zero.shard_size: host`` (ZeRO inside each host of 8,
+  data parallel across hosts; MaxText's ``ici_fsdp`` x ``dcn_data``): epljax's figures only.
 - ``tp``: the model ``epl.split(8)`` (a host's 8 GPUs; data parallel across hosts) against
   ``hand_layouts.megatron`` with the model's Megatron specs.
 - ``tp_pp``: that split cut into pipeline stages (``pipeline_config``: one host, 2 stages of 4
@@ -111,7 +113,8 @@ def optimizer():
 
 
 def epl_config(layout: str) -> dict:
-  return {"fsdp": {"zero.level": "v3"}, "tp": {}}[layout]
+  return {"fsdp": {"zero.level": "v3"}, "hsdp": {"zero.level": "v3", "zero.shard_size": "host"},
+          "tp": {}}[layout]
 
 
 @contextlib.contextmanager
@@ -164,6 +167,8 @@ def compile_hand(problem: Problem, layout: str, rows: int, devices: list,
     return hand_llama.gpipe(problem.llama_size, optimizer(), variables, batch, devices, tp,
                                config["pipeline.num_stages"],
                                config["pipeline.num_micro_batch"], problem.megatron)
+  if layout == "hsdp":   # no hand HSDP yet: epljax's figures against the fsdp row's hand
+    return None
   if layout == "fsdp" and problem.llama_size is not None:
     import hand_llama
 
@@ -226,7 +231,7 @@ def main(argv=None):
   parser.add_argument("--devices", nargs="+", type=int, default=list(TOPOLOGIES),
                       choices=list(TOPOLOGIES))
   parser.add_argument("--layouts", nargs="+", default=["fsdp", "tp", "tp_pp"],
-                      choices=["fsdp", "tp", "tp_pp"])
+                      choices=["fsdp", "hsdp", "tp", "tp_pp"])
   parser.add_argument("--cells", nargs="+", default=[], metavar="MODEL:DEVICES:LAYOUT",
                       help="these cells, in this order, instead of the product of the above")
   parser.add_argument("--rows_per_device", type=int, default=1,

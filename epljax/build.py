@@ -267,7 +267,8 @@ def place(fns: UserFns, var: Variables, cap: Capture, micro_shapes: Any, rows: i
           cluster, options: dict[str, Any]) -> Placement:
   """Step 3: mesh, batch layout, variable specs, pipeline packing, base shardings."""
   layout = build_mesh(cap.taskgraphs, cluster.devices, config.cluster,
-                      config.pipeline.num_virtual_stages)
+                      config.pipeline.num_virtual_stages,
+                      config.zero.shard_size if config.zero.level else "all")
   _check_layout(layout, cap, config.pipeline.num_stages)
   mesh = layout.mesh
   axes = specs_lib.batch_axes(cap, layout)

@@ -45,7 +45,7 @@ from epljax import step as step_lib
 from epljax.config import CommunicationConfig
 from epljax.errors import PlanError
 from epljax.features import BuildContext, Feature, ForwardFn, GradientFn, loss_scale
-from epljax.mesh import DATA, STAGE
+from epljax.mesh import DATA, STAGE, data_axes
 from epljax.sharding import constraints
 
 # XLA's options for the two EPL keys (xla/debug_options_flags.cc).
@@ -93,14 +93,14 @@ class HalfPrecisionReduce(ReplicaFeature):
     self.scale = scale
     self.dtype = jnp.dtype(dtype)
 
-  def reduce(self, grads: Any, replicas: int, scale: Any) -> Any:
+  def reduce(self, grads: Any, replicas: int, scale: Any, axes: tuple[str, ...] = (DATA,)) -> Any:
     # Gradients that already carry a loss scale (mixed precision, up to 2**15) would overflow
     # float16 if multiplied by fp16_scale too: bring them to fp16_scale x the true gradient,
     # reduce, and give them back their loss scale for the feature that removes it.
     factor = self.scale if scale is None else self.scale / scale
 
     def one(g):
-      half = jax.lax.psum((g * factor).astype(self.dtype), DATA)
+      half = jax.lax.psum((g * factor).astype(self.dtype), axes)
       return (half.astype(jnp.float32) / (factor * replicas)).astype(g.dtype)
 
     return jax.tree.map(one, grads)
@@ -244,7 +244,8 @@ def replica_gradients(feats: Sequence[Feature], ctx: BuildContext
     raise PlanError("communication.fp16 and clipping before the all-reduce "
                     "(clip_after_allreduce=False with clip_norm) do not run with pipeline "
                     "stages yet; unset them or use one stage.")
-  replicas = ctx.mesh.shape[DATA]
+  axes = data_axes(ctx.mesh)   # (replica, data) under hybrid sharding
+  replicas = ctx.num_replicas
   reducer = next((f for f in local if isinstance(f, HalfPrecisionReduce)), None)
 
   def make(forward: ForwardFn) -> GradientFn:
@@ -255,18 +256,19 @@ def replica_gradients(feats: Sequence[Feature], ctx: BuildContext
     stacked = ctx.num_micro_batch > 1
 
     def per_replica(params, model_state, micro, fstate):
-      mine = jax.lax.pcast(params, DATA, to="varying")   # differentiate locally: no implicit psum
+      mine = jax.lax.pcast(params, axes, to="varying")   # differentiate locally: no implicit psum
       loss, aux, grads, new_state = local_grads(mine, model_state, micro, fstate)
       for f in local:
         grads = f.before_reduce(grads, loss_scale(fstate))
-      grads = (reducer.reduce(grads, replicas, loss_scale(fstate)) if reducer is not None else
-               jax.tree.map(lambda g: jax.lax.psum(g, DATA) / replicas, grads))
-      return (jax.lax.pmean(loss, DATA), jax.tree.map(lambda x: _gather_aux(x, stacked), aux),
-              grads, jax.tree.map(_agree, new_state))
+      grads = (reducer.reduce(grads, replicas, loss_scale(fstate), axes) if reducer is not None
+               else jax.tree.map(lambda g: jax.lax.psum(g, axes) / replicas, grads))
+      return (jax.lax.pmean(loss, axes),
+              jax.tree.map(lambda x: _gather_aux(x, stacked, axes), aux), grads,
+              jax.tree.map(lambda x: _agree(x, axes), new_state))
 
     def gradients(params, model_state, micro, fstate):
-      return jax.shard_map(per_replica, mesh=ctx.mesh, axis_names={DATA},
-                           in_specs=(P(), P(), P(None, DATA), P()),
+      return jax.shard_map(per_replica, mesh=ctx.mesh, axis_names=set(axes),
+                           in_specs=(P(), P(), P(None, axes), P()),
                            out_specs=P())(params, model_state, micro, fstate)
 
     return gradients
@@ -278,21 +280,21 @@ def _varies(x: Any) -> bool:
   return DATA in getattr(jax.typeof(x), "vma", ())
 
 
-def _gather_aux(x: Any, stacked: bool) -> Any:
+def _gather_aux(x: Any, stacked: bool, axes: tuple[str, ...]) -> Any:
   """Aux of one replica -> of the global batch: float scalars averaged, integer ones summed,
   arrays (one row per example) concatenated along the batch axis."""
   if not _varies(x):
     return x
   if np.ndim(x) == int(stacked):
-    return jax.lax.pmean(x, DATA) if jnp.issubdtype(x.dtype, jnp.inexact) else \
-        jax.lax.psum(x, DATA)
-  return jax.lax.all_gather(x, DATA, axis=int(stacked), tiled=True)
+    return jax.lax.pmean(x, axes) if jnp.issubdtype(x.dtype, jnp.inexact) else \
+        jax.lax.psum(x, axes)
+  return jax.lax.all_gather(x, axes, axis=int(stacked), tiled=True)
 
 
-def _agree(x: Any) -> Any:
+def _agree(x: Any, axes: tuple[str, ...]) -> Any:
   """New model state: float leaves averaged over replicas, others taken from replica 0."""
   if not _varies(x):
     return x
   if jnp.issubdtype(x.dtype, jnp.inexact):
-    return jax.lax.pmean(x, DATA)
-  return jax.lax.all_gather(x, DATA)[0]
+    return jax.lax.pmean(x, axes)
+  return jax.lax.all_gather(x, axes)[0]

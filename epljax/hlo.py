@@ -21,7 +21,11 @@ _LINE = re.compile(
     r"(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
     r"(?P<start>-start)?\(", re.M)
 _ARRAY = re.compile(r"\b(?P<dtype>pred|[subf]\d+|bf16|f8e\w+|c64|c128)\[(?P<dims>[\d,]*)\]")
-_GROUPS = re.compile(r"replica_groups=(?P<groups>.*?)(?:, [\w_]+=|$)", re.M)
+# The mesh form of newer XLA may carry its devices' order: ``mesh[...], device_ids=([2,4]T(1,0))
+# {'axis_0'}`` (the ids iota([2,4]) transposed, laid over the mesh), kept as one text.
+_DEVICE_IDS = r"(?:, device_ids=\((?:[^()]|\([^()]*\))*\))?"
+_GROUPS = re.compile(r"replica_groups=(?P<groups>mesh\[.*?\]" + _DEVICE_IDS +
+                     r"(?:\s*\{[^}]*\})?|.*?)(?:, [\w_]+=|$)", re.M)
 _BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
 
 
@@ -69,7 +73,7 @@ class Collective:
     if mesh and math.prod(mesh[0]) == num_devices:   # ids row-major over the mesh axes
       sizes, inside = mesh
       outside = [d for d in range(len(sizes)) if d not in inside]
-      ids = np.arange(num_devices).reshape(sizes).transpose(outside + inside)
+      ids = _mesh_device_ids(text, num_devices).reshape(sizes).transpose(outside + inside)
       return ids.reshape(-1, math.prod(sizes[d] for d in inside)).tolist()
     return None
 
@@ -77,7 +81,7 @@ class Collective:
 def _mesh_form(text: str) -> tuple[list[int], list[int]] | None:
   """``mesh['data'=2,'stage'=2,'model'=2] {'data'}`` (newer XLA) -> (axis sizes, the indices of
   the axes each group spans), or None for another form."""
-  mesh = re.match(r"mesh\[(.*?)\](?:\s*\{(.*?)\})?\s*$", text.strip())
+  mesh = re.match(r"mesh\[(.*?)\]" + _DEVICE_IDS + r"(?:\s*\{(.*?)\})?\s*$", text.strip())
   if not mesh:
     return None
   named = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
@@ -86,6 +90,18 @@ def _mesh_form(text: str) -> tuple[list[int], list[int]] | None:
     return [int(n) for _, n in named], list(range(len(axes)))
   return ([int(n) for _, n in named],
           [axes.index(a) for a in re.findall(r"'(\w+)'", mesh.group(2)) if a in axes])
+
+
+def _mesh_device_ids(text: str, num_devices: int) -> np.ndarray:
+  """The device ids of a mesh form in the mesh's row-major order: ``device_ids=([2,4]T(1,0))``
+  is iota over dims [2,4] transposed by (1,0); without it, 0..n-1."""
+  order = re.search(r"device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)", text)
+  if not order:
+    return np.arange(num_devices)
+  ids = np.arange(num_devices).reshape([int(d) for d in order.group(1).split(",")])
+  if order.group(2):
+    ids = ids.transpose([int(d) for d in order.group(2).split(",")])
+  return ids.reshape(-1)
 
 
 def _nbytes(dtype: str, dims: str) -> int:

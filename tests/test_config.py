@@ -17,6 +17,7 @@ EPL_DEFAULTS = {
     "gradient_checkpoint.check_gradients": False,
     "gradient_checkpoint.offload_activations": False,   # beyond EPL
     "zero.level": "",
+    "zero.shard_size": "all",                            # beyond EPL
     "offload.level": "",
     "amp.level": "",
     "amp.debug_log": False,

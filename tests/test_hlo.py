@@ -131,3 +131,19 @@ def test_replica_groups_are_read_in_every_form_xla_prints():
                                                                            [2, 3, 6, 7]]
   assert groups("mesh['x'=4]{'x'}") is None    # not this program's 8 devices: not guessed
   assert groups("<=[8] something new") is None  # a form not read: the caller must not guess
+
+
+def test_mesh_groups_with_their_device_order_are_read_whole():
+  """jax 0.10.2's XLA writes ``replica_groups=mesh[...], device_ids=([2,4]T(1,0)) {axes}``: the
+  device order and the axes stay with the groups (a hybrid-sharding step's gather over
+  'data', groups of 4, read before as one group of all 8)."""
+  line = ("  %ag = f32[64,16]{1,0} all-gather(%p), channel_id=8, replica_groups=mesh['axis_0'=4,"
+          "'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, dimensions={0}, "
+          "use_global_device_ids=true\n")
+  (c,) = hlo.collectives(line)
+  assert c.group_size == 4
+  assert c.device_groups(8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+  # ids iota([2,4]) transposed: mesh position (i, 0, j) holds device 4j + i.
+  other = c.replica_groups.replace("{'axis_0'}", "{'axis_2'}")
+  assert hlo.Collective("all-gather", (), 0, other).device_groups(8) == [
+      [0, 4], [1, 5], [2, 6], [3, 7]]

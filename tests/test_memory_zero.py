@@ -1,6 +1,7 @@
 """ZeRO: the reference's numbers with sharded state, reduce-scatter, the wire bytes of DP."""
 
 import logging
+import re
 
 import jax
 import numpy as np
@@ -55,10 +56,19 @@ def dp():
   return run({})
 
 
-@pytest.mark.parametrize("level", ["v1", "v2", "v3"])
-def test_matches_the_reference_with_sharded_state(level, reference, dp, caplog):
+# v2 without gradient accumulation compiles to v1's program (memory/zero.py): it is run with
+# accumulation below. (1, 2): hybrid sharding (zero.shard_size=4), 2 groups of 4 replicas.
+# v3 in 2 groups also runs the backward's refetch of GPUs and TPUs (a barrier over the stored
+# shard alone, recompute.refetch) on CPU.
+@pytest.mark.parametrize("level,groups", [("v1", 1), ("v3", 1), ("v1", 2), ("v3", 2)])
+def test_matches_the_reference_with_sharded_state(level, groups, reference, dp, caplog,
+                                                  monkeypatch):
   caplog.set_level(logging.WARNING)
-  trainer, state, (loss0, grads0), losses = run({"zero.level": level})
+  config = {"zero.level": level} if groups == 1 else {"zero.level": level,
+                                                      "zero.shard_size": N // groups}
+  seen = as_on_gpu(monkeypatch) if (level, groups) == ("v3", 2) else [None]
+  trainer, state, (loss0, grads0), losses = run(config)
+  assert seen
   history, expected = reference[1]
   np.testing.assert_allclose(loss0, history[0][0], **TOL)
   assert_trees_close(grads0, history[0][1])
@@ -69,22 +79,54 @@ def test_matches_the_reference_with_sharded_state(level, reference, dp, caplog):
               and "epl_step" in r.getMessage()]) <= 1
 
   plan, base = trainer.plan, dp[0].plan
-  p = base.param_bytes
-  assert plan.optimizer_bytes == base.optimizer_bytes // N + 4     # mu, nu sharded; count not
-  assert plan.param_bytes == (p // N if level == "v3" else p)
-  assert plan.grads_bytes == p // N
+  p, shards = base.param_bytes, N // groups
+  assert plan.optimizer_bytes == (base.optimizer_bytes - 4) // shards + 4   # mu, nu; not count
+  assert plan.param_bytes == (p // shards if level == "v3" else p)
+  assert plan.grads_bytes == p // shards
   # Argument bytes: P + 2P/N with Adam (P/N + 2P/N with v3), besides the same batch and step.
   state_bytes = plan.param_bytes + plan.optimizer_bytes
   assert (plan.memory.argument_size_in_bytes - state_bytes
           == base.memory.argument_size_in_bytes - (p + base.optimizer_bytes))
-
   kinds = hlo.summarize(plan.collectives)
   assert kinds["reduce-scatter"][0] == 2                  # the two kernels' gradients
-  assert kinds["all-reduce"][1] < 400                     # the loss and the biases only
   assert kinds["all-gather"][1] >= p - 400                # parameters gathered (v3: per use)
-  if level != "v3":   # v3 gathers in the forward pass and again for the backward matmul
-    np.testing.assert_allclose(wire_bytes(plan), wire_bytes(base), rtol=0.03)
-  assert any(f"ZeRO {level}" in f for f in plan.features)
+  if groups == 1:
+    assert kinds["all-reduce"][1] < 400                   # the loss and the biases only
+    if level != "v3":   # v3 gathers in the forward pass and again for the backward matmul
+      np.testing.assert_allclose(wire_bytes(plan), wire_bytes(base), rtol=0.03)
+    assert any(f"ZeRO {level}" in f for f in plan.features)
+  else:
+    assert_hybrid(plan, level, groups)
+
+
+def assert_hybrid(plan, level, groups):
+  """Hybrid sharding: ZeRO's gathers and reduce-scatters stay inside a group (``data``), the
+  kernels' gradient shards are all-reduced once across the groups (``replica``), as
+  ``zero.hybrid_traffic`` says; the plan says so."""
+  from epljax.memory import zero
+
+  assert dict(plan.mesh.shape) == {"replica": groups, "data": N // groups, "stage": 1,
+                                   "model": 1}
+  by_axes = {}
+  for c in plan.collectives:
+    by_axes.setdefault((c.kind, c.axes), []).append(c)
+  assert {a for k, a in by_axes if k in ("all-gather", "reduce-scatter")} == {"data"}
+  (across,) = by_axes[("all-reduce", "replica")]
+  # Besides: the loss, the biases' gradients (all-reduced over both, as GSPMD does for ZeRO
+  # over data alone) and the step's finite flags.
+  assert sum(c.bytes for (k, a), cs in by_axes.items() for c in cs
+             if k == "all-reduce" and a != "replica") < 400
+  kernels = [leaf for leaf in plan.leaves if len(leaf.shape) == 2]
+  kernel_bytes = sum(4 * np.prod(leaf.shape) for leaf in kernels)
+  rows = {(t.kind, t.axis): t for t in zero.hybrid_traffic(level, kernel_bytes, len(kernels),
+                                                           N // groups, groups)}
+  assert across.bytes == rows[("all-reduce", "replica")].bytes
+  assert sum(c.bytes for c in by_axes[("reduce-scatter", "data")]) == \
+      rows[("reduce-scatter", "data")].bytes
+  text = str(plan)
+  assert f"over 'data' inside each of {groups} groups (zero.shard_size)" in text
+  assert "split over (replica, data)" in text
+  assert re.search(r"all-reduce\s+replica\s+1\s", text), text
 
 
 def test_with_gradient_accumulation_v2_keeps_the_accumulator_sharded(reference):
@@ -112,6 +154,51 @@ def test_unshardable_leaves_stay_replicated_and_are_listed():
   trainer.init(jax.random.key(0), classification_batch(64))
   assert any("not sharded (no dimension divisible by the data axis): Dense_1/bias (10,)" in f
              for f in trainer.plan.features)
+
+
+def test_hybrid_shard_size_errors_and_hosts():
+  """zero.shard_size: a bad value names the key and what is allowed; a size that does not
+  divide the replicas says which do; 'host' is the replicas one host holds (all of them on
+  one host: no groups)."""
+  from types import SimpleNamespace
+
+  from epljax.mesh import group_size
+
+  for bad in ("rack", 0):
+    with pytest.raises(epl.ConfigError, match=r"'zero.shard_size' .* must be 'all', 'host' or "
+                       r"a positive number"):
+      epl.Config({"zero.shard_size": bad})
+  with pytest.raises(epl.PlanError, match=r"zero.shard_size=3 does not divide the 8 data "
+                     r"replicas .* Use a divisor of 8 \(1, 2, 4, 8\), 'host' or 'all'"):
+    group_size(3, 8, 1, jax.devices())
+  hosts = [SimpleNamespace(process_index=i // 4) for i in range(8)]
+  assert group_size("host", 8, 1, hosts) == 4          # 2 hosts of 4: groups of 4 replicas
+  assert group_size("host", 4, 2, hosts) == 2          # replicas of 2 devices: 2 per host
+  assert group_size("host", 8, 1, jax.devices()) == 8  # one host: one group, no replica axis
+  with pytest.raises(epl.PlanError, match=r"a host holds 4 devices, which is not a whole number "
+                     r"of model replicas of 8 devices"):
+    group_size("host", 2, 8, [SimpleNamespace(process_index=i // 4) for i in range(16)])
+
+
+def test_hybrid_by_host_keeps_zero_inside_each_host_of_a_two_host_cluster():
+  """zero.shard_size='host' on 2 hosts of 4 compile-only H100s: ZeRO's gathers and
+  reduce-scatters run over 'data' inside a host, the gradient shards' all-reduce over 'replica'
+  is the one collective that crosses hosts."""
+  from test_aot import needs_plugin
+
+  if needs_plugin.args[0]:
+    pytest.skip(needs_plugin.kwargs["reason"])
+  epl.init({"zero.level": "v3", "zero.shard_size": "host"},
+           devices=epl.topology("h100", hosts=2, per_host=4))
+  init_fn, loss_fn = linen_fns(MODEL)
+  plan = epl.Trainer(init_fn, loss_fn, optax.adam(1e-2)).compile(
+      classification_batch(64, classes=16))
+  assert dict(plan.mesh.shape) == {"replica": 2, "data": 4, "stage": 1, "model": 1}
+  rows = {(c.kind, c.axes, c.crosses_hosts) for c in plan.collectives}
+  assert {("all-gather", "data", False), ("reduce-scatter", "data", False),
+          ("all-reduce", "replica", True)} <= rows, rows
+  assert {r for r in rows if r[2]} <= {("all-reduce", "replica", True),
+                                       ("all-reduce", "replica+data", True)}, rows
 
 
 def test_invalid_level_lists_the_valid_ones():
@@ -163,21 +250,18 @@ def test_gpu_and_tpu_refetch_does_not_wait_for_the_cotangent():
     assert barrier.invars[0] is jaxpr.jaxpr.invars[0]
 
 
-def test_zero3_with_the_gpu_refetch_matches_the_reference(reference, monkeypatch):
+def as_on_gpu(monkeypatch) -> list:
+  """ZeRO's per-use rewrite places a stored weight again in the backward as on GPU and TPU;
+  returns the platforms it was asked for (one entry per refetch)."""
   from epljax.memory import uses
   real, seen = uses.refetch, []
 
-  def as_on_gpu(stored, cts, *, platform):
+  def refetch(stored, cts, *, platform):
     seen.append(platform)
     return real(stored, cts, platform="gpu")
 
-  monkeypatch.setattr(uses, "refetch", as_on_gpu)
-  trainer, state, (loss0, grads0), losses = run({"zero.level": "v3"})
-  assert seen
-  history, expected = reference[1]
-  np.testing.assert_allclose(loss0, history[0][0], **TOL)
-  assert_trees_close(grads0, history[0][1])
-  assert_trees_close(trainer.variables(state), expected)
+  monkeypatch.setattr(uses, "refetch", refetch)
+  return seen
 
 
 def test_zero3_gathers_weights_in_the_compute_dtype():

@@ -72,6 +72,10 @@ def _check_value(name: str, field: dataclasses.Field, hint: Any, value: Any, whe
                       f"{', '.join(repr(a) for a in allowed)}; got {value!r}.")
   if minimum is not None and isinstance(value, int) and value < minimum:
     raise ConfigError(f"Config key '{name}' ({where}) must be >= {minimum}; got {value!r}.")
+  if name == "zero.shard_size" and (
+      value not in ("all", "host") if isinstance(value, str) else value < 1):
+    raise ConfigError(f"Config key 'zero.shard_size' ({where}) must be 'all', 'host' or a "
+                      f"positive number of data replicas per ZeRO group; got {value!r}.")
   if name == "amp.loss_scale":
     if isinstance(value, str) and value != _DYNAMIC:
       raise ConfigError(f"Config key 'amp.loss_scale' ({where}) must be 'dynamic' or a "

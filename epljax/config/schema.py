@@ -65,6 +65,11 @@ class ZeroConfig:
       "", "ZeRO: 'v1' shards optimizer state over the data axis; beyond EPL, 'v2' keeps "
       "gradients sharded too and 'v3' shards parameters (FSDP).",
       allowed=("", "v1", "v2", "v3"))
+  shard_size: int | str = key(
+      "all", "Beyond EPL: the data replicas ZeRO shards over (hybrid sharding, HSDP): 'all' "
+      "(one group of every replica), 'host' (the replicas of one host: gathers stay inside "
+      "it, one all-reduce of the gradient shards crosses hosts) or an int dividing the "
+      "replicas. The mesh then has a 'replica' axis across the groups; see docs/memory.md.")
 
 
 @dataclasses.dataclass(frozen=True)

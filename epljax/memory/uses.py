@@ -8,7 +8,9 @@ A matmul or convolution reading a parameter becomes one custom-VJP unit keeping 
 places it again (``recompute.refetch``: on CPU once the cotangent exists; on GPU and TPU free of
 the backward's values, so the fetch can be scheduled ahead of its use). Its weight gradient is
 reduce-scattered explicitly (``psum_scatter`` in a ``shard_map`` over ``data``: GSPMD alone
-writes all-reduce + slice on CPU) when ``data`` is the only mesh axis with several devices.
+writes all-reduce + slice on CPU) when ``data`` is the only mesh axis with several devices (with
+hybrid sharding's ``replica`` beside it: reduce-scattered within a group, then one all-reduce of
+the shard across the groups).
 Bodies of ``scan`` (``nn.scan``) and user ``checkpoint`` are rewritten the same way, so each
 iteration copies in, gathers and casts its own layer only. Every other equation follows the
 op policy (``amp.Policy``).
@@ -17,6 +19,7 @@ op policy (``amp.Policy``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from typing import Any
 
@@ -30,7 +33,7 @@ from epljax.memory import amp as amp_lib
 from epljax.memory.offload import HOST
 from epljax.memory.recompute import refetch
 from epljax.memory.zero import device_layout, is_sharding
-from epljax.mesh import DATA, STAGE
+from epljax.mesh import DATA, REPLICA, STAGE, data_axes
 from epljax.sharding import dims as D
 from epljax.sharding.specs import spec_for
 from epljax.sharding.program import (REMAT, bind_here, evaluate, in_context, inner_eqns,
@@ -54,7 +57,7 @@ class ParamUses(Feature):
     platform = ctx.mesh.devices.flat[0].platform
     zero = _Zero.of(ctx)
     explicit = zero is not None and all(
-        size == 1 for axis, size in ctx.mesh.shape.items() if axis != DATA)
+        size == 1 for axis, size in ctx.mesh.shape.items() if axis not in (REPLICA, DATA))
     stream = any(getattr(s, "memory_kind", None) == HOST for s in jax.tree.leaves(
         ctx.shardings.params, is_leaf=is_sharding)) if ctx.shardings is not None else False
     treedef = jax.tree.structure(ctx.params_shape)
@@ -163,6 +166,12 @@ class _Run:
   zero: _Zero | None
   explicit: bool      # weight gradients reduce-scattered by an explicit psum_scatter
   stream: bool        # parameters in host memory, copied in at each use
+  recomputed: bool = False   # inside a ``checkpoint`` body that saves nothing of its own
+
+  @property
+  def _rows(self) -> tuple[str, ...]:
+    """The mesh axes splitting the batch rows: (replica, data) under hybrid sharding."""
+    return data_axes(self.mesh)
 
   def __call__(self):
     param_like = set(self.refs)       # parameters, and reshapes/casts of them
@@ -202,8 +211,11 @@ class _Run:
         sliced = j >= nc + nk       # the stacked parameter of a loop over layers
         if not (sliced and outer.sliced):   # a loop inside a loop over layers: GSPMD places it
           refs[j] = _Param(outer.index, sliced or outer.sliced)
+    recomputed = self.recomputed or (step.primitive in REMAT
+                                     and _saves_no_gathers(step.eqn.params.get("policy")))
     return run_body(step, raw, lambda body, flat: dataclasses.replace(
-        self, program=body, flat=flat, refs={body.inputs[j]: r for j, r in refs.items()})())
+        self, program=body, flat=flat, refs={body.inputs[j]: r for j, r in refs.items()},
+        recomputed=recomputed)())
 
   # -- a parameter at one use ------------------------------------------------------------
   def _ref(self, step, j) -> _Param:
@@ -274,6 +286,11 @@ class _Run:
     # the values are the same (a cast is elementwise). Not for weights in host memory, whose
     # cast would run on the host, nor through views that change the shape.
     early = self.zero is not None and self.zero.gather and not self.stream
+    # Inside a rematerialized layer the forward runs again in the backward pass, right before
+    # this unit's backward: the weight it gathers there is kept for the backward matmuls (one
+    # layer's weights, for that layer's backward only) instead of gathered a third time. The
+    # step then gathers each weight twice, as a hand FSDP under remat does (bench/scale.py).
+    keep = early and self.recomputed
 
     def value(j, v):
       if not direct[j]:
@@ -293,11 +310,18 @@ class _Run:
 
     def fwd(a, b):
       res = tuple(v if flags[j] else value(j, v) for j, v in enumerate((a, b)))
-      return forward(a, b), res
+      if not keep:
+        return forward(a, b), (res, None)
+      used = tuple(value(j, v) for j, v in enumerate((a, b)))
+      return bind_here(step.eqn, list(used), **changes)[0], (res, used)
 
-    def bwd(res, ct):
-      res = refetch(res, ct, platform=platform)
-      ops = [value(j, r) if flags[j] else r for j, r in enumerate(res)]
+    def bwd(saved, ct):
+      res, used = saved
+      if used is not None:
+        ops = list(used)
+      else:
+        res = refetch(res, ct, platform=platform)
+        ops = [value(j, r) if flags[j] else r for j, r in enumerate(res)]
       grads = _pullback(step, ops, changes)(ct)
       for j in range(2):   # back through a view's steps, to the stored layout
         if views[j] and early and views[j].casts_only:
@@ -327,7 +351,7 @@ class _Run:
     if batch[0] or batch[1]:
       return None
     for d in free[1 - j]:
-      if invals[1 - j].shape[d] % self.mesh.shape[DATA] == 0:
+      if invals[1 - j].shape[d] % math.prod(self.mesh.shape[a] for a in self._rows) == 0:
         return d, D.dot_out_dim(step.eqn, 1 - j, d)
     return None
 
@@ -338,10 +362,13 @@ class _Run:
 
     def local(other_l, ct_l, w):
       g = _pullback(step, (other_l, w) if j == 1 else (w, other_l), self._low(step))(ct_l)[j]
-      return jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)
+      g = jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)
+      # Hybrid sharding: the shards are summed over the groups too (one all-reduce).
+      return jax.lax.psum(g, REPLICA) if len(self._rows) > 1 else g
 
+    rows = self._rows if len(self._rows) > 1 else DATA
     return jax.shard_map(local, mesh=self.mesh,
-                         in_specs=(spec_for(other.ndim, d, DATA), spec_for(ct.ndim, out_pos, DATA),
+                         in_specs=(spec_for(other.ndim, d, rows), spec_for(ct.ndim, out_pos, rows),
                                    P()),
                          out_specs=spec_for(w.ndim, dim, DATA), check_vma=False)(other, ct, w)
 
@@ -384,6 +411,15 @@ def _reshard_cotangent(forward_sharding, backward_sharding):
   f.defvjp(lambda x: (f(x), None),
            lambda _, ct: (jax.lax.with_sharding_constraint(ct, backward_sharding),))
   return f
+
+
+def _saves_no_gathers(policy) -> bool:
+  """Whether a ``checkpoint`` with this policy keeps none of a unit's gathered weights: no
+  policy (nothing saved) or one that saves only matmul outputs."""
+  named = (None, jax.checkpoint_policies.nothing_saveable,
+           jax.checkpoint_policies.dots_saveable,
+           jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+  return any(policy is p for p in named)
 
 
 def _rewrites_inside(step, direct) -> bool:

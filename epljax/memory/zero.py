@@ -14,6 +14,12 @@
   only the shard for its backward pass and gathers it again there, and its gradient is
   reduce-scattered.
 
+Hybrid sharding (``zero.shard_size``, HSDP; MaxText's ``ici_fsdp`` x ``dcn_data``, PyTorch's
+``HYBRID_SHARD``): the mesh's ``data`` axis is one group of replicas and ``replica`` runs across
+the groups (``mesh/builder.py``). Everything above happens over ``data`` inside a group; the
+groups hold the same shards, and each gradient shard is all-reduced over ``replica`` once
+(``hybrid_traffic`` gives the step's collectives for a plan search).
+
 A leaf is sharded on its largest dimension that the data axis divides and that no other mesh
 axis uses; leaves with no such dimension stay as they are (``describe`` lists them). This
 file gives the shardings (``StateShardings.params_at_use``: the layout before the split, which
@@ -32,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from epljax import step as step_lib
 from epljax.config import ZeroConfig
 from epljax.features import BuildContext, Feature, GradientFn, StateShardings, UpdateFn
-from epljax.mesh import DATA
+from epljax.mesh import DATA, REPLICA
 
 
 def shard_over_data(sharding: NamedSharding, shape, size: int) -> NamedSharding:
@@ -67,9 +73,11 @@ class Zero(Feature):
     self._sharded: list[NamedSharding] = []     # per parameter leaf: its ZeRO layout
     self._treedef = None
     self._unsharded: list[str] = []
+    self._groups = 1
 
   def shardings(self, shardings: StateShardings, ctx: BuildContext) -> StateShardings:
     size = ctx.mesh.shape[DATA]
+    self._groups = dict(ctx.mesh.shape).get(REPLICA, 1)
     shapes, self._treedef = jax.tree.flatten(ctx.params_shape)
     full = jax.tree.leaves(shardings.params, is_leaf=is_sharding)
     self._sharded = [shard_over_data(s, x.shape, size) for s, x in zip(full, shapes)]
@@ -117,4 +125,41 @@ class Zero(Feature):
     left = (f"; not sharded (no dimension divisible by the data axis): "
             f"{', '.join(self._unsharded[:4])}{' ...' if len(self._unsharded) > 4 else ''}"
             if self._unsharded else "")
-    return f"ZeRO {self.level}: {what} sharded over 'data'{left}"
+    over = ("'data'" if self._groups == 1 else
+            f"'data' inside each of {self._groups} groups (zero.shard_size), replicated over "
+            f"'replica' (gradient shards all-reduced across the groups)")
+    return f"ZeRO {self.level}: {what} sharded over {over}{left}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+  """One kind of collective of a ZeRO step, before compiling: ``bytes`` per device per step
+  (the result's size, summed over its ``times`` calls), over ``axis`` in groups of ``group``."""
+  kind: str
+  axis: str
+  bytes: float
+  group: int
+  times: int
+
+
+def hybrid_traffic(level: str, param_bytes: float, leaves: int, data: int, groups: int = 1,
+                   gather_bytes: float | None = None) -> list[Traffic]:
+  """The collectives of ZeRO ``level`` over ``data`` replicas in each of ``groups`` groups
+  (``zero.shard_size``; 1: plain ZeRO), for ``leaves`` trainable leaves of ``param_bytes``
+  (float32 master weights). ``gather_bytes``: the parameters' bytes in the dtype v3 gathers
+  (the compute dtype, half for bfloat16 uses; default ``param_bytes``). What the compiled
+  step shows (tests/test_memory_hybrid.py): reduce-scatter of each gradient over ``data``,
+  all-gather of the updated shards (v1, v2) or of the parameters at each use in the forward
+  and the backward (v3), and one all-reduce of each gradient shard over ``replica``."""
+  gathered = param_bytes if gather_bytes is None else gather_bytes
+  rows = []
+  if data > 1 and level:
+    rows.append(Traffic("reduce-scatter", DATA, param_bytes / data, data, leaves))
+    if level == "v3":
+      rows.append(Traffic("all-gather", DATA, 2 * gathered, data, 2 * leaves))
+    else:
+      rows.append(Traffic("all-gather", DATA, param_bytes, data, leaves))
+  if groups > 1:
+    shard = param_bytes / data if level else param_bytes
+    rows.append(Traffic("all-reduce", REPLICA, shard, groups, leaves if level else 1))
+  return rows

@@ -10,11 +10,19 @@
 Axis order is (data, stage, model), model innermost: with ``cluster.device_place_prefer_intra_node``
 the devices of one replica are consecutive in host order, so tensor-parallel traffic (the
 ``model`` axis, the most frequent) stays inside a host and only gradient reduction crosses hosts.
+
+Hybrid sharding (``zero.shard_size``, HSDP): GSPMD shards over whole mesh axes only, so ZeRO
+over groups of the data replicas splits the data axis in two, ``(replica, data, stage,
+model)``: ``data`` inside a group (what ZeRO shards over), ``replica`` across groups (plain
+data parallelism), the batch split over both. Groups are consecutive devices, so a group of
+one host's devices keeps ZeRO's gathers inside the host. Without hybrid sharding the mesh has
+no ``replica`` axis.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Sequence
 
 import jax
@@ -27,6 +35,8 @@ from epljax.strategy import TaskGraph
 
 DATA, STAGE, MODEL = "data", "stage", "model"
 AXES = (DATA, STAGE, MODEL)
+REPLICA = "replica"   # across the groups of hybrid sharding (zero.shard_size); see above
+HYBRID_AXES = (REPLICA, *AXES)
 # GSPMD decides every intermediate sharding (Auto). jax 0.11 makes a bare AbstractMesh
 # Explicit, where Flax's logical-axis constraints become assertions: always say Auto.
 _AUTO = (AxisType.Auto,) * len(AXES)
@@ -35,6 +45,12 @@ _AUTO = (AxisType.Auto,) * len(AXES)
 def abstract_mesh(sizes: Sequence[int] = (1,) * len(AXES)) -> AbstractMesh:
   """An abstract (data, stage, model) mesh with GSPMD-decided (Auto) axes, on every jax."""
   return AbstractMesh(tuple(sizes), AXES, axis_types=_AUTO)
+
+
+def data_axes(mesh) -> tuple[str, ...]:
+  """The mesh axes of data parallelism, outermost first: ``(replica, data)`` under hybrid
+  sharding, else ``(data,)``. What splits the batch and reduces the gradients."""
+  return (REPLICA, DATA) if REPLICA in mesh.axis_names else (DATA,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,14 +66,21 @@ class Layout:
   num_virtual_stages: int = 1
 
   @property
+  def num_groups(self) -> int:
+    """Hybrid sharding's groups (the ``replica`` axis); 1 without it."""
+    return dict(self.mesh.shape).get(REPLICA, 1)
+
+  @property
   def devices_per_replica(self) -> int:
     return self.num_stages * self.devices_per_stage
 
 
 def build_mesh(taskgraphs: Sequence[TaskGraph], devices: Sequence[jax.Device],
-               cluster: ClusterConfig, virtual_stages: int = 1) -> Layout:
+               cluster: ClusterConfig, virtual_stages: int = 1,
+               shard_size: int | str = "all") -> Layout:
   """Task graphs + devices -> ``Layout`` (see the module doc for the rules). With
-  ``virtual_stages = v > 1`` the task graphs are pipeline chunks, ``v`` per stage."""
+  ``virtual_stages = v > 1`` the task graphs are pipeline chunks, ``v`` per stage;
+  ``shard_size`` (``zero.shard_size``): the data replicas of one hybrid-sharding group."""
   counts = [tg.device_count for tg in taskgraphs]
   colocated = cluster.colocate_split_and_replicate or len(taskgraphs) == 1
   _check_virtual(taskgraphs, virtual_stages, colocated)
@@ -93,8 +116,48 @@ def build_mesh(taskgraphs: Sequence[TaskGraph], devices: Sequence[jax.Device],
   else:  # spread each replica over hosts: consecutive devices go to different replicas
     grid = grid.reshape(stages, per_stage, replicas).transpose(2, 0, 1)
   stage_of = tuple(0 if colocated else i for i in range(len(taskgraphs)))
-  mesh = Mesh(grid, AXES, axis_types=_AUTO)
+  size = group_size(shard_size, replicas, per_replica, ordered, stages)
+  if size < replicas:
+    mesh = Mesh(grid.reshape(replicas // size, size, *grid.shape[1:]), HYBRID_AXES,
+                axis_types=(AxisType.Auto,) * len(HYBRID_AXES))
+  else:
+    mesh = Mesh(grid, AXES, axis_types=_AUTO)
   return Layout(mesh, replicas, stages, per_stage, stage_of, colocated, virtual_stages)
+
+
+def group_size(shard_size: int | str, replicas: int, per_replica: int,
+               devices: Sequence[jax.Device], stages: int = 1) -> int:
+  """The data replicas of one hybrid-sharding group (``zero.shard_size``): ``"all"`` every
+  replica; ``"host"`` those whose devices one host holds (all of them on one host); an int
+  that divides the replicas."""
+  if shard_size == "all":
+    return replicas
+  if shard_size == "host":
+    per_host = min(Counter(d.process_index for d in devices).values())
+    if per_host >= per_replica * replicas:
+      return replicas
+    if per_host % per_replica:
+      raise PlanError(
+          f"zero.shard_size='host': a host holds {per_host} devices, which is not a whole "
+          f"number of model replicas of {per_replica} devices, so ZeRO's groups cannot be one "
+          f"host's replicas. Set zero.shard_size to a number of replicas dividing {replicas} "
+          f"(for example 1 group: 'all'), or use replicas whose device count divides "
+          f"{per_host}.")
+    shard_size = per_host // per_replica
+  if replicas % shard_size:
+    raise PlanError(
+        f"zero.shard_size={shard_size} does not divide the {replicas} data replicas (the "
+        f"'data' axis): ZeRO shards over groups of shard_size replicas and replicates across "
+        f"the groups. Use a divisor of {replicas} "
+        f"({', '.join(str(k) for k in range(1, replicas + 1) if replicas % k == 0)}), 'host' "
+        f"or 'all'.")
+  if shard_size < replicas and stages > 1:
+    raise PlanError(
+        f"zero.shard_size={shard_size} asks for hybrid sharding ({replicas // shard_size} "
+        f"groups of {shard_size} replicas), which epljax does not combine with pipeline "
+        f"stages ({stages} here) yet. Set zero.shard_size='all', or run without pipeline "
+        f"stages.")
+  return shard_size
 
 
 def _check_virtual(taskgraphs: Sequence[TaskGraph], v: int, colocated: bool) -> None:

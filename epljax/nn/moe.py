@@ -74,7 +74,7 @@ def _expert_parallel_axes(experts, num_experts: int, groups: int):
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   if sizes.get("model", 1) == 1:
     return None
-  group_axes = tuple(a for a in ("data", "model") if a in sizes)
+  group_axes = tuple(a for a in ("replica", "data", "model") if a in sizes)
   devices = math.prod(sizes[a] for a in group_axes)
   if num_experts % sizes["model"] or groups % devices:
     raise PlanError(

@@ -35,7 +35,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from epljax.errors import PlanError
-from epljax.mesh import AXES, DATA, MODEL, STAGE
+from epljax.mesh import AXES, DATA, HYBRID_AXES, MODEL, REPLICA, STAGE
 from epljax.sharding.program import rewrite_eqns, walk
 
 # Mesh axis names of common codebases (MaxText, t5x, Megatron, praxis) -> epljax's axis.
@@ -104,7 +104,7 @@ def outside_set_mesh() -> Iterator[None]:
   epljax's mesh: ``_BARE``); one with Explicit axes is refused, since JAX would type the
   values of epljax's programs by it."""
   outer = jax.sharding.get_abstract_mesh()
-  if outer.empty or tuple(outer.axis_names) == AXES:   # none, or epljax's own
+  if outer.empty or tuple(outer.axis_names) in (AXES, HYBRID_AXES):   # none, or epljax's own
     yield
     return
   if AxisType.Explicit in tuple(outer.axis_types):
@@ -244,6 +244,8 @@ def _fit_one(eqn, sizes: dict[str, int], auto: frozenset[str], rules, place: str
                        ).append(name)
       elif ours not in kept:
         why.setdefault(f"-> {ours}", []).append(name)
+        # Hybrid sharding: rows split over the data replicas are split over both data axes.
+        kept += [REPLICA] if ours == DATA and sizes.get(REPLICA, 1) > 1 else []
         kept.append(ours)
     total = 1
     for a in kept:

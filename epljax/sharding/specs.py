@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from jax.sharding import PartitionSpec as P
 
 from epljax.errors import PlanError
-from epljax.mesh import DATA, MODEL, Layout
+from epljax.mesh import MODEL, Layout, data_axes
 from epljax.sharding.annotations import UserSpec
 from epljax.sharding.capture import Capture
 from epljax.sharding.split_rules import split_decisions
@@ -64,15 +64,16 @@ def variable_specs(capture: Capture, layout: Layout, shapes: Sequence[tuple[int,
 def batch_axes(capture: Capture, layout: Layout) -> tuple[str, ...]:
   """Mesh axes the batch dimension is split over.
 
-  Replicas always take their own rows (``data``). Inside a replica, ``replicate(k)`` splits the
-  replica's micro batch over its k devices (EPL), so the batch is split over ``model`` too when
-  a replicate task graph spans the replica's devices. A split-only model keeps each replica's
+  Replicas always take their own rows (``data``; ``replica`` and ``data`` under hybrid
+  sharding). Inside a replica, ``replicate(k)`` splits the replica's micro batch over its k
+  devices (EPL), so the batch is split over ``model`` too when a replicate task graph spans
+  the replica's devices. A split-only model keeps each replica's
   batch whole on its devices (Megatron-style tensor parallelism).
   """
   if layout.devices_per_stage > 1 and layout.colocated and any(
       tg.strategy == REPLICATE for tg in capture.taskgraphs):
-    return (DATA, MODEL)
-  return (DATA,)
+    return (*data_axes(layout.mesh), MODEL)
+  return data_axes(layout.mesh)
 
 
 def batch_spec(axes: Sequence[str], ndim: int) -> P:
