@@ -99,6 +99,11 @@ RUNS.append(Run("torchtitan Llama-3.1-8B FSDP, 1 host",
                 "torchtitan docs/performance.md Table 1: FSDP, 5,762 tokens/s/GPU",
                 "8b", (), 1, 16, 8192, 2 * 8192 / 5762, "compiled"))
 
+# Compiled only to fit ``chips.OVERLAP``: steps whose plans fit in memory, so XLA's scheduler
+# overlaps as it would on the GPU (over the memory, it makes collectives synchronous).
+FIT_RUNS = [Run("Llama-2-7B, each layer rematerialized, 1 host (fit only)", "", "8b",
+                LLAMA2_7B[:3], 1, 32, 4096, 0.0, "compiled")]
+
 
 def problem(run: Run):
   from models import llama
@@ -232,11 +237,22 @@ def main(argv=None):
                  ms(compiled.step_s), ms(est.step_s), f"{facts['compile_s']:.0f}",
                  f"{est_s:.0f}", run.source])
     print(table(HEADERS, rows[-1:]), flush=True)
+  for run in FIT_RUNS if 1 in args.hosts else []:
+    devices = epl.topology("h100", hosts=run.hosts, per_host=8)
+    if args.compile_only:
+      compile_cached(run, devices, args.cache)
+      continue
+    compiled, _ = compiled_prediction(run, devices, args.cache,
+                                      chips.chip_of(devices, epl.Config().auto))
+    fits.append((run.name, compiled.hidden_s, compiled.communication_s))
   if args.compile_only:
     return
   body = table(HEADERS, rows)
-  fitted = "\n".join(f"- {name}: {hidden * 1e3:.0f} ms of {comm * 1e3:.0f} ms hidden "
+  fitted = "\n".join(f"  - {name}: {hidden * 1e3:.0f} ms of {comm * 1e3:.0f} ms hidden "
                       f"({hidden / comm:.3f})" for name, hidden, comm in fits if comm)
+  fitting = [hidden / comm for name, hidden, comm in fits if comm and hidden > 0.01 * comm]
+  fitted += (f"\n  - mean of the steps with any overlap: {np.mean(fitting):.3f}" if fitting
+             else "")
   print(body, fitted, sep="\n\n")
   if args.record:
     record("Calibrated against published runs (bench/calibrate.py)",
@@ -263,6 +279,12 @@ Constants and their data:
 - ``chips.OVERLAP`` = {overlap}: the share of the data axis's collectives the compiled ZeRO v3
   schedules hide (``overlap.replay``), per compiled step:
 {fitted}
+
+  The MaxText rows' compiled steps hide nothing: their plans are over the memory (no
+  rematerialization, attention scores kept), and XLA:GPU's scheduler then makes the
+  collectives synchronous; they are not used in the fit. "ZeRO v3 over all, compiled": the
+  multi-host recipes as plain ZeRO v3 over every device (gathers across hosts), compiled, for
+  comparison (epljax's layout today without HSDP).
 
 Differences the table does not hide: MaxText's ``remat_policy=minimal_flash`` is modelled as no
 rematerialization (its attention is cuDNN flash attention; epljax's Llama keeps the scores, the

@@ -116,7 +116,7 @@ EFFICIENCY = 0.5
 # plan search estimates it before compiling (bounded by the compute there is to hide behind).
 # Fitted to the compiled schedules' replay (``epljax.overlap``) of ZeRO v3 steps on compile-only
 # H100s: the data in bench/RESULTS.md, "Calibrated against published runs" (bench/calibrate.py).
-OVERLAP = 0.85
+OVERLAP = 0.75
 
 
 @dataclasses.dataclass(frozen=True)
