@@ -316,7 +316,8 @@ def _split_uses(built, m: int) -> dict[int, _SplitUse]:
     split = [dim for dim, a in enumerate(spec) if a is not None and MODEL in jax.tree.leaves(a)]
     if not split:
       continue
-    for node, pos in program.uses_of_input(i):
+    for node, pos in (use for direct in program.uses_of_input(i)
+                      for use in _through_casts(program, *direct)):
       nbytes = _bytes(node.eqn.outvars) * node.trips
       if node.primitive == "gather":   # a lookup in a split table: partial rows, summed
         use = _SplitUse(False, forward=nbytes)
@@ -339,6 +340,24 @@ def _split_uses(built, m: int) -> dict[int, _SplitUse]:
           seen.output_split and use.output_split, max(seen.forward, use.forward),
           max(seen.backward, use.backward))
   return out
+
+
+# Operations that hand a parameter on with its dimensions as they are: a bfloat16 model's
+# cast of its float32 weights before the matmul reads them (``_through_casts``).
+_CASTS = {"convert_element_type", "copy", "copy_p", "reduce_precision"}
+
+
+def _through_casts(program, node, pos: int):
+  """(node, operand position) of the uses of a value, a cast's uses in its place: the matmul
+  of a model computing in bfloat16 reads its weight's cast, split as the weight is."""
+  if node.primitive not in _CASTS:
+    yield node, pos
+    return
+  for user in program.node_consumers(node):
+    for j, bases in enumerate(user.inputs):
+      if any(program.producer.get(b) is node for b in bases):
+        yield from _through_casts(program, user, j)
+        break
 
 
 # Operations XLA does not fuse into a consumer's loop (it materializes their outputs); the
