@@ -148,7 +148,11 @@ def main(argv=None):
   args = parser.parse_args(argv)
   out, notes = [], []
   for cell in args.cells:
-    found, said = cell_rows(cell)
+    try:
+      found, said = cell_rows(cell)
+    except Exception as e:  # noqa: BLE001 (the table says which cell failed and why)
+      found, said = [[cell, "failed", "", "", "", "", "", "", "", "", "", "",
+                      f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"]], []
     out += found
     notes += said
     print(table(HEADERS, found), *said, sep="\n", flush=True)
