@@ -286,8 +286,9 @@ class Plan:
              *([f"host      {ms(cost.host_s)}"] if cost.host_s else []),
              *([f"hidden    {ms(cost.hidden_s)} of the communication runs beside compute "
                 f"(async collectives in the compiled schedule)"] if cost.hidden_s else []),
-             f"step      {ms(cost.step_s)} (compute + exposed communication"
-             + (" + bubble" if cost.bubble_s else "") + (" + host" if cost.host_s else "")
+             f"step      {ms(cost.step_s)} ("
+             + ("compute + exposed communication" + (" + bubble" if cost.bubble_s else "")
+                + (" + host" if cost.host_s else "") if cost.hidden_s else "nothing overlapped")
              + f"), MFU {self.mfu:.1%}"]
     return lines
 
