@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))   # (this chec
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import json  # noqa: E402
 import logging  # noqa: E402
 import time  # noqa: E402
 
@@ -41,6 +42,7 @@ SIZES = {"7b": ("8b", (("vocab", 32000), ("kv_heads", 32), ("mlp", 11008))),
          "8b": ("8b", ()), "70b": ("70b", ())}
 CELLS = ["7b:16:16", "8b:8:8", "8b:16:16", "8b:64:64", "70b:8:8", "70b:16:16", "70b:64:64"]
 LENGTH = 2048
+CACHE = "/tmp/epljax-auto-scale"
 
 
 class _Compiles(logging.Handler):
@@ -54,20 +56,18 @@ class _Compiles(logging.Handler):
       self.steps += 1
 
 
-def kind(row) -> str:
-  """FSDP, HSDP, TPk x data, TPk x PPs x data, ... (ZeRO level beside)."""
-  f, m, s = row.features, row.mesh_shape.get("model", 1), row.stages
-  zero = f["zero_level"]
+KINDS = ("FSDP", "HSDP", "TP8 x data (ZeRO v1)", "TP x PP x data (ZeRO v1)", "PP x data")
+
+
+def kind(f: dict, mesh: dict) -> str:
+  """The issue's layouts a row is one of ("" for the others)."""
+  m, s, zero, host = mesh.get("model", 1), mesh.get("stage", 1), f["zero_level"], f["zero_shard"]
   if s > 1:
-    name = (f"TP{m} x " if m > 1 else "") + f"PP{s} x data"
-  elif m > 1:
-    name = f"TP{m} x data"
-  elif zero == "v3":
-    name = "HSDP" if f.get("zero_shard") else "FSDP"
-  else:
-    name = "data"
-  return name + (f" (ZeRO {zero}{' in a host' if f.get('zero_shard') else ''})"
-                 if zero and name not in ("FSDP", "HSDP") else "")
+    return ("TP x PP x data (ZeRO v1)" if m > 1 and zero == "v1" else
+            "PP x data" if m == 1 else "")
+  if m == 1 and zero == "v3":
+    return "HSDP" if host else "FSDP"
+  return "TP8 x data (ZeRO v1)" if m == 8 and zero == "v1" and not host else ""
 
 
 def search(cell: str):
@@ -99,44 +99,71 @@ def ms(s: float) -> str:
   return f"{s * 1e3:.0f}"
 
 
-def describe(row) -> list[str]:
-  mesh = " x ".join(f"{a}={k}" for a, k in row.mesh_shape.items() if k > 1) or "data=1"
-  f = row.features
+def as_dict(row) -> dict:
+  return {"mesh": row.mesh_shape, "features": row.features, "bytes": row.bytes_per_device,
+          "compiled": row.compiled, "compute_s": row.compute_s, "comm_s": row.communication_s,
+          "bubble_s": row.bubble_s, "step_s": row.predicted_step_s, "chosen": row.chosen,
+          "reason": row.reason, "refused": row.refused, "skipped": row.skipped}
+
+
+def run_cell(cell: str, cache: str) -> dict:
+  """The search of ``cell`` (cached as JSON: a partial run records the cells it finished)."""
+  path = os.path.join(cache, cell.replace(":", "-") + ".json")
+  if os.path.exists(path):
+    with open(path) as f:
+      return json.load(f)
+  trainer, error, seconds, compiles, n, rows = search(cell)
+  found = {"cell": cell, "devices": n, "rows": rows, "error": error, "seconds": seconds,
+           "compiles": compiles, "table": [] if error else [as_dict(r) for r in
+                                                            trainer.plan.search],
+           "notes": [] if error else list(trainer.plan.search_notes)}
+  os.makedirs(cache, exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(found, f)
+  return found
+
+
+def describe(r: dict) -> list[str]:
+  mesh = " x ".join(f"{a}={k}" for a, k in r["mesh"].items() if k > 1) or "data=1"
+  f = r["features"]
   feats = ", ".join([f"micro {f['num_micro_batch']}"]
-                    + ([f"zero {f['zero_level']}" + (" host" if f.get("zero_shard") else "")]
+                    + ([f"zero {f['zero_level']}" + (" in a host" if f.get("zero_shard") else "")]
                        if f["zero_level"] else [])
                     + (["gc auto"] if f["gradient_checkpoint"] else []))
-  return [kind(row), mesh, feats, size(row.bytes_per_device)
-          + ("" if row.compiled else " (est.)"), ms(row.compute_s), ms(row.communication_s),
-          ms(row.bubble_s), ms(row.predicted_step_s)]
+  return [mesh, feats, size(r["bytes"]) + ("" if r["compiled"] else " (est.)"),
+          ms(r["compute_s"]), ms(r["comm_s"]), ms(r["bubble_s"]), ms(r["step_s"])]
 
 
-def cell_rows(cell: str, limit: int | None = None):
-  trainer, error, seconds, compiles, n, rows = search(cell)
-  where = (f"{cell.split(':')[0].upper()} on {n} H100s ({n // 8} host{'s' * (n > 8)}), "
-           f"{rows} x {LENGTH}")
-  if error:
-    return [[where, "none fits", "", "", "", "", "", "", "", "", f"{seconds:.0f}", compiles,
-             error[:160]]], []
-  table_rows = trainer.plan.search
+def cell_rows(found: dict, limit: int = 80 << 30) -> list[list]:
+  n, rows = found["devices"], found["rows"]
+  where = (f"{found['cell'].split(':')[0].upper()} on {n} H100s ({n // 8} "
+           f"host{'s' * (n > 8)}), {rows} x {LENGTH}")
+  if found["error"]:
+    return [[where, "none fits", "", "", "", "", "", "", "", f"{found['seconds']:.0f}",
+             found["compiles"], found["error"][:200]]]
+  table_rows = found["table"]
   best = table_rows[0]
-  fits = [r for r in table_rows if not r.refused and r.bytes_per_device <= (
-      limit or 80 << 30)]
-  flat = [r for r in fits if r.stages == 1 and not r.skipped.startswith("not compiled: zero.")]
-  bad = (best.stages > 1 and best.bubble_s > best.predicted_step_s / 4
-         and any(r.predicted_step_s < best.predicted_step_s for r in flat))
-  head = [[where, "chosen", *describe(best), f"{seconds:.0f}", compiles,
-           "pipeline with bubble > 1/4 and a faster unpipelined plan: YES" if bad else ""]]
-  seen, others = {kind(best)}, []
-  for r in sorted(table_rows, key=lambda r: r.predicted_step_s):
-    if kind(r) in seen or r.refused:
-      continue
-    seen.add(kind(r))
-    others.append(["", "best of its kind", *describe(r), "", "", r.reason[:200]])
-  return head + others, [f"{where}: " + "; ".join(trainer.plan.search_notes)]
+  flat = [r for r in table_rows if r["mesh"].get("stage", 1) == 1 and not r["refused"]
+          and r["bytes"] <= limit and not r["skipped"].startswith("not compiled: zero.")]
+  across = best["mesh"].get("stage", 1) > 1 and best["mesh"].get("stage", 1) * best["mesh"].get(
+      "model", 1) > 8
+  bad = (across and best["bubble_s"] > best["step_s"] / 4
+         and any(r["step_s"] < best["step_s"] for r in flat))
+  out = [[where, "chosen: " + (kind(best["features"], best["mesh"]) or "other"),
+          *describe(best), f"{found['seconds']:.0f}", found["compiles"],
+          "a pipeline across hosts, bubble > 1/4, a faster unpipelined plan fits: "
+          + ("YES" if bad else "no")]]
+  for name in KINDS:
+    mine = [r for r in table_rows if kind(r["features"], r["mesh"]) == name and not r["chosen"]]
+    if mine:
+      r = min(mine, key=lambda r: r["step_s"])
+      out.append(["", name, *describe(r), "", "", r["reason"] or r["refused"]])
+    else:
+      out.append(["", name, "not weighed", "", "", "", "", "", "", "", "", ""])
+  return out
 
 
-HEADERS = ["search", "row", "layout", "mesh", "features", "bytes/device", "compute ms",
+HEADERS = ["search", "row", "mesh", "features", "bytes/device", "compute ms",
            "exposed comm ms", "bubble ms", "step ms", "search s", "compiles", "why not / check"]
 
 
@@ -144,27 +171,29 @@ def main(argv=None):
   from common import record, table
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--cells", nargs="+", default=CELLS, metavar="SIZE:H100S:ROWS")
+  parser.add_argument("--cache", default=CACHE, help="each cell's search, as JSON")
   parser.add_argument("--record", action="store_true")
   args = parser.parse_args(argv)
   out, notes = [], []
   for cell in args.cells:
     try:
-      found, said = cell_rows(cell)
+      found = run_cell(cell, args.cache)
     except Exception as e:  # noqa: BLE001 (the table says which cell failed and why)
-      found, said = [[cell, "failed", "", "", "", "", "", "", "", "", "", "",
-                      f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"]], []
-    out += found
-    notes += said
-    print(table(HEADERS, found), *said, sep="\n", flush=True)
+      out.append([cell, "failed", "", "", "", "", "", "", "", "", "",
+                  f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"])
+      continue
+    out += cell_rows(found)
+    notes += [f"{found['cell']}: " + "; ".join(found["notes"][2:])] if found["notes"] else []
+    print(table(HEADERS, out[-len(KINDS) - 1:]), flush=True)
   body = table(HEADERS, out) + "\n\n" + "\n".join(f"- {n}" for n in notes)
   print("\n" + body)
   if args.record:
     record("Automatic plans at real sizes (bench/auto_scale.py)", body + (
         "\n\nCompile-only H100s (XLA:GPU, jax with its CUDA plugin); nothing runs. Search s: "
-        "trainer._build wall time on the shared 2-core VM, compiles included; compiles: XLA "
-        "compiles of the step (jax's compile log). 'best of its kind': the fastest predicted row "
-        "of each layout, with why it lost. HSDP rows are estimates (zero.shard_size is not in "
-        "epljax yet)."), argv)
+        "trainer._build wall time on the shared 2-core VM beside other work, compiles "
+        "included; compiles: XLA compiles of the step (jax's compile log). For each of the "
+        "issue's layouts the fastest predicted row of that layout and why it lost. HSDP rows are "
+        "estimates (zero.shard_size is not in epljax yet: never compiled or chosen)."), argv)
 
 
 if __name__ == "__main__":
