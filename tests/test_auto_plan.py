@@ -278,7 +278,7 @@ def test_a_user_config_key_and_scope_are_kept():
   epl.init({**AUTO, "zero.level": "v1"})
   init_fn, loss_fn = linen_fns(SplitByUser())
   trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))
-  trainer.init(jax.random.key(0), classification_batch(ROWS))
+  trainer._build(jax.random.key(0), classification_batch(ROWS))   # (searched; no state made)
   rows = trainer.plan.search
   assert rows and all(r.features["zero_level"] == "v1" for r in rows)
   assert all(r.mesh_shape == {"data": 4, "stage": 1, "model": 2} for r in rows)
@@ -290,7 +290,7 @@ def test_a_user_default_strategy_is_kept():
   epl.set_default_strategy(epl.replicate(1))
   init_fn, loss_fn = linen_fns(MLP())
   trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))
-  trainer.init(jax.random.key(0), classification_batch(ROWS))
+  trainer._build(jax.random.key(0), classification_batch(ROWS))   # (searched; no state made)
   assert {r.mesh_shape["model"] for r in trainer.plan.search} == {1}
   assert "mesh fixed by the user: epl.set_default_strategy(epl.replicate(1))" in (
       trainer.plan.search_notes)
