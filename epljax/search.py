@@ -11,8 +11,10 @@ model, with under ``epl.split(k)`` either the whole model or only the module hol
 the parameter bytes (``_dominant_module``: EPL's large classifier split by its classes, the rest
 data-parallel), each kept only where the split rules split some parameter; data x stage x model
 where the model cuts into balanced stages (``_stage_rows``);
-``pipeline.num_micro_batch`` (1, 2, 4 where the batch divides), ``zero.level``,
-``gradient_checkpoint.type`` ("" or "auto") and, off CPU, ``offload.level``. A key the user set
+``pipeline.num_micro_batch`` (1, 2, 4 where the batch divides), ``zero.level`` (where the data
+axis spans hosts, also ZeRO within each host, replicated across: HSDP, ``zero_shard="host"``),
+``gradient_checkpoint.type`` ("" or "auto") and, off CPU, ``offload.level``; stage rows with
+S, 2S, 4S and 8S micro batches, without ZeRO or with ZeRO v1. A key the user set
 and a user's scope, default strategy or ``epl.annotate`` rule are fixed, not searched.
 
 1. One trace per mesh (no compile) gives every parameter's spec; parameter, gradient and
@@ -33,7 +35,13 @@ and a user's scope, default strategy or ``epl.annotate`` rule are fixed, not sea
    bubble from its branches' FLOPs times the schedule's busy slots, ``_pipeline_compute``).
    A row that was only estimated says so.
 
-Not searched: virtual stages, a module split inside stages, features on stage rows, ``amp``.
+Predicted times count only the communication compute does not hide (``cost.StepCost``:
+compiled, from the schedule, ``epljax.overlap``; estimated, ``estimate.hidden_estimate``).
+HSDP rows are estimated and never compiled or chosen until ``zero.shard_size`` is a config key
+(``NOT_BUILDABLE``).
+
+Not searched: virtual stages, a module split inside stages, ZeRO beyond v1, checkpointing or
+offload on stage rows, ``amp``.
 """
 
 from __future__ import annotations
