@@ -193,7 +193,8 @@ def main(argv=None):
         "trainer._build wall time on the shared 2-core VM beside other work, compiles "
         "included; compiles: XLA compiles of the step (jax's compile log). For each of the "
         "issue's layouts the fastest predicted row of that layout and why it lost. HSDP rows are "
-        "estimates (zero.shard_size is not in epljax yet: never compiled or chosen)."), argv)
+        "estimates (zero.shard_size is not in epljax yet: never compiled or chosen)."), argv,
+        "compile-only H100s")
 
 
 if __name__ == "__main__":

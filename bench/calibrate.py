@@ -257,7 +257,7 @@ def main(argv=None):
   if args.record:
     record("Calibrated against published runs (bench/calibrate.py)",
            body + "\n\n" + NOTES.format(efficiency=chips.EFFICIENCY, overlap=chips.OVERLAP,
-                                        fitted=fitted), argv)
+                                        fitted=fitted), argv, "compile-only H100s")
 
 
 HEADERS = ["published run", "epljax layout", "compute ms", "comm ms", "hidden ms",
