@@ -135,14 +135,16 @@ def devices() -> str:
   return f"{len(found)} x {found[0].device_kind}"
 
 
-def record(title: str, body: str, argv: Sequence[str] | None = None) -> None:
+def record(title: str, body: str, argv: Sequence[str] | None = None,
+           planned_for: str | None = None) -> None:
   """Records a run (``records.write``): replaces the section of this bench (title, command,
   devices) in bench/RESULTS.md and appends it, dated, to bench/RESULTS-archive.md. The command
-  is the running script with ``argv`` (default: this process's arguments)."""
+  is the running script with ``argv`` (default: this process's arguments); ``planned_for``
+  names the devices in place of this process's (a bench planning for compile-only devices)."""
   import records
 
   args = list(sys.argv[1:] if argv is None else argv)
   command = " ".join(["python", f"bench/{os.path.basename(sys.argv[0])}", *args])
-  key = records.record_key(title, command, devices())
+  key = records.record_key(title, command, planned_for or devices())
   stamp = datetime.date.today().isoformat()
   records.write(key, stamp, f"Machine: {machine()}  \nCommand: `{command}`\n\n{body}")

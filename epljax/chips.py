@@ -111,6 +111,12 @@ LATENCY_S = 10e-6
 # runs: MaxText's Llama-2-7B on 1-8 H100 hosts at 492-407 TFLOP/s per GPU of 989 (0.50-0.41),
 # Megatron-LM's GPT runs at 0.41-0.52 (Narayanan et al. 2021, Korthikanti et al. 2022).
 EFFICIENCY = 0.5
+# The share of the data axis's collectives (ZeRO's gathers and reduce-scatters, the gradient
+# all-reduce) that XLA:GPU's latency-hiding scheduler runs beside the layers' compute, as the
+# plan search estimates it before compiling (bounded by the compute there is to hide behind).
+# Fitted to the compiled schedules' replay (``epljax.overlap``) of ZeRO v3 steps on compile-only
+# H100s: the data in bench/RESULTS.md, "Calibrated against published runs" (bench/calibrate.py).
+OVERLAP = 0.75
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,11 +131,12 @@ class Chip:
   host_bandwidth: float
   latency_s: float = LATENCY_S
   efficiency: float = EFFICIENCY
+  overlap: float = OVERLAP     # (XLA:CPU runs collectives synchronously: 0)
 
 
 # Simulated devices share one host's cores and memory: figures for tests, which rank plans and
 # predict nothing.
-CPU = Chip("cpu", 1e11, 16 * GiB, 10 * GB, 1 * GB, 10 * GB)
+CPU = Chip("cpu", 1e11, 16 * GiB, 10 * GB, 1 * GB, 10 * GB, overlap=0.0)
 
 
 def spec_of(device_kind: str) -> Spec | None:

@@ -1,12 +1,14 @@
 """The cost model of ``auto.auto_parallel``'s plan search and of ``trainer.plan``: the
 predicted step time of a compiled program.
 
-Predicted step time = FLOPs / (peak x efficiency) + each collective's fixed latency and its
+Predicted step time = FLOPs / (peak x efficiency) + the communication compute does not hide
++ host transfers (offload) + the pipeline bubble. A collective costs its fixed latency and its
 bytes on the wire / the bandwidth of the links its mesh axis runs over (within a host, or
-across hosts) + host
-transfers (offload) + the pipeline bubble. The FLOPs come from ``cost_analysis()``, the
-collectives from the compiled HLO (loop bodies times their trip count, ``hlo``), never from
-wall time. The chips and links are ``epljax.chips``' table, each figure with its source.
+across hosts); what of it is hidden is read from the compiled schedule (``epljax.overlap``:
+async start/done pairs and the compute XLA placed between them). The FLOPs come from
+``cost_analysis()``, the collectives from the compiled HLO (loop bodies times their trip count,
+``hlo``), never from wall time. The chips and links are ``epljax.chips``' table, each figure
+with its source.
 """
 
 from __future__ import annotations
@@ -19,8 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from epljax import hlo
-from epljax import chips
+from epljax import chips, hlo, overlap
 from epljax.chips import Chip
 from epljax.errors import PlanError
 from epljax.mesh import hosts
@@ -38,14 +39,21 @@ class StepCost:
   host_s: float = 0.0
   bubble_s: float = 0.0
   parts: dict[str, int] = dataclasses.field(default_factory=dict)  # estimate: what the bytes are
+  hidden_s: float = 0.0   # of ``comm_s``, what runs while compute runs (``epljax.overlap``)
 
   @property
   def communication_s(self) -> float:
+    """Every collective's time, hidden or not."""
     return sum(self.comm_s.values())
 
   @property
+  def exposed_s(self) -> float:
+    """The communication the step waits for: all of it less what compute hides."""
+    return max(0.0, self.communication_s - self.hidden_s)
+
+  @property
   def step_s(self) -> float:
-    return self.compute_s + self.communication_s + self.host_s + self.bubble_s
+    return self.compute_s + self.exposed_s + self.host_s + self.bubble_s
 
 
 def wire_bytes(kind: str, result_bytes: float, group: int) -> float:
@@ -85,7 +93,20 @@ def compiled_cost(compiled, mesh, chip: Chip, host_bytes: int = 0) -> StepCost:
     coll[key] = coll.get(key, 0) + c.bytes
     secs[key] = secs.get(key, 0.0) + link_seconds(c.kind, c.bytes, group, across, chip)
   return StepCost(nbytes, flops, coll, flops / (chip.peak_flops * chip.efficiency), secs,
-                  host_s=host_bytes / chip.host_bandwidth)
+                  host_s=host_bytes / chip.host_bandwidth,
+                  hidden_s=hidden_seconds(text, mesh, chip))
+
+
+def hidden_seconds(hlo_text: str, mesh, chip: Chip) -> float:
+  """Seconds of the step's collectives that its schedule runs beside compute
+  (``overlap.replay``: each collective priced as ``compiled_cost`` prices it, compute at
+  ``chip``'s rate)."""
+  def seconds(c: hlo.Collective) -> float:
+    _, group, across = collective_axis(c, mesh)
+    return link_seconds(c.kind, c.bytes, group, across, chip)
+
+  return overlap.replay(hlo_text, seconds, instruction_matmul_flops,
+                        chip.peak_flops * chip.efficiency).hidden_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,8 +158,10 @@ def _pipeline_compute(step: StepCost, pipe, compiled, chip: Chip) -> StepCost:
              - max(b for _, b in costs))
   rate = chip.peak_flops * chip.efficiency
   work = per_tick.sum() / pipe.schedule.num_stages
+  # (No overlap credited: the replay prices the tick loop's switch as its costliest branch on
+  # every tick, not the schedule's busy slots; a pipeline's collectives count whole.)
   return dataclasses.replace(step, flops=work + rest, compute_s=(work + rest) / rate,
-                             bubble_s=(per_tick.max(axis=1).sum() - work) / rate)
+                             bubble_s=(per_tick.max(axis=1).sum() - work) / rate, hidden_s=0.0)
 
 
 def compiled_flops(compiled, hlo_text: str | None = None) -> float:
@@ -175,26 +198,31 @@ def _body_matmul_flops(text: str) -> float:
   """FLOPs of one computation's matmuls: ``dot`` instructions and XLA:GPU's cuBLAS calls
   (2 x output elements x contracted elements)."""
   types = {m["name"]: m["type"] for m in hlo._INSTRUCTION.finditer(text)}
-  flops = 0.0
-  for m in hlo._INSTRUCTION.finditer(text):
-    line_end = text.find("\n", m.end())
-    rest = text[m.end():line_end if line_end >= 0 else len(text)]
-    if m["op"] == "dot":
-      dims = _DOT.search(rest)
-    elif m["op"] == "custom-call" and _GEMM.search(rest):
-      dims = _GEMM_DOT.search(rest)
-    else:
-      continue
-    first = m["operands"].split(",")[0].strip()
-    lhs = hlo._ARRAY.search(first) or hlo._ARRAY.search(types.get(first.lstrip("%"), ""))
-    out = hlo._ARRAY.search(m["type"])
-    if not (out and lhs and dims):
-      continue
-    shape = [int(d) for d in lhs["dims"].split(",") if d]
-    contracted = math.prod(shape[int(d.strip('" '))] for d in dims["dims"].split(",")
-                           if d.strip('" '))
-    flops += 2.0 * math.prod(int(d) for d in out["dims"].split(",") if d) * contracted
-  return flops
+  return sum(instruction_matmul_flops(line, types) for line in text.splitlines())
+
+
+def instruction_matmul_flops(line: str, types: dict[str, str]) -> float:
+  """FLOPs of one instruction line if it is a matmul (``dot``, a cuBLAS call), else 0;
+  ``types``: the computation's instruction names -> types (an operand's shape)."""
+  m = hlo._INSTRUCTION.match(line)
+  if not m:
+    return 0.0
+  rest = line[m.end():]
+  if m["op"] == "dot":
+    dims = _DOT.search(rest)
+  elif m["op"] == "custom-call" and _GEMM.search(rest):
+    dims = _GEMM_DOT.search(rest)
+  else:
+    return 0.0
+  first = m["operands"].split(",")[0].strip()
+  lhs = hlo._ARRAY.search(first) or hlo._ARRAY.search(types.get(first.lstrip("%"), ""))
+  out = hlo._ARRAY.search(m["type"])
+  if not (out and lhs and dims):
+    return 0.0
+  shape = [int(d) for d in lhs["dims"].split(",") if d]
+  contracted = math.prod(shape[int(d.strip('" '))] for d in dims["dims"].split(",")
+                         if d.strip('" '))
+  return 2.0 * math.prod(int(d) for d in out["dims"].split(",") if d) * contracted
 
 
 def _matmul_runs(hlo_text: str) -> list[tuple[float, int, int]]:

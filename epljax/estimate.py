@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.extend import core as jcore
 
@@ -97,15 +98,18 @@ def step_cost(built, facts: ProgramFacts, features: dict[str, Any], chip, batch_
   d, m = mesh.get(DATA, 1), mesh.get(MODEL, 1)
   micro = features["num_micro_batch"]
   zero, offload = features["zero_level"], features["offload"]
+  # ZeRO's group: the whole data axis, or (HSDP, ``zero_shard="host"``) its devices in a host,
+  # each shard replicated over the hosts (``zero_group``).
+  g = zero_group(plan.mesh, features) if zero else d
   params = plan.param_bytes
   grads, opt = params, plan.optimizer_bytes
   full_params = params
   if zero:
-    opt //= d
+    opt //= g
   if zero in ("v2", "v3"):
-    grads //= d
+    grads //= g
   if zero == "v3":
-    params //= d
+    params //= g
   host = 0
   if offload:
     host += 2 * params
@@ -125,27 +129,25 @@ def step_cost(built, facts: ProgramFacts, features: dict[str, Any], chip, batch_
   # gradients' sum over data (a second buffer: all-reduced, or its shard under ZeRO), after
   # the residuals are freed.
   if d > 1:
-    acts = max(acts, full_params // d if zero else grads)
-  flops = facts.flops * (4 if checkpointed else 3) + update * full_params / (d if zero else 1)
+    acts = max(acts, full_params // g if zero else grads)
+  flops = facts.flops * (4 if checkpointed else 3) + update * full_params / (g if zero else 1)
   comm: dict[tuple[str, str], float] = {}
   nbytes: dict[tuple[str, str], int] = {}
 
-  def add(kind, axis, result, group, times=1):
+  def add(kind, axis, result, group, times=1, across=None):
     nbytes[(kind, axis)] = nbytes.get((kind, axis), 0) + int(result)
+    across = hosts.crosses_hosts(plan.mesh, axis) if across is None else across
     comm[(kind, axis)] = comm.get((kind, axis), 0.0) + times * cost_lib.link_seconds(
-        kind, result / times, group, hosts.crosses_hosts(plan.mesh, axis), chip)
+        kind, result / times, group, across, chip)
 
   # Plain gradients are summed in one combined all-reduce; ZeRO reduce-scatters and gathers
   # each parameter on its own (v3: gathered again in the forward and the backward pass).
   leaves = sum(leaf.trainable for leaf in plan.leaves)
   if d > 1:
     if zero:
-      add("reduce-scatter", DATA, full_params / d, d, times=leaves)
-      add("all-gather", DATA, full_params, d, times=leaves)
+      _add_zero(add, full_params, d, g, leaves, zero == "v3")
     else:
       add("all-reduce", DATA, full_params, d)
-    if zero == "v3":
-      add("all-gather", DATA, 2 * full_params, d, times=2 * leaves)
   forwards = 2 if checkpointed else 1   # (checkpointing runs the forward pass again)
   for use in split_nodes.values():      # each micro batch
     if use.forward:
@@ -158,9 +160,56 @@ def step_cost(built, facts: ProgramFacts, features: dict[str, Any], chip, batch_
     add(kind, MODEL, forwards * out_bytes / d, m, times=forwards * count * micro)
   parts = {"parameters": params + grads, "optimizer state": opt,
            "activations": int(acts), "model state and batch": plan.model_state_bytes + batch_bytes}
-  return cost_lib.StepCost(sum(parts.values()), flops, nbytes,
-                           flops / (chip.peak_flops * chip.efficiency), comm,
-                           host_s=host / chip.host_bandwidth, parts=parts)
+  compute_s = flops / (chip.peak_flops * chip.efficiency)
+  return cost_lib.StepCost(sum(parts.values()), flops, nbytes, compute_s, comm,
+                           host_s=host / chip.host_bandwidth, parts=parts,
+                           hidden_s=hidden_estimate(comm, compute_s, chip))
+
+
+HOST_SHARD = "host"   # ``zero_shard``: ZeRO within each host, replicated across (HSDP)
+
+
+def zero_group(mesh, features: dict[str, Any]) -> int:
+  """Devices ZeRO shards over: the data axis, or with ``zero_shard="host"`` (HSDP, MaxText's
+  ``ici_fsdp`` x ``dcn_data``) the data axis's devices within one host."""
+  d = dict(mesh.shape).get(DATA, 1)
+  if features.get("zero_shard") != HOST_SHARD:
+    return d
+  return max(1, min(d, data_per_host(mesh)))
+
+
+def data_per_host(mesh) -> int:
+  """How many devices of one line of the data axis share the first one's host."""
+  names = list(mesh.axis_names)
+  line = np.moveaxis(np.asarray(mesh.devices), names.index(DATA), 0).reshape(
+      dict(mesh.shape)[DATA], -1)[:, 0]
+  return sum(dev.process_index == line[0].process_index for dev in line)
+
+
+def _add_zero(add, full_params: float, d: int, g: int, leaves: int, v3: bool) -> None:
+  """ZeRO's traffic over data: each parameter's gradient reduce-scattered and its update
+  gathered (v3: gathered again in the forward and the backward pass) over its group of ``g``
+  (HSDP: within a host); with ``g < d`` (HSDP) the group's shards all-reduced across the
+  ``d / g`` hosts."""
+  inside = g < d
+  axis = f"{DATA} (in a host)" if inside else DATA
+  across = False if inside else None
+  if g > 1:
+    add("reduce-scatter", axis, full_params / g, g, times=leaves, across=across)
+    add("all-gather", axis, full_params, g, times=leaves, across=across)
+    if v3:
+      add("all-gather", axis, 2 * full_params, g, times=2 * leaves, across=across)
+  if inside:
+    add("all-reduce", f"{DATA} (across hosts)", full_params / g, d // g, times=leaves,
+        across=True)
+
+
+def hidden_estimate(comm: dict[tuple[str, str], float], compute_s: float, chip) -> float:
+  """Of the data axis's collectives, the share ``chip.overlap`` XLA's latency-hiding scheduler
+  runs beside the layers' compute, at most the compute (``chips.OVERLAP``); the model axis's
+  all-reduces sit between a layer's matmuls and are not hidden."""
+  data = sum(t for (_, axis), t in comm.items() if axis.startswith(DATA))
+  return min(chip.overlap * data, compute_s)
 
 
 # A pipeline step's bytes per byte of a device's stored parameters: the parameters and four
@@ -217,7 +266,7 @@ def stage_cost(dp, facts: ProgramFacts, pipe, schedule, features: dict[str, Any]
         kind, result / times, group, hosts.crosses_hosts(pipe.mesh, axis), chip)
 
   if d > 1:
-    add("all-reduce", DATA, params, d)
+    opt = _stage_data_sync(add, params, opt, d, features["zero_level"])
   boundary = max((sum(program_lib.nbytes(a) for a in st.outgoing) for st in pipe.stages),
                  default=0) * per_micro / d   # (a split stage's output: whole on each)
   add("collective-permute", STAGE, 2 * micro * boundary, s, times=2 * micro)
@@ -226,6 +275,18 @@ def stage_cost(dp, facts: ProgramFacts, pipe, schedule, features: dict[str, Any]
            "model state and batch": dp.plan.model_state_bytes + batch_bytes // d}
   return cost_lib.StepCost(sum(parts.values()), flops, nbytes, work, comm,
                            bubble_s=work * (busy.sum() / (3 * micro) - 1), parts=parts)
+
+
+def _stage_data_sync(add, params: int, opt: int, d: int, zero: str) -> int:
+  """A stage's gradients summed over its ``d`` data replicas: all-reduced, or with ZeRO v1 (a
+  distributed optimizer) reduce-scattered and the updated shards gathered, the stage's
+  optimizer state sharded over its replicas. Its optimizer bytes per device."""
+  if not zero:
+    add("all-reduce", DATA, params, d)
+    return opt
+  add("reduce-scatter", DATA, params / d, d)
+  add("all-gather", DATA, params, d)
+  return opt // d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,7 +316,8 @@ def _split_uses(built, m: int) -> dict[int, _SplitUse]:
     split = [dim for dim, a in enumerate(spec) if a is not None and MODEL in jax.tree.leaves(a)]
     if not split:
       continue
-    for node, pos in program.uses_of_input(i):
+    for node, pos in (use for direct in program.uses_of_input(i)
+                      for use in _through_casts(program, *direct)):
       nbytes = _bytes(node.eqn.outvars) * node.trips
       if node.primitive == "gather":   # a lookup in a split table: partial rows, summed
         use = _SplitUse(False, forward=nbytes)
@@ -278,6 +340,24 @@ def _split_uses(built, m: int) -> dict[int, _SplitUse]:
           seen.output_split and use.output_split, max(seen.forward, use.forward),
           max(seen.backward, use.backward))
   return out
+
+
+# Operations that hand a parameter on with its dimensions as they are: a bfloat16 model's
+# cast of its float32 weights before the matmul reads them (``_through_casts``).
+_CASTS = {"convert_element_type", "copy", "copy_p", "reduce_precision"}
+
+
+def _through_casts(program, node, pos: int):
+  """(node, operand position) of the uses of a value, a cast's uses in its place: the matmul
+  of a model computing in bfloat16 reads its weight's cast, split as the weight is."""
+  if node.primitive not in _CASTS:
+    yield node, pos
+    return
+  for user in program.node_consumers(node):
+    for j, bases in enumerate(user.inputs):
+      if any(program.producer.get(b) is node for b in bases):
+        yield from _through_casts(program, user, j)
+        break
 
 
 # Operations XLA does not fuse into a consumer's loop (it materializes their outputs); the

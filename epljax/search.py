@@ -11,8 +11,10 @@ model, with under ``epl.split(k)`` either the whole model or only the module hol
 the parameter bytes (``_dominant_module``: EPL's large classifier split by its classes, the rest
 data-parallel), each kept only where the split rules split some parameter; data x stage x model
 where the model cuts into balanced stages (``_stage_rows``);
-``pipeline.num_micro_batch`` (1, 2, 4 where the batch divides), ``zero.level``,
-``gradient_checkpoint.type`` ("" or "auto") and, off CPU, ``offload.level``. A key the user set
+``pipeline.num_micro_batch`` (1, 2, 4 where the batch divides), ``zero.level`` (where the data
+axis spans hosts, also ZeRO within each host, replicated across: HSDP, ``zero_shard="host"``),
+``gradient_checkpoint.type`` ("" or "auto") and, off CPU, ``offload.level``; stage rows with
+S, 2S, 4S and 8S micro batches, without ZeRO or with ZeRO v1. A key the user set
 and a user's scope, default strategy or ``epl.annotate`` rule are fixed, not searched.
 
 1. One trace per mesh (no compile) gives every parameter's spec; parameter, gradient and
@@ -33,7 +35,13 @@ and a user's scope, default strategy or ``epl.annotate`` rule are fixed, not sea
    bubble from its branches' FLOPs times the schedule's busy slots, ``_pipeline_compute``).
    A row that was only estimated says so.
 
-Not searched: virtual stages, a module split inside stages, features on stage rows, ``amp``.
+Predicted times count only the communication compute does not hide (``cost.StepCost``:
+compiled, from the schedule, ``epljax.overlap``; estimated, ``estimate.hidden_estimate``).
+HSDP rows are estimated and never compiled or chosen until ``zero.shard_size`` is a config key
+(``NOT_BUILDABLE``).
+
+Not searched: virtual stages, a module split inside stages, ZeRO beyond v1, checkpointing or
+offload on stage rows, ``amp``.
 """
 
 from __future__ import annotations
@@ -57,18 +65,24 @@ from epljax import estimate as estimate_lib
 from epljax import strategy as strategy_lib
 from epljax.errors import PlanError, size
 from epljax.memory import offload
-from epljax.mesh import MODEL, STAGE
+from epljax.mesh import DATA, MODEL, STAGE
 from epljax.pipeline import schedules
 from epljax.pipeline.auto import StageBalanceWarning
 from epljax.sharding import annotations
 
 MAX_COMPILES = 5
 MICRO_BATCHES = (1, 2, 4)
+# HSDP's config key, being built beside this search: until epljax has it, HSDP rows are
+# estimated and shown, never compiled or chosen (``NOT_BUILDABLE``).
+_HSDP_KEY = "zero.shard_size"
+NOT_BUILDABLE = f"not compiled: {_HSDP_KEY} (HSDP) is not in this epljax yet; estimate only"
 ZERO_LEVELS = ("", "v1", "v2", "v3")
 CHECKPOINTING = ("", "auto")
 OFFLOAD = ("", "v0", "v1")
+ZERO_SHARDS = ("", estimate_lib.HOST_SHARD)
 SEARCHED_KEYS = {"num_micro_batch": "pipeline.num_micro_batch", "zero_level": "zero.level",
-                 "gradient_checkpoint": "gradient_checkpoint.type", "offload": "offload.level"}
+                 "gradient_checkpoint": "gradient_checkpoint.type", "offload": "offload.level",
+                 "zero_shard": "zero.shard_size"}
 # Once a compiled step fits, another row is compiled only if its estimate is below this share
 # of that step's compiled time (an estimate a few percent lower is within the model's error).
 BETTER = 0.95
@@ -82,7 +96,7 @@ class Candidate:
   bytes_per_device: int         # compiled: arguments + outputs - aliased + temp; else estimated
   predicted_step_s: float
   compute_s: float
-  communication_s: float
+  communication_s: float       # exposed: what compute does not hide (``cost.StepCost``)
   bubble_s: float
   compiled: bool                # False: every number is the estimate of ``_estimate``
   split: str = ""               # what is under epl.split(model): "all", a module path, or ""
@@ -101,7 +115,8 @@ class Candidate:
   def overrides(self) -> dict[str, Any]:
     stages = ({"auto.auto_parallel": True, "pipeline.num_stages": self.stages}
               if self.stages > 1 else {})   # (EPL's meaning: cut this many stages)
-    return {**{SEARCHED_KEYS[k]: v for k, v in self.features.items()}, **stages}
+    return {**{SEARCHED_KEYS[k]: v for k, v in self.features.items()
+               if k != "zero_shard" or v}, **stages}   # (zero.shard_size: only HSDP sets it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +170,10 @@ def search(fns, config, cluster, rng, batch, builders: Builders) -> Any:
                                       next(iter(bases.values())).user_state.params_shape)
             if bases else 0.0)
   facts = {key: estimate_lib.program_facts(built, key[1]) for key, built in bases.items()}
+  hsdp = _HSDP_KEY in config.to_dict()
+  if not hsdp and "zero_shard" not in fixed:
+    notes.append(f"HSDP rows (ZeRO within a host, replicated across) estimated, not compiled: "
+                 f"{_HSDP_KEY} is not in this epljax yet")
   rows = [_estimate(built, facts[key], features, chip, batch_bytes, key[1], residuals, update)
           for key, built in bases.items() for features in _feature_grid(fixed, built)]
   if (1, "") in bases:   # (a mesh the user fixed has no stage axis to search)
@@ -164,7 +183,7 @@ def search(fns, config, cluster, rng, batch, builders: Builders) -> Any:
   rows.sort(key=_order)
   if not rows:
     raise PlanError("auto.auto_parallel found no candidate plan: " + "; ".join(notes[1:]))
-  rows, chosen, compiles = _compile_in_order(rows, bases, make, chip, limit)
+  rows, chosen, compiles = _compile_in_order(rows, bases, make, chip, limit, hsdp)
   if chosen is None:
     raise PlanError(_none_fits(rows, limit, config.auto.memory_limit, compiles))
   index, built = chosen
@@ -257,7 +276,8 @@ def _dominant_module(built) -> str | None:
   return module if total / 2 <= nbytes < total else None
 
 
-def _compile_in_order(rows: list[Candidate], bases: dict, make: Callable, chip, limit: int):
+def _compile_in_order(rows: list[Candidate], bases: dict, make: Callable, chip, limit: int,
+                      hsdp: bool = True):
   """Compiles the rows within the limit in order, at most ``MAX_COMPILES``, while a row's
   estimate can beat the fastest compiled step that fits (module doc): (rows, (the fastest
   fitting row's index, its Built) or None, compiles)."""
@@ -267,15 +287,20 @@ def _compile_in_order(rows: list[Candidate], bases: dict, make: Callable, chip, 
     row = rows[i]   # (rows are recalibrated as compiles go)
     if row.bytes_per_device > limit:
       continue
+    if row.features.get("zero_shard") and not hsdp:   # (estimated only: cannot be built)
+      rows[i] = dataclasses.replace(row, skipped=NOT_BUILDABLE)
+      continue
     if compiles == MAX_COMPILES:
       rows[i] = dataclasses.replace(row, skipped=f"not compiled: the {MAX_COMPILES} compiles "
                                     "(MAX_COMPILES) were spent on rows estimated faster")
       continue
     scale = pace.get(row.stages > 1, 1.0)
-    if best is not None and (row.predicted_step_s * scale
-                             >= BETTER * rows[best[0]].predicted_step_s):
+    bar = BETTER * rows[best[0]].predicted_step_s if best is not None else math.inf
+    if row.predicted_step_s * scale >= bar:
       rows[i] = dataclasses.replace(row, skipped=(
-          f"not compiled: its estimate x {scale:.3g} (compiled / estimated time of the last "
+          "not compiled" + (" (pace-scaled: unscaled, its estimate was under the bar)" if
+                            row.predicted_step_s < bar else "")
+          + f": its estimate x {scale:.3g} (compiled / estimated time of the last "
           f"compiled {'pipeline' if row.stages > 1 else 'unpipelined'} row) is "
           f"{_ms(row.predicted_step_s * scale)}, not {BETTER:g} x the fitting compiled "
           f"{_ms(rows[best[0]].predicted_step_s)}"))
@@ -307,12 +332,12 @@ def _compiled_cost(built, features: dict[str, Any], chip) -> cost_lib.StepCost:
 
 def _order(row: Candidate) -> tuple:
   """Estimated time first; among equals the simpler plan (fewer devices on the model axis,
-  fewer micro batches, no ZeRO, no checkpointing, no offload)."""
+  fewer micro batches, no ZeRO, no checkpointing, no offload, ZeRO over the whole data axis)."""
   f = row.features
   return (round(row.predicted_step_s, 12), row.stages, row.mesh_shape.get(MODEL, 1),
           f["num_micro_batch"],
           ZERO_LEVELS.index(f["zero_level"]), CHECKPOINTING.index(f["gradient_checkpoint"]),
-          OFFLOAD.index(f["offload"]))
+          OFFLOAD.index(f["offload"]), ZERO_SHARDS.index(f.get("zero_shard", "")))
 
 
 def _pipeline_plan(pipeline_plan, fns, config, cluster, rng, batch, stages: int, micro: int,
@@ -328,15 +353,18 @@ def _stage_rows(make_pipe: Callable, bases: dict, facts: dict, fixed: dict[str, 
   """data x stage x model candidates for S = 2, 4, ... stages while the model cuts into S
   balanced stages (``auto.auto_parallel``'s cut), each stage the whole of it under
   ``epl.split(k)`` for the k of the whole-model splits searched (and k = 1), with S, 2S and 4S
-  micro batches (or the user's); estimated from one plan per S and k made without compiling
-  (``estimate.stage_cost``; the other micro batch counts from its schedule and its bytes per
-  micro batch scaled), a split stage's traffic over model from its data x model base
-  (``bases`` and their ``facts``, keyed as ``_base_builds``)."""
-  features = {name: fixed.get(name, "") for name in ("zero_level", "gradient_checkpoint",
-                                                     "offload")}
-  if any(features.values()):
+  micro batches (8S too: 1F1B's bubble is (S - 1) / (M + S - 1) of its ticks) or the user's,
+  and without ZeRO or with ZeRO v1 (a distributed optimizer: each stage's optimizer state
+  sharded over its data replicas) where there are replicas; estimated from one plan per S and
+  k made without compiling (``estimate.stage_cost``; the other micro batch counts from its
+  schedule and its bytes per micro batch scaled), a split stage's traffic over model from its
+  data x model base (``bases`` and their ``facts``, keyed as ``_base_builds``)."""
+  features = {name: fixed.get(name, "") for name in ("gradient_checkpoint", "offload",
+                                                     "zero_shard")}
+  zero = fixed.get("zero_level")
+  if any(features.values()) or zero not in (None, "", "v1"):
     notes.append("stage candidates not searched: with " + ", ".join(
-        f"{SEARCHED_KEYS[k]}={v!r}" for k, v in features.items() if v))
+        f"{SEARCHED_KEYS[k]}={v!r}" for k, v in {**features, "zero_level": zero}.items() if v))
     return []
   dp = bases[(1, "")]
   devices, rows = dp.plan.mesh.size, dp.plan.global_rows
@@ -346,7 +374,8 @@ def _stage_rows(make_pipe: Callable, bases: dict, facts: dict, fixed: dict[str, 
     for stages in _divisors(devices // k)[1:]:
       replicas = devices // (stages * k)
       micros = ([fixed["num_micro_batch"]] if "num_micro_batch" in fixed else
-                [m for m in (stages, 2 * stages, 4 * stages) if rows % (replicas * m) == 0])
+                [m for m in (stages, 2 * stages, 4 * stages, 8 * stages)
+                 if rows % (replicas * m) == 0])
       if not micros:
         continue
       try:
@@ -357,32 +386,41 @@ def _stage_rows(make_pipe: Callable, bases: dict, facts: dict, fixed: dict[str, 
         notes.append(f"stage={stages}" + (f" x model={k}" if k > 1 else "") + " not searched: "
                      + re.split(r"; |\. ", str(e).splitlines()[0])[0])
         break   # (a model that does not cut into S balanced stages does not cut into 2S)
-      for micro in micros:
-        feats = {**features, "num_micro_batch": micro}
+      zeros = [zero] if zero is not None else ["", "v1"] if replicas > 1 else [""]
+      for micro, level in itertools.product(micros, zeros):
+        feats = {**features, "num_micro_batch": micro, "zero_level": level}
         over_model = (estimate_lib.step_cost(base, facts[key], feats, chip, batch_bytes,
                                              residuals) if k > 1 else None)
         schedule = schedules.make_schedule(pipe.schedule.strategy, stages, micro)
         step = estimate_lib.stage_cost(base, facts[(1, "")], pipe, schedule, feats, chip,
                                        batch_bytes, over_model, update)
         out.append(Candidate(dict(pipe.mesh.shape), feats, step.bytes_per_device, step.step_s,
-                             step.compute_s, step.communication_s, step.bubble_s,
+                             step.compute_s, step.exposed_s, step.bubble_s,
                              compiled=False, split="all" if k > 1 else "", estimate=step))
   return out
 
 
 def _feature_grid(fixed: dict[str, Any], built) -> Iterator[dict[str, Any]]:
+  """The feature combinations weighed on a base build; ``zero_shard="host"`` (HSDP) only with
+  ZeRO and where the data axis spans hosts (else it is plain ZeRO)."""
   rows = built.plan.global_rows
   replicas = built.plan.num_replicas
+  mesh = built.plan.mesh
+  spans = replicas > 1 and estimate_lib.data_per_host(mesh) < dict(mesh.shape).get(DATA, 1)
   choices = {
       "num_micro_batch": [m for m in MICRO_BATCHES if rows % (replicas * m) == 0],
       "zero_level": ZERO_LEVELS if replicas > 1 else ("",),
       "gradient_checkpoint": CHECKPOINTING,
       "offload": OFFLOAD,
+      "zero_shard": ZERO_SHARDS if spans else ("",),
   }
   for name, value in fixed.items():
     choices[name] = (value,)
   for values in itertools.product(*choices.values()):
-    yield dict(zip(choices, values))
+    features = dict(zip(choices, values))
+    if features["zero_shard"] and not features["zero_level"]:
+      continue
+    yield features
 
 
 def _user_scoped() -> str:
@@ -426,7 +464,7 @@ def _estimate(built, facts, features: dict[str, Any], chip, batch_bytes: int, sp
   """A candidate before compiling: every number is ``estimate.step_cost``'s."""
   step = estimate_lib.step_cost(built, facts, features, chip, batch_bytes, residuals, update)
   return Candidate(dict(built.plan.mesh.shape), dict(features), step.bytes_per_device,
-                   step.step_s, step.compute_s, step.communication_s, step.bubble_s,
+                   step.step_s, step.compute_s, step.exposed_s, step.bubble_s,
                    compiled=False, split=split, estimate=step)
 
 
@@ -453,7 +491,7 @@ def _calibrated(rows: list[Candidate], measured: Candidate) -> list[Candidate]:
 def _measured(row: Candidate, step) -> Candidate:
   return dataclasses.replace(row, bytes_per_device=step.bytes_per_device,
                              predicted_step_s=step.step_s, compute_s=step.compute_s,
-                             communication_s=step.communication_s, bubble_s=step.bubble_s,
+                             communication_s=step.exposed_s, bubble_s=step.bubble_s,
                              compiled=True, cost=step)
 
 
@@ -470,12 +508,14 @@ def _lost(row: Candidate, best: Candidate, limit: int) -> Candidate:
     return dataclasses.replace(
         row, reason=f"over the limit by {size(row.bytes_per_device - limit)} ({how})"
         + against)
-  if row.skipped and row.predicted_step_s <= best.predicted_step_s:
+  if row.skipped and (row.predicted_step_s <= best.predicted_step_s
+                      or row.skipped == NOT_BUILDABLE):
     return dataclasses.replace(row, reason=row.skipped + against)
   mine, theirs = (row.cost, best.cost) if row.compiled else (row.estimate, best.estimate)
   diffs = {"compute": mine.compute_s - theirs.compute_s,
            "host transfers": mine.host_s - theirs.host_s,
-           "bubble": mine.bubble_s - theirs.bubble_s}
+           "bubble": mine.bubble_s - theirs.bubble_s,
+           "less communication hidden behind compute": theirs.hidden_s - mine.hidden_s}
   for key in sorted(set(mine.comm_s) | set(theirs.comm_s)):
     kind, axis = key
     diffs[f"{kind} over {axis}"] = mine.comm_s.get(key, 0.0) - theirs.comm_s.get(key, 0.0)

@@ -219,7 +219,8 @@ def test_two_workers_whose_devices_differ_choose_one_plan():
 @needs_plugin
 def test_zero3_under_mixed_precision_gathers_half_the_bytes_on_xla_gpu():
   """XLA:GPU keeps the bfloat16 all-gathers epljax asks for (XLA:CPU widens them): ZeRO v3
-  with amp.level O1 gathers half the bytes of ZeRO v3 alone, every gather in bfloat16."""
+  with amp.level O1 gathers half the bytes of ZeRO v3 alone, every gather in bfloat16. And the
+  compiled schedule hides part of the gathers behind compute."""
   devices = epl.topology("h100", hosts=1, per_host=8)
   found = {}
   for name, config in (("f32", {}), ("amp", {"amp.level": "O1"})):
@@ -229,5 +230,13 @@ def test_zero3_under_mixed_precision_gathers_half_the_bytes_on_xla_gpu():
     gathers = [c for c in plan.collectives if c.kind == "all-gather"]
     found[name] = (sum(c.bytes for c in gathers),
                    {s.split("[")[0] for c in gathers for s in c.shapes})
+    # XLA:GPU's latency-hiding scheduler runs gathers beside compute (async start/done pairs
+    # around matmuls): the plan's step adds only what is exposed (``epljax.overlap``).
+    step = plan.cost
+    assert "all-gather-start" in plan.compiled.as_text()
+    assert 0 < step.hidden_s <= step.communication_s
+    assert step.step_s == pytest.approx(step.compute_s + step.communication_s - step.hidden_s)
+    assert "of the communication runs beside compute" in str(plan)
   assert found["amp"][1] == {"bf16"} and found["f32"][1] == {"f32"}
   assert 2 * found["amp"][0] == found["f32"][0], found
+

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -92,7 +93,7 @@ def test_ample_memory_gives_plain_data_parallelism(small):
   row = chosen(trainer)
   assert row.mesh_shape == {"data": 8, "stage": 1, "model": 1}
   assert row.features == {"num_micro_batch": 1, "zero_level": "", "gradient_checkpoint": "",
-                          "offload": ""}
+                          "offload": "", "zero_shard": ""}
   check_row_is_the_compiled_step(row, trainer, compiled)
   check_estimate_within_10_percent(row)
   # The data-parallel gradient sum is what the model predicts over data.
@@ -249,6 +250,15 @@ def test_a_model_whose_gradient_sum_dominates_gets_pipeline_stages():
   grad = jax.jit(jax.grad(loss_fn)).lower(params, batch).compile()
   whole = cost_lib.analysed_flops(grad) / (stages * data)
   assert whole <= row.cost.flops <= 1.5 * whole
+  # Stage rows with ZeRO v1 (a distributed optimizer: each stage's optimizer state sharded
+  # over its data replicas) are weighed beside the same rows without it.
+  staged = {(tuple(r.mesh_shape.items()), r.features["num_micro_batch"],
+             r.features["zero_level"]): r for r in trainer.plan.search if r.stages > 1}
+  v1 = {key[:2]: r for key, r in staged.items() if key[2] == "v1"}
+  assert v1 and all(dict(key[0])["data"] > 1 for key in v1)
+  for key, r in v1.items():
+    plain = staged[(*key, "")].estimate.parts["optimizer state"]
+    assert r.estimate.parts["optimizer state"] == plain // dict(key[0])["data"]
   # A compiled data-parallel row (if one was compiled) lost by its compiled time.
   for r in trainer.plan.search:
     if r.compiled and not r.chosen:
@@ -268,7 +278,7 @@ def test_a_user_config_key_and_scope_are_kept():
   epl.init({**AUTO, "zero.level": "v1"})
   init_fn, loss_fn = linen_fns(SplitByUser())
   trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))
-  trainer.init(jax.random.key(0), classification_batch(ROWS))
+  trainer._build(jax.random.key(0), classification_batch(ROWS))   # (searched; no state made)
   rows = trainer.plan.search
   assert rows and all(r.features["zero_level"] == "v1" for r in rows)
   assert all(r.mesh_shape == {"data": 4, "stage": 1, "model": 2} for r in rows)
@@ -280,7 +290,7 @@ def test_a_user_default_strategy_is_kept():
   epl.set_default_strategy(epl.replicate(1))
   init_fn, loss_fn = linen_fns(MLP())
   trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))
-  trainer.init(jax.random.key(0), classification_batch(ROWS))
+  trainer._build(jax.random.key(0), classification_batch(ROWS))   # (searched; no state made)
   assert {r.mesh_shape["model"] for r in trainer.plan.search} == {1}
   assert "mesh fixed by the user: epl.set_default_strategy(epl.replicate(1))" in (
       trainer.plan.search_notes)
@@ -397,3 +407,187 @@ def test_collective_seconds_follow_the_ring_and_the_links():
   assert inside == pytest.approx(chip.latency_s + 2 * 7 / 8 * one_mib / chip.intra_host_bandwidth)
   assert across == pytest.approx(chip.latency_s + 2 * 7 / 8 * one_mib / chip.inter_host_bandwidth)
   assert cost_lib.link_seconds("all-gather", one_mib, 1, False, chip) == 0.0
+
+
+# The time model's overlap (``epljax.overlap``) on HLO text: a 128 x 128 matmul is 1 s at
+# this rate, every collective ``COLLECTIVE_S``.
+_RATE = 2.0 * 128 ** 3
+_HLO = """HloModule step
+
+%fused_dot (p0: f32[128,128], p1: f32[128,128]) -> f32[128,128] {
+  %p0 = f32[128,128]{1,0} parameter(0)
+  %p1 = f32[128,128]{1,0} parameter(1)
+  ROOT %d = f32[128,128]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (state: (s32[], f32[128,128], f32[16,128])) -> (s32[], f32[128,128], f32[16,128]) {
+  %state = (s32[], f32[128,128]{1,0}, f32[16,128]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %x = f32[128,128]{1,0} get-tuple-element(%state), index=1
+  %w = f32[16,128]{1,0} get-tuple-element(%state), index=2
+  %ags = ((f32[16,128]{1,0}), f32[128,128]{1,0}) all-gather-start(%w), @GROUPS@
+  %f = f32[128,128]{1,0} fusion(%x, %x), kind=kCustom, calls=%fused_dot
+  %agd = f32[128,128]{1,0} all-gather-done(%ags)
+  %y = f32[128,128]{1,0} dot(%agd, %f), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %out = (s32[], f32[128,128]{1,0}, f32[16,128]{1,0}) tuple(%i, %y, %w)
+}
+
+%cond (state: (s32[], f32[128,128], f32[16,128])) -> pred[] {
+  %state = (s32[], f32[128,128]{1,0}, f32[16,128]{1,0}) parameter(0)
+  ROOT %p = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[128,128], w: f32[16,128]) -> f32[128,128] {
+  %a = f32[128,128]{1,0} parameter(0)
+  %w = f32[16,128]{1,0} parameter(1)
+  %t = (s32[], f32[128,128]{1,0}, f32[16,128]{1,0}) tuple(%w, %a, %w)
+  %loop = (s32[], f32[128,128]{1,0}, f32[16,128]{1,0}) while(%t), @LOOP@
+  %h = f32[128,128]{1,0} get-tuple-element(%loop), index=1
+  %ag = f32[128,128]{1,0} all-gather(%w), @GROUPS@
+  ROOT %z = f32[128,128]{1,0} dot(%ag, %h), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+""".replace("@GROUPS@", "replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}").replace(
+    "@LOOP@", 'condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}')
+
+
+def _replay(text, collective_s):
+  from epljax import overlap
+  return overlap.replay(text, lambda c: collective_s, cost_lib.instruction_matmul_flops, _RATE)
+
+
+@pytest.mark.parametrize("collective_s, hidden_per_trip", [(0.5, 0.5), (1.5, 1.0)])
+def test_async_collectives_hide_behind_the_compute_scheduled_between_start_and_done(
+    collective_s, hidden_per_trip):
+  """Each of the loop's 3 trips gathers while one matmul (1 s) runs between start and done,
+  then a matmul waits for the gather; the synchronous gather after the loop hides nothing."""
+  found = _replay(_HLO, collective_s)
+  assert found.compute_s == pytest.approx(3 * 2 + 1)
+  assert found.communication_s == pytest.approx(4 * collective_s)
+  assert found.hidden_s == pytest.approx(3 * hidden_per_trip)
+  assert found.exposed_s == pytest.approx(4 * collective_s - 3 * hidden_per_trip)
+
+
+def test_a_synchronous_schedule_hides_nothing():
+  """XLA:CPU's form: the same program with the gathers synchronous."""
+  sync = _HLO.replace("%ags = ((f32[16,128]{1,0}), f32[128,128]{1,0}) all-gather-start(%w)",
+                      "%agd = f32[128,128]{1,0} all-gather(%w)").replace(
+      "  %agd = f32[128,128]{1,0} all-gather-done(%ags)\n", "")
+  found = _replay(sync, 0.5)
+  assert found.communication_s == pytest.approx(2.0) and found.hidden_s == 0.0
+
+
+def test_a_done_of_a_gather_started_in_the_previous_trip_waits_for_it():
+  """XLA's pipelined collectives: a trip's done finishes the gather the trip before started
+  (the loop's carry); the compute of a whole trip hides it."""
+  piped = _HLO.replace("%agd = f32[128,128]{1,0} all-gather-done(%ags)",
+                       "%agd = f32[128,128]{1,0} all-gather-done(%x)")
+  found = _replay(piped, 1.5)
+  assert found.hidden_s > 0 and found.exposed_s >= 1.5   # (the first trip waits for nothing)
+
+
+def _hosts_mesh(data, per_host):
+  import types
+  devices = np.array([types.SimpleNamespace(id=i, process_index=i // per_host)
+                      for i in range(data)], dtype=object).reshape(data, 1, 1)
+  return types.SimpleNamespace(devices=devices, axis_names=("data", "stage", "model"),
+                               shape={"data": data, "stage": 1, "model": 1}, size=data)
+
+
+def _stand_in(mesh, param_bytes=1 << 30):
+  """What ``estimate.step_cost`` reads of a build, for a model of ``param_bytes`` float32
+  parameters in 4 leaves under Adam, no model axis."""
+  import types
+  plan = types.SimpleNamespace(
+      mesh=mesh, param_bytes=param_bytes, optimizer_bytes=2 * param_bytes, batch_axes=("data",),
+      leaves=[types.SimpleNamespace(trainable=True)] * 4, model_state_bytes=0,
+      global_rows=64, num_replicas=mesh.shape["data"])
+  return types.SimpleNamespace(plan=plan)
+
+
+def test_hsdp_shards_within_a_host_and_all_reduces_across():
+  """ZeRO v3 within each host of 8, replicated over 2 hosts (MaxText's ici_fsdp=8 x
+  dcn_data=2): bytes of 1/8 of the state, gathers on NVLink, one all-reduce of a shard across
+  hosts; plain ZeRO v3 over 16 has 1/16 of the state and gathers across hosts."""
+  from epljax import estimate
+  chip = chips.CHIPS["H100"]
+  built = _stand_in(_hosts_mesh(16, 8))
+  P = built.plan.param_bytes
+  facts = estimate.ProgramFacts({}, 1e12, 1.0, {})
+  base = {"num_micro_batch": 1, "zero_level": "v3", "gradient_checkpoint": "", "offload": ""}
+  hsdp = estimate.step_cost(built, facts, {**base, "zero_shard": "host"}, chip, 0, 0)
+  plain = estimate.step_cost(built, facts, {**base, "zero_shard": ""}, chip, 0, 0)
+  assert hsdp.parts["optimizer state"] == 2 * P // 8 and plain.parts["optimizer state"] == (
+      2 * P // 16)
+  assert hsdp.parts["parameters"] == 2 * (P // 8)
+  assert set(hsdp.collective_bytes) == {("reduce-scatter", "data (in a host)"),
+                                        ("all-gather", "data (in a host)"),
+                                        ("all-reduce", "data (across hosts)")}
+  assert hsdp.collective_bytes[("all-reduce", "data (across hosts)")] == P // 8
+  assert hsdp.comm_s[("all-reduce", "data (across hosts)")] == pytest.approx(
+      4 * cost_lib.link_seconds("all-reduce", P / 8 / 4, 2, True, chip))
+  assert hsdp.communication_s < plain.communication_s / 3   # (NVLink is 9x the network)
+  # Data-axis collectives hidden up to chips.OVERLAP of them, at most the compute.
+  for step in (hsdp, plain):
+    assert step.hidden_s == pytest.approx(min(chip.overlap * step.communication_s,
+                                              step.compute_s))
+    assert step.step_s == pytest.approx(step.compute_s + step.communication_s - step.hidden_s)
+
+
+def test_hsdp_rows_are_weighed_where_the_data_axis_spans_hosts():
+  two_hosts = list(search_lib._feature_grid({}, _stand_in(_hosts_mesh(16, 8))))
+  hsdp = [f for f in two_hosts if f["zero_shard"] == "host"]
+  assert hsdp and {f["zero_level"] for f in hsdp} == {"v1", "v2", "v3"}
+  one_host = list(search_lib._feature_grid({}, _stand_in(_hosts_mesh(8, 8))))
+  assert not any(f["zero_shard"] for f in one_host)
+
+
+def test_a_row_that_cannot_be_built_says_so_and_a_pace_scaled_row_says_so():
+  """The table's rules for rows predicted faster than the chosen one: an HSDP row (not
+  buildable until ``zero.shard_size`` lands) and a row the pace scaling kept from compiling."""
+  import dataclasses
+  from epljax import estimate
+  chip = chips.CHIPS["H100"]
+  built = _stand_in(_hosts_mesh(16, 8))
+  facts = estimate.ProgramFacts({}, 1e12, 1.0, {})
+  base = {"num_micro_batch": 1, "zero_level": "v3", "gradient_checkpoint": "", "offload": ""}
+  fast = search_lib._estimate(built, facts, {**base, "zero_shard": "host"}, chip, 0, "", 0, 0)
+  slow = search_lib._estimate(built, facts, {**base, "zero_shard": ""}, chip, 0, "", 0, 0)
+  assert fast.predicted_step_s < slow.predicted_step_s
+  best = dataclasses.replace(slow, compiled=True, cost=slow.estimate)
+  rows, _, compiles = search_lib._compile_in_order([fast], {}, None, chip, 1 << 40,
+                                                   hsdp=False)
+  assert compiles == 0 and rows[0].skipped == search_lib.NOT_BUILDABLE
+  lost = search_lib._lost(rows[0], best, 1 << 40)
+  assert lost.reason.startswith("not compiled: zero.shard_size (HSDP) is not in this epljax")
+  assert lost.reason.endswith(f"against the chosen {search_lib._ms(best.predicted_step_s)}")
+
+
+class HalfMLP(nn.Module):
+  """float32 weights, bfloat16 compute: each matmul reads its kernel's cast."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.relu(nn.Dense(64, dtype=jnp.bfloat16)(x))
+    return nn.Dense(16, dtype=jnp.bfloat16)(h).astype(jnp.float32)
+
+
+def test_a_split_weight_read_through_its_cast_splits_the_matmul():
+  """The estimate finds the matmuls of a bfloat16-computing model under epl.split(2) through
+  the casts of their float32 kernels: both are split uses and the FLOPs per device halve
+  (they read as unsplit before, pricing tensor parallelism at k times its compute)."""
+  from epljax import estimate
+  batch = classification_batch(ROWS, features=32, classes=16)
+  facts = {}
+  for k in (1, 2):
+    epl.init({})
+    if k > 1:
+      epl.set_default_strategy(epl.split(k))
+    init_fn, loss_fn = linen_fns(HalfMLP())
+    built = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))._build(jax.random.key(0), batch)
+    facts[k] = estimate.program_facts(built, "all" if k > 1 else "")
+  dots = [n for n in facts[2].split_nodes
+          if built.capture.program.nodes[n].primitive == "dot_general"]
+  assert len(dots) == 2
+  # data=8 against data=4 x model=2: the matmuls' FLOPs per device are the same (the
+  # elementwise rest, on 4 devices' rows, adds 7% here; unsplit matmuls were 2x).
+  assert facts[1].flops < facts[2].flops < 1.1 * facts[1].flops

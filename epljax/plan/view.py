@@ -284,7 +284,12 @@ class Plan:
              *[f"comm      {ms(t)} over {axis}" for axis, t in sorted(comm.items()) if t],
              *([f"bubble    {ms(cost.bubble_s)}"] if cost.bubble_s else []),
              *([f"host      {ms(cost.host_s)}"] if cost.host_s else []),
-             f"step      {ms(cost.step_s)} (nothing overlapped), MFU {self.mfu:.1%}"]
+             *([f"hidden    {ms(cost.hidden_s)} of the communication runs beside compute "
+                f"(async collectives in the compiled schedule)"] if cost.hidden_s else []),
+             f"step      {ms(cost.step_s)} ("
+             + ("compute + exposed communication" + (" + bubble" if cost.bubble_s else "")
+                + (" + host" if cost.host_s else "") if cost.hidden_s else "nothing overlapped")
+             + f"), MFU {self.mfu:.1%}"]
     return lines
 
   def __str__(self) -> str:
@@ -342,7 +347,8 @@ def search_rows(candidates) -> list[list[str]]:
 
   def features(f):
     out = [f"micro {f['num_micro_batch']}"]
-    out += [f"zero {f['zero_level']}"] if f["zero_level"] else []
+    out += [f"zero {f['zero_level']}"
+            + (" in a host (HSDP)" if f.get("zero_shard") else "")] if f["zero_level"] else []
     out += ["gc auto"] if f["gradient_checkpoint"] else []
     out += [f"offload {f['offload']}"] if f["offload"] else []
     return ", ".join(out)
