@@ -399,11 +399,14 @@ def _stage_rows(make_pipe: Callable, bases: dict, facts: dict, fixed: dict[str, 
 
 def _feature_grid(fixed: dict[str, Any], built) -> Iterator[dict[str, Any]]:
   """The feature combinations weighed on a base build; ``zero_shard="host"`` (HSDP) only with
-  ZeRO and where the data axis spans hosts (else it is plain ZeRO)."""
+  ZeRO and where the data axis spans hosts with several replicas in each (else it is plain
+  ZeRO, or no sharding at all)."""
   rows = built.plan.global_rows
   replicas = built.plan.num_replicas
   mesh = built.plan.mesh
-  spans = replicas > 1 and estimate_lib.data_per_host(mesh) < dict(mesh.shape).get(DATA, 1)
+  # (a host's line of the data axis holds several replicas and not all: with one, ZeRO within
+  # it would shard nothing)
+  spans = 1 < estimate_lib.data_per_host(mesh) < dict(mesh.shape).get(DATA, 1)
   choices = {
       "num_micro_batch": [m for m in MICRO_BATCHES if rows % (replicas * m) == 0],
       "zero_level": ZERO_LEVELS if replicas > 1 else ("",),
