@@ -275,10 +275,10 @@ def _compile_in_order(rows: list[Candidate], bases: dict, make: Callable, chip, 
   estimate can beat the fastest compiled step that fits (module doc): (rows, (the fastest
   fitting row's index, its Built) or None, compiles)."""
   compiles, best = 0, None
-  # (pipeline or not, ZeRO level) -> compiled / estimated step time. Per ZeRO level: the
-  # estimate's errors differ by level (v3 gathers inside the layers, where compute hides them;
-  # v1 and v2 gather the updated shards after the update, where nothing does), so one level's
-  # pace says little of another's.
+  # (pipeline or not, ZeRO level) -> compiled / estimated step time. Unpipelined, per ZeRO
+  # level: the estimate hides the same share of every level's collectives, where the compiled
+  # step hides v3's gathers inside the layers and not v1's and v2's gathers after the update,
+  # so one level's pace says little of another's. Pipelines: one (their estimate hides nothing).
   pace: dict[tuple[bool, str], float] = {}
   for i in range(len(rows)):
     row = rows[i]   # (rows are recalibrated as compiles go)
@@ -288,7 +288,7 @@ def _compile_in_order(rows: list[Candidate], bases: dict, make: Callable, chip, 
       rows[i] = dataclasses.replace(row, skipped=f"not compiled: the {MAX_COMPILES} compiles "
                                     "(MAX_COMPILES) were spent on rows estimated faster")
       continue
-    kind = (row.stages > 1, row.features["zero_level"])
+    kind = (True, "") if row.stages > 1 else (False, row.features["zero_level"])
     scale = pace.get(kind, 1.0)
     bar = BETTER * rows[best[0]].predicted_step_s if best is not None else math.inf
     if row.predicted_step_s * scale >= bar:
@@ -296,9 +296,9 @@ def _compile_in_order(rows: list[Candidate], bases: dict, make: Callable, chip, 
           "not compiled" + (" (pace-scaled: unscaled, its estimate was under the bar)" if
                             row.predicted_step_s < bar else "")
           + f": its estimate x {scale:.3g} (compiled / estimated time of the last "
-          f"compiled {'pipeline' if row.stages > 1 else 'unpipelined'} row with "
-          f"{'ZeRO ' + kind[1] if kind[1] else 'no ZeRO'}) is "
-          f"{_ms(row.predicted_step_s * scale)}, not {BETTER:g} x the fitting compiled "
+          + ("compiled pipeline row) is " if kind[0] else "compiled unpipelined row with "
+             + (f"ZeRO {kind[1]}) is " if kind[1] else "no ZeRO) is "))
+          + f"{_ms(row.predicted_step_s * scale)}, not {BETTER:g} x the fitting compiled "
           f"{_ms(rows[best[0]].predicted_step_s)}"))
       continue
     k, split = (row.mesh_shape[MODEL], row.split) if row.stages > 1 else next(
