@@ -64,16 +64,22 @@ KINDS = ("FSDP", "HSDP", "TP8 x data (ZeRO v1)", "TP x PP x data (ZeRO v1)", "PP
 
 def kind(f: dict, mesh: dict) -> str:
   """The issue's layouts a row is one of ("" for the others; "HSDP" is ZeRO v3's, MaxText's
-  recipe; "HSDP, ZeRO v1" and "v2" are named for the chosen row only)."""
+  recipe)."""
   m, s, zero, host = mesh.get("model", 1), mesh.get("stage", 1), f["zero_level"], f["zero_shard"]
   if s > 1:
     return ("TP x PP x data (ZeRO v1)" if m > 1 and zero == "v1" else
             "PP x data" if m == 1 else "")
   if m == 1 and zero == "v3":
     return "HSDP" if host else "FSDP"
-  if m == 1 and host:
-    return f"HSDP, ZeRO {zero}"
   return "TP8 x data (ZeRO v1)" if m == 8 and zero == "v1" and not host else ""
+
+
+def label(f: dict, mesh: dict) -> str:
+  """The chosen row's layout: one of the issue's (``kind``), or HSDP with another level or a
+  model split, or "other"."""
+  m, host = mesh.get("model", 1), f["zero_shard"]
+  return kind(f, mesh) or (f"HSDP (ZeRO {f['zero_level']})" + (f" x TP{m}" if m > 1 else "")
+                           if host and mesh.get("stage", 1) == 1 else "other")
 
 
 def search(cell: str, config: dict = {"auto.auto_parallel": True}):  # noqa: B006 (read only)
@@ -179,7 +185,7 @@ def cell_rows(found: dict, limit: int = 80 << 30) -> list[list]:
       "model", 1) > 8
   bad = (across and best["bubble_s"] > best["step_s"] / 4
          and any(r["step_s"] < best["step_s"] for r in flat))
-  out = [[where, "chosen: " + (kind(best["features"], best["mesh"]) or "other"),
+  out = [[where, "chosen: " + label(best["features"], best["mesh"]),
           *describe(best), f"{found['seconds']:.0f}", found["compiles"],
           "a pipeline across hosts, bubble > 1/4, a faster unpipelined plan fits: "
           + ("YES" if bad else "no")]]
@@ -226,7 +232,9 @@ def main(argv=None):
                   f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"])
       continue
     out += cell_rows(found)
-    stale += [cell] if any(r["skipped"].startswith(STALE) for r in found["table"]) else []
+    stale += [cell] if (any(r["skipped"].startswith(STALE) for r in found["table"])
+                        or any("zero.shard_size is not in this epljax" in n
+                               for n in found["notes"])) else []
     notes += [f"{found['cell']}: " + "; ".join(found["notes"][2:])] if found["notes"] else []
     print(table(HEADERS, out[-len(KINDS) - 1 - ("recipe" in found):]), flush=True)
   body = table(HEADERS, out) + "\n\n" + "\n".join(f"- {n}" for n in notes)
@@ -240,7 +248,7 @@ def main(argv=None):
         "(zero.shard_size='host') are compiled and chosen like any row. MaxText's recipe, "
         "compiled: zero.level='v3', zero.shard_size='host' built without a search (its search s: "
         "that build and compile)." + (f" Cells {', '.join(stale)}: kept from a search before "
-                                      "HSDP could be built (their HSDP rows say why)."
+                                      "HSDP could be built (as their notes say)."
                                       if stale else "")), argv,
         "compile-only H100s")
 

@@ -22,8 +22,8 @@ float32 weights, each layer rematerialized, AdamW) in the same layout. Compiled 
 the 1-host recipe as ZeRO v3 over the host's 8 GPUs (MaxText's ``ici_fsdp=8``), the 2-host one
 as HSDP (ZeRO v3 inside each host, data parallel across: ``zero.shard_size="host"``, MaxText's
 ``ici_fsdp=8 x dcn_data=2``) and torchtitan's FSDP. The 4- and 8-host recipes (HSDP too) are
-predicted by the search's estimate (``estimate.step_cost`` with ``zero_shard="host"``): a 7B
-compile at 4096 tokens takes minutes on the 2-core VM. Beside each multi-host row, the plain
+predicted by the search's estimate (``estimate.step_cost`` with ``zero_shard="host"``), not
+compiled yet. Beside each multi-host row, the plain
 ZeRO v3 over every device, compiled. Compiled programs are cached as HLO text (``--cache``), so
 a rerun predicts again without compiling.
 """
@@ -283,7 +283,8 @@ efficiency {efficiency}), collectives priced on NVLink 450 GB/s in a host and 50
 compiled rows (1 host: ZeRO v3 over 8; 2 hosts: HSDP, ``zero.shard_size="host"``; torchtitan:
 FSDP over 8); the search's estimate before compiling (``estimate.step_cost``, data-axis
 collectives hidden up to ``chips.OVERLAP`` = {overlap}) for the 4- and 8-host HSDP rows, not
-compiled here (minutes each on the 2-core VM). Compile s: the compile of the row's own layout.
+compiled in this run. Compile s: the compile of the row's own layout (estimated rows: of plain
+ZeRO v3 over all).
 Published: MaxText's FLOPs per device per step (its formula of
 early 2024, non-causal attention: 755 TFLOPs at 4 x 4096 tokens per GPU) / its TFLOP/s per GPU;
 torchtitan's 2 x 8192 tokens per GPU / its tokens/s per GPU.
