@@ -204,7 +204,7 @@ def cell_rows(found: dict, limit: int = 80 << 30) -> list[list]:
     out.append(["", "MaxText's recipe, compiled", *describe(mine), f"{mine['seconds']:.0f}", 1,
                 "chosen predicted at most the recipe's: "
                 + ("yes" if best["step_s"] <= mine["step_s"] else "NO")
-                + f" ({ms(best['step_s'])} ms against {ms(mine['step_s'])} ms)"])
+                + f" ({best['step_s'] * 1e3:.1f} ms against {mine['step_s'] * 1e3:.1f} ms)"])
   return out
 
 
