@@ -12,7 +12,10 @@ case). Each search is ``trainer._build`` with ``auto.auto_parallel`` (at most
 ``search.MAX_COMPILES`` compiles), timed. Printed per cell: the chosen row, the fastest
 predicted rows of each kind (FSDP, HSDP, tensor x data with ZeRO v1, tensor x pipeline x data),
 and whether a chosen pipeline across hosts has a bubble over a quarter of its step while an
-unpipelined plan that fits is predicted faster (the issue's bar: must be "no").
+unpipelined plan that fits is predicted faster (the issue's bar: must be "no"). On several
+hosts, MaxText's recipe (``ici_fsdp`` x ``dcn_data``: ``zero.level="v3"``,
+``zero.shard_size="host"``) is compiled on its own too, and the chosen row's predicted step is
+checked against it (the issue's bar: at most the recipe's).
 """
 
 import os
@@ -60,7 +63,8 @@ KINDS = ("FSDP", "HSDP", "TP8 x data (ZeRO v1)", "TP x PP x data (ZeRO v1)", "PP
 
 
 def kind(f: dict, mesh: dict) -> str:
-  """The issue's layouts a row is one of ("" for the others)."""
+  """The issue's layouts a row is one of ("" for the others; "HSDP" is ZeRO v3's, MaxText's
+  recipe)."""
   m, s, zero, host = mesh.get("model", 1), mesh.get("stage", 1), f["zero_level"], f["zero_shard"]
   if s > 1:
     return ("TP x PP x data (ZeRO v1)" if m > 1 and zero == "v1" else
@@ -70,7 +74,17 @@ def kind(f: dict, mesh: dict) -> str:
   return "TP8 x data (ZeRO v1)" if m == 8 and zero == "v1" and not host else ""
 
 
-def search(cell: str):
+def label(f: dict, mesh: dict) -> str:
+  """The chosen row's layout: one of the issue's (``kind``), or HSDP with another level or a
+  model split, or "other"."""
+  m, host = mesh.get("model", 1), f["zero_shard"]
+  return kind(f, mesh) or (f"HSDP (ZeRO {f['zero_level']})" + (f" x TP{m}" if m > 1 else "")
+                           if host and mesh.get("stage", 1) == 1 else "other")
+
+
+def search(cell: str, config: dict = {"auto.auto_parallel": True}):  # noqa: B006 (read only)
+  """``trainer._build`` of ``cell`` with ``config`` (the search), timed, its compiles
+  counted: (trainer, PlanError's first line or "", seconds, compiles, devices, rows)."""
   name, n, rows = cell.split(":")
   n, rows = int(n), int(rows)
   from models import llama
@@ -78,7 +92,7 @@ def search(cell: str):
   model = dataclasses.replace(llama.SIZES[preset], **dict(changes))
   init_fn, loss_fn = llama.fns(model)
   ids = jax.ShapeDtypeStruct((rows, LENGTH), jnp.int32)
-  epl.init({"auto.auto_parallel": True}, devices=epl.topology("h100", hosts=n // 8, per_host=8))
+  epl.init(config, devices=epl.topology("h100", hosts=n // 8, per_host=8))
   handler, logger = _Compiles(), logging.getLogger("jax")
   logger.addHandler(handler)
   start = time.perf_counter()
@@ -86,7 +100,8 @@ def search(cell: str):
     with nn.logical_axis_rules(llama.LOGICAL_RULES), jax.log_compiles():
       trainer = epl.Trainer(init_fn, loss_fn, optax.adamw(1e-4, weight_decay=0.1))
       try:
-        trainer._build(jax.random.key(0), {"x": ids, "y": ids})
+        built = trainer._build(jax.random.key(0), {"x": ids, "y": ids})
+        _ = built.plan.compiled   # (the search compiled its choice; a plain build compiles here)
         error = ""
       except PlanError as e:
         error = str(e).splitlines()[0]
@@ -106,8 +121,27 @@ def as_dict(row) -> dict:
           "reason": row.reason, "refused": row.refused, "skipped": row.skipped}
 
 
+RECIPE = {"zero.level": "v3", "zero.shard_size": "host"}   # MaxText's ici_fsdp x dcn_data
+
+
+def recipe(cell: str) -> dict:
+  """MaxText's multi-host recipe for ``cell``, compiled without a search: its predicted step
+  (the compiled program's ``plan.cost``), as a row."""
+  trainer, error, seconds, _, _, _ = search(cell, RECIPE)
+  if error:
+    return {"error": error, "seconds": seconds}
+  plan, cost = trainer.plan, trainer.plan.cost
+  return {"mesh": {k: int(v) for k, v in plan.mesh.shape.items()},
+          "features": {"num_micro_batch": 1, "zero_level": "v3", "gradient_checkpoint": "",
+                       "offload": "", "zero_shard": "host"},
+          "bytes": plan.bytes_per_device, "compiled": True, "compute_s": cost.compute_s,
+          "comm_s": cost.exposed_s, "bubble_s": cost.bubble_s, "step_s": cost.step_s,
+          "seconds": seconds}
+
+
 def run_cell(cell: str, cache: str) -> dict:
-  """The search of ``cell`` (cached as JSON: a partial run records the cells it finished)."""
+  """The search of ``cell`` and, on several hosts, MaxText's recipe compiled (cached as JSON:
+  a partial run records the cells it finished)."""
   path = os.path.join(cache, cell.replace(":", "-") + ".json")
   if os.path.exists(path):
     with open(path) as f:
@@ -117,6 +151,8 @@ def run_cell(cell: str, cache: str) -> dict:
            "compiles": compiles, "table": [] if error else [as_dict(r) for r in
                                                             trainer.plan.search],
            "notes": [] if error else list(trainer.plan.search_notes)}
+  if n > 8:
+    found["recipe"] = recipe(cell)
   os.makedirs(cache, exist_ok=True)
   with open(path, "w") as f:
     json.dump(found, f)
@@ -144,12 +180,12 @@ def cell_rows(found: dict, limit: int = 80 << 30) -> list[list]:
   table_rows = found["table"]
   best = table_rows[0]
   flat = [r for r in table_rows if r["mesh"].get("stage", 1) == 1 and not r["refused"]
-          and r["bytes"] <= limit and not r["skipped"].startswith("not compiled: zero.")]
+          and r["bytes"] <= limit]
   across = best["mesh"].get("stage", 1) > 1 and best["mesh"].get("stage", 1) * best["mesh"].get(
       "model", 1) > 8
   bad = (across and best["bubble_s"] > best["step_s"] / 4
          and any(r["step_s"] < best["step_s"] for r in flat))
-  out = [[where, "chosen: " + (kind(best["features"], best["mesh"]) or "other"),
+  out = [[where, "chosen: " + label(best["features"], best["mesh"]),
           *describe(best), f"{found['seconds']:.0f}", found["compiles"],
           "a pipeline across hosts, bubble > 1/4, a faster unpipelined plan fits: "
           + ("YES" if bad else "no")]]
@@ -160,8 +196,21 @@ def cell_rows(found: dict, limit: int = 80 << 30) -> list[list]:
       out.append(["", name, *describe(r), "", "", r["reason"] or r["refused"]])
     else:
       out.append(["", name, "not weighed", "", "", "", "", "", "", "", "", ""])
+  mine = found.get("recipe")
+  if mine and "error" in mine:
+    out.append(["", "MaxText's recipe, compiled", "refused", "", "", "", "", "", "",
+                f"{mine['seconds']:.0f}", 1, mine["error"][:200]])
+  elif mine:
+    out.append(["", "MaxText's recipe, compiled", *describe(mine), f"{mine['seconds']:.0f}", 1,
+                "chosen predicted at most the recipe's: "
+                + ("yes" if best["step_s"] <= mine["step_s"] else "NO")
+                + f" ({best['step_s'] * 1e3:.1f} ms against {mine['step_s'] * 1e3:.1f} ms)"])
   return out
 
+
+# What a search before zero.shard_size landed said of its HSDP rows (estimated, never compiled
+# or chosen): a cached cell whose table says it is from that search.
+STALE = "not compiled: zero.shard_size (HSDP) is not in this epljax yet"
 
 HEADERS = ["search", "row", "mesh", "features", "bytes/device", "compute ms",
            "exposed comm ms", "bubble ms", "step ms", "search s", "compiles", "why not / check"]
@@ -174,7 +223,7 @@ def main(argv=None):
   parser.add_argument("--cache", default=CACHE, help="each cell's search, as JSON")
   parser.add_argument("--record", action="store_true")
   args = parser.parse_args(argv)
-  out, notes = [], []
+  out, notes, stale = [], [], []
   for cell in args.cells:
     try:
       found = run_cell(cell, args.cache)
@@ -183,8 +232,11 @@ def main(argv=None):
                   f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"])
       continue
     out += cell_rows(found)
+    stale += [cell] if (any(r["skipped"].startswith(STALE) for r in found["table"])
+                        or any("zero.shard_size is not in this epljax" in n
+                               for n in found["notes"])) else []
     notes += [f"{found['cell']}: " + "; ".join(found["notes"][2:])] if found["notes"] else []
-    print(table(HEADERS, out[-len(KINDS) - 1:]), flush=True)
+    print(table(HEADERS, out[-len(KINDS) - 1 - ("recipe" in found):]), flush=True)
   body = table(HEADERS, out) + "\n\n" + "\n".join(f"- {n}" for n in notes)
   print("\n" + body)
   if args.record:
@@ -192,8 +244,12 @@ def main(argv=None):
         "\n\nCompile-only H100s (XLA:GPU, jax with its CUDA plugin); nothing runs. Search s: "
         "trainer._build wall time on the shared 2-core VM beside other work, compiles "
         "included; compiles: XLA compiles of the step (jax's compile log). For each of the "
-        "issue's layouts the fastest predicted row of that layout and why it lost. HSDP rows are "
-        "estimates (zero.shard_size is not in epljax yet: never compiled or chosen)."), argv,
+        "issue's layouts the fastest predicted row of that layout and why it lost; HSDP rows "
+        "(zero.shard_size='host') are compiled and chosen like any row. MaxText's recipe, "
+        "compiled: zero.level='v3', zero.shard_size='host' built without a search (its search s: "
+        "that build and compile)." + (f" Cells {', '.join(stale)}: kept from a search before "
+                                      "HSDP could be built (as their notes say)."
+                                      if stale else "")), argv,
         "compile-only H100s")
 
 

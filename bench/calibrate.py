@@ -19,12 +19,13 @@ throughput implies, on compile-only H100s.
 
 epljax plans the same model (``tests/models/llama``: ``nn.scan`` layers, bfloat16 compute over
 float32 weights, each layer rematerialized, AdamW) in the same layout. Compiled (XLA:GPU):
-the 1-host recipe as ZeRO v3 over the host's 8 GPUs (MaxText's ``ici_fsdp=8``) and torchtitan's
-FSDP. The multi-host recipes (ZeRO inside each host, data parallel across: HSDP,
-``zero.shard_size: "host"``, not on main yet) are predicted by the search's estimate
-(``estimate.step_cost`` with ``zero_shard="host"``), beside the plain ZeRO v3 over every device
-compiled. Compiled programs are cached as HLO text (``--cache``), so a rerun predicts again
-without compiling.
+the 1-host recipe as ZeRO v3 over the host's 8 GPUs (MaxText's ``ici_fsdp=8``), the 2-host one
+as HSDP (ZeRO v3 inside each host, data parallel across: ``zero.shard_size="host"``, MaxText's
+``ici_fsdp=8 x dcn_data=2``) and torchtitan's FSDP. The 4- and 8-host recipes (HSDP too) are
+predicted by the search's estimate (``estimate.step_cost`` with ``zero_shard="host"``), not
+compiled yet. Beside each multi-host row, the plain
+ZeRO v3 over every device, compiled. Compiled programs are cached as HLO text (``--cache``), so
+a rerun predicts again without compiling.
 """
 
 import os
@@ -67,7 +68,8 @@ class Run:
   rows: int              # global batch rows
   length: int
   published_step_s: float
-  how: str               # "compiled" (ZeRO v3 over every device) or "estimate" (HSDP)
+  how: str               # "compiled" or "estimate" (the search's, before compiling)
+  shard: str = "all"     # zero.shard_size: "host" for MaxText's multi-host recipes (HSDP)
 
 
 # Llama-2-7B; MaxText's ``remat_policy=minimal_flash`` keeps the matmuls' outputs and recomputes
@@ -93,7 +95,8 @@ MAXTEXT_TFLOPS_PER_GPU = {1: 492, 2: 422, 4: 407, 8: 409}
 RUNS = [Run(f"MaxText Llama-2-7B, {h} host{'s' * (h > 1)}",
             f"MaxText configs/a3/llama_2_7b/{h}vm.sh, README {t} TFLOP/s/GPU",
             "8b", LLAMA2_7B, h, 4 * 8 * h, 4096,
-            maxtext_tflops(4, 4096) / (t * 1e12), "compiled" if h == 1 else "estimate")
+            maxtext_tflops(4, 4096) / (t * 1e12), "compiled" if h <= 2 else "estimate",
+            "host" if h > 1 else "all")
         for h, t in MAXTEXT_TFLOPS_PER_GPU.items()]
 RUNS.append(Run("torchtitan Llama-3.1-8B FSDP, 1 host",
                 "torchtitan docs/performance.md Table 1: FSDP, 5,762 tokens/s/GPU",
@@ -127,18 +130,20 @@ def build(run: Run, devices, config: dict):
     return trainer._build(jax.random.key(0), batch(run))
 
 
-def cache_name(run: Run, cache: str) -> str:
+def cache_name(run: Run, cache: str, shard: str = "all") -> str:
   return os.path.join(cache, f"{run.size}-{run.hosts}x8-{run.rows}x{run.length}-"
-                      f"{'-'.join(str(v) for _, v in run.changes)}")
+                      f"{'-'.join(str(v) for _, v in run.changes)}"
+                      + ("" if shard == "all" else f"-shard-{shard}"))
 
 
-def compile_cached(run: Run, devices, cache: str) -> dict:
-  """The compiled ZeRO v3 step's HLO text and bytes (cached on disk)."""
-  path = cache_name(run, cache)
+def compile_cached(run: Run, devices, cache: str, shard: str = "all") -> dict:
+  """The compiled ZeRO v3 step's HLO text and bytes (cached on disk), ZeRO over every device
+  or (``shard``: ``zero.shard_size``) within each group."""
+  path = cache_name(run, cache, shard)
   if os.path.exists(path + ".json"):
     with open(path + ".json") as f:
       return json.load(f)
-  built = build(run, devices, {"zero.level": "v3"})
+  built = build(run, devices, {"zero.level": "v3", "zero.shard_size": shard})
   start = time.perf_counter()
   compiled = built.plan.compiled
   mem = compiled.memory_analysis()
@@ -172,11 +177,12 @@ class Saved:
     return {}   # (XLA:GPU compiling for devices it does not have: matmul FLOPs from the HLO)
 
 
-def compiled_prediction(run: Run, devices, cache: str, chip):
-  """``cost.compiled_cost`` of the cached compiled step (ZeRO v3 over every device)."""
+def compiled_prediction(run: Run, devices, cache: str, chip, shard: str = "all"):
+  """``cost.compiled_cost`` of the cached compiled step (ZeRO v3 over every device, or
+  within each group of ``shard``)."""
   from epljax import cost
-  facts = compile_cached(run, devices, cache)
-  with open(cache_name(run, cache) + ".hlo") as f:
+  facts = compile_cached(run, devices, cache, shard)
+  with open(cache_name(run, cache, shard) + ".hlo") as f:
     text = f.read()
   by_id = {d.id: d for d in devices}
   grid = np.array([by_id[i] for i in facts["ids"]], dtype=object).reshape(
@@ -217,24 +223,30 @@ def main(argv=None):
       continue
     devices = epl.topology("h100", hosts=run.hosts, per_host=8)
     if args.compile_only:
-      facts = compile_cached(run, devices, args.cache)
-      print(run.name, f"compiled in {facts['compile_s']:.0f} s", flush=True)
+      for shard in {"all", run.shard} if run.how == "compiled" else {"all"}:
+        facts = compile_cached(run, devices, args.cache, shard)
+        print(run.name, shard, f"compiled in {facts['compile_s']:.0f} s", flush=True)
       continue
     chip = chips.chip_of(devices, epl.Config().auto)
     compiled, facts = compiled_prediction(run, devices, args.cache, chip)
     fits.append((run.name, compiled.hidden_s, compiled.communication_s))
-    shard = "host" if run.hosts > 1 and run.how == "estimate" else ""
+    if run.how == "compiled" and run.shard != "all":
+      mine, mine_facts = compiled_prediction(run, devices, args.cache, chip, run.shard)
+      fits.append((run.name + " (HSDP)", mine.hidden_s, mine.communication_s))
+    else:
+      mine, mine_facts = compiled, facts
+    shard = "" if run.shard == "all" else run.shard
     start = time.perf_counter()
     est = estimated_prediction(run, devices, chip, shard)
     est_s = time.perf_counter() - start
-    chosen = compiled if run.how == "compiled" else est
+    chosen = mine if run.how == "compiled" else est
     n = 8 * run.hosts
-    layout = (f"ZeRO v3 over {n} (compiled)" if run.how == "compiled" else
-              f"HSDP: ZeRO v3 in each host x data {run.hosts} (estimate)")
+    layout = (f"ZeRO v3 over {n}" if run.shard == "all" else
+              f"HSDP: ZeRO v3 in each host x data {run.hosts}") + f" ({run.how})"
     rows.append([run.name, layout, ms(chosen.compute_s), ms(chosen.communication_s),
                  ms(chosen.hidden_s), ms(chosen.step_s), ms(run.published_step_s),
                  f"{chosen.step_s / run.published_step_s:.2f}",
-                 ms(compiled.step_s), ms(est.step_s), f"{facts['compile_s']:.0f}",
+                 ms(compiled.step_s), ms(est.step_s), f"{mine_facts['compile_s']:.0f}",
                  f"{est_s:.0f}", run.source])
     print(table(HEADERS, rows[-1:]), flush=True)
   for run in FIT_RUNS if 1 in args.hosts else []:
@@ -268,9 +280,12 @@ NOTES = """Compile-only H100s (jax with its CUDA plugin, XLA:GPU); nothing runs.
 plan's cost model (``epljax.cost``: matmul FLOPs of the compiled HLO / (989 TFLOP/s x
 efficiency {efficiency}), collectives priced on NVLink 450 GB/s in a host and 50 GB/s across,
 10 us each; hidden: what the compiled schedule runs beside compute, ``epljax.overlap``) for
-compiled rows; the search's estimate before compiling (``estimate.step_cost``, data-axis
-collectives hidden up to ``chips.OVERLAP`` = {overlap}) for HSDP rows, which epljax cannot compile
-until ``zero.shard_size`` lands. Published: MaxText's FLOPs per device per step (its formula of
+compiled rows (1 host: ZeRO v3 over 8; 2 hosts: HSDP, ``zero.shard_size="host"``; torchtitan:
+FSDP over 8); the search's estimate before compiling (``estimate.step_cost``, data-axis
+collectives hidden up to ``chips.OVERLAP`` = {overlap}) for the 4- and 8-host HSDP rows, not
+compiled in this run. Compile s: the compile of the row's own layout (estimated rows: of plain
+ZeRO v3 over all).
+Published: MaxText's FLOPs per device per step (its formula of
 early 2024, non-causal attention: 755 TFLOPs at 4 x 4096 tokens per GPU) / its TFLOP/s per GPU;
 torchtitan's 2 x 8192 tokens per GPU / its tokens/s per GPU.
 
@@ -284,7 +299,7 @@ Constants and their data:
   rematerialization, attention scores kept), and XLA:GPU's scheduler then makes the
   collectives synchronous; they are not used in the fit. "ZeRO v3 over all, compiled": the
   multi-host recipes as plain ZeRO v3 over every device (gathers across hosts), compiled, for
-  comparison (epljax's layout today without HSDP).
+  comparison (what epljax's layout was without HSDP).
 
 Differences the table does not hide: MaxText's ``remat_policy=minimal_flash`` is modelled as no
 rematerialization (its attention is cuDNN flash attention; epljax's Llama keeps the scores, the

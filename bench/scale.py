@@ -260,7 +260,7 @@ def main(argv=None):
         "rows of 2048 tokens, GPT-2-XL 1024. GiB/device: memory_analysis() arguments + outputs"
         " - aliased + temp; collective GiB: executed per step per device (epljax.hlo); hand: "
         "bench/hand_layouts.py. Plan s: trainer._build (trace and plan); compile s: XLA:GPU "
-        "compile of the step on a shared 2-core VM."), argv)
+        "compile of the step on a shared 2-core VM."), argv, "compile-only H100s")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import optax
 from jax.extend import core as jcore
 
 from epljax import cost as cost_lib
-from epljax.mesh import DATA, MODEL, STAGE, hosts
+from epljax.mesh import DATA, MODEL, REPLICA, STAGE, data_axes, hosts
 from epljax.pipeline.auto import node_flops
 from epljax.pipeline.schedules import IDLE
 from epljax.sharding import program as program_lib
@@ -68,7 +68,7 @@ def program_facts(built, split: str) -> ProgramFacts:
   holds ("all", a module path, or "")."""
   plan, cap = built.plan, built.capture
   mesh = dict(plan.mesh.shape)
-  d, m = mesh.get(DATA, 1), mesh.get(MODEL, 1)
+  d, m = _replicas(plan.mesh), mesh.get(MODEL, 1)
   split_nodes = _split_uses(built, m)
   flops = sum(node_flops(n) / (d * (m if n.index in split_nodes else 1))
               for n in cap.program.nodes)
@@ -95,11 +95,11 @@ def step_cost(built, facts: ProgramFacts, features: dict[str, Any], chip, batch_
   updates (``update_flops``: ZeRO shards the update over data)."""
   plan = built.plan
   mesh = dict(plan.mesh.shape)
-  d, m = mesh.get(DATA, 1), mesh.get(MODEL, 1)
+  d, m = _replicas(plan.mesh), mesh.get(MODEL, 1)
   micro = features["num_micro_batch"]
   zero, offload = features["zero_level"], features["offload"]
-  # ZeRO's group: the whole data axis, or (HSDP, ``zero_shard="host"``) its devices in a host,
-  # each shard replicated over the hosts (``zero_group``).
+  # ZeRO's group: all the data replicas, or (HSDP, ``zero_shard``) one host's (``zero_group``),
+  # each shard replicated over the groups ('replica').
   g = zero_group(plan.mesh, features) if zero else d
   params = plan.param_bytes
   grads, opt = params, plan.optimizer_bytes
@@ -147,7 +147,8 @@ def step_cost(built, facts: ProgramFacts, features: dict[str, Any], chip, batch_
     if zero:
       _add_zero(add, full_params, d, g, leaves, zero == "v3")
     else:
-      add("all-reduce", DATA, full_params, d)
+      add("all-reduce", "+".join(a for a in data_axes(plan.mesh) if mesh[a] > 1),
+          full_params, d)
   forwards = 2 if checkpointed else 1   # (checkpointing runs the forward pass again)
   for use in split_nodes.values():      # each micro batch
     if use.forward:
@@ -169,13 +170,37 @@ def step_cost(built, facts: ProgramFacts, features: dict[str, Any], chip, batch_
 HOST_SHARD = "host"   # ``zero_shard``: ZeRO within each host, replicated across (HSDP)
 
 
+def _replicas(mesh) -> int:
+  """The data replicas: the product of the data axes (``mesh.data_axes``: 'replica' x 'data'
+  under hybrid sharding)."""
+  return math.prod(dict(mesh.shape).get(a, 1) for a in data_axes(mesh))
+
+
 def zero_group(mesh, features: dict[str, Any]) -> int:
-  """Devices ZeRO shards over: the data axis, or with ``zero_shard="host"`` (HSDP, MaxText's
-  ``ici_fsdp`` x ``dcn_data``) the data axis's devices within one host."""
-  d = dict(mesh.shape).get(DATA, 1)
-  if features.get("zero_shard") != HOST_SHARD:
-    return d
-  return max(1, min(d, data_per_host(mesh)))
+  """Data replicas ZeRO shards over: all of them; with ``zero_shard="host"`` (HSDP, MaxText's
+  ``ici_fsdp`` x ``dcn_data``) one host's; with an int ``zero_shard`` (``zero.shard_size``)
+  that many. A hybrid mesh (its 'replica' axis) says it: its 'data' axis is the group."""
+  d = _replicas(mesh)
+  shard = features.get("zero_shard")
+  if REPLICA in mesh.axis_names:
+    return dict(mesh.shape)[DATA]
+  if shard == HOST_SHARD:
+    return max(1, min(d, data_per_host(mesh)))
+  if isinstance(shard, int) and shard > 0 and d % shard == 0:
+    return shard
+  return d
+
+
+def hybrid_shape(mesh, features: dict[str, Any]) -> dict[str, int]:
+  """The mesh shape a candidate builds: under HSDP (``zero_group`` below the replicas) a
+  leading 'replica' axis over the groups and 'data' the group, as ``mesh.build_mesh`` makes
+  it; else ``mesh``'s own."""
+  shape = dict(mesh.shape)
+  d = _replicas(mesh)
+  g = zero_group(mesh, features) if features.get("zero_level") else d
+  if REPLICA in shape or g >= d:
+    return shape
+  return {REPLICA: d // g, **shape, DATA: g}
 
 
 def data_per_host(mesh) -> int:
@@ -187,28 +212,26 @@ def data_per_host(mesh) -> int:
 
 
 def _add_zero(add, full_params: float, d: int, g: int, leaves: int, v3: bool) -> None:
-  """ZeRO's traffic over data: each parameter's gradient reduce-scattered and its update
-  gathered (v3: gathered again in the forward and the backward pass) over its group of ``g``
-  (HSDP: within a host); with ``g < d`` (HSDP) the group's shards all-reduced across the
-  ``d / g`` hosts."""
+  """ZeRO's traffic over its ``g`` replicas ('data'): each parameter's gradient
+  reduce-scattered and its update gathered (v3: gathered again in the forward and the backward
+  pass); with ``g < d`` (HSDP: 'data' within a host) the group's shards all-reduced over the
+  ``d / g`` groups ('replica', across hosts), as the compiled step names the axes."""
   inside = g < d
-  axis = f"{DATA} (in a host)" if inside else DATA
   across = False if inside else None
   if g > 1:
-    add("reduce-scatter", axis, full_params / g, g, times=leaves, across=across)
-    add("all-gather", axis, full_params, g, times=leaves, across=across)
+    add("reduce-scatter", DATA, full_params / g, g, times=leaves, across=across)
+    add("all-gather", DATA, full_params, g, times=leaves, across=across)
     if v3:
-      add("all-gather", axis, 2 * full_params, g, times=2 * leaves, across=across)
+      add("all-gather", DATA, 2 * full_params, g, times=2 * leaves, across=across)
   if inside:
-    add("all-reduce", f"{DATA} (across hosts)", full_params / g, d // g, times=leaves,
-        across=True)
+    add("all-reduce", REPLICA, full_params / g, d // g, times=leaves, across=True)
 
 
 def hidden_estimate(comm: dict[tuple[str, str], float], compute_s: float, chip) -> float:
   """Of the data axis's collectives, the share ``chip.overlap`` XLA's latency-hiding scheduler
   runs beside the layers' compute, at most the compute (``chips.OVERLAP``); the model axis's
   all-reduces sit between a layer's matmuls and are not hidden."""
-  data = sum(t for (_, axis), t in comm.items() if axis.startswith(DATA))
+  data = sum(t for (_, axis), t in comm.items() if axis.split("+")[0] in (REPLICA, DATA))
   return min(chip.overlap * data, compute_s)
 
 

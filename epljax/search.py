@@ -29,7 +29,7 @@ and a user's scope, default strategy or ``epl.annotate`` rule are fixed, not sea
    rescales the activation estimate of the rows still to weigh by its measured activations
    (``_calibrated``). Once one compiled step fits, a row is compiled only if its estimate,
    scaled by compiled / estimated time of the last compiled row of its kind (pipeline or
-   not), is clearly (``BETTER``) below the
+   not, and its ZeRO level), is clearly (``BETTER``) below the
    fitting step's compiled time. Of the compiled steps within the limit the fastest is chosen,
    by costs read from the compiled program (``cost.compiled_cost``; a pipeline's FLOPs and
    bubble from its branches' FLOPs times the schedule's busy slots, ``_pipeline_compute``).
@@ -37,8 +37,8 @@ and a user's scope, default strategy or ``epl.annotate`` rule are fixed, not sea
 
 Predicted times count only the communication compute does not hide (``cost.StepCost``:
 compiled, from the schedule, ``epljax.overlap``; estimated, ``estimate.hidden_estimate``).
-HSDP rows are estimated and never compiled or chosen until ``zero.shard_size`` is a config key
-(``NOT_BUILDABLE``).
+An HSDP row is built with ``zero.shard_size="host"``; its ``mesh_shape`` is the mesh that
+builds, 'replica' (the hosts) x 'data' (a host's replicas), as ``plan.mesh.shape`` reads.
 
 Not searched: virtual stages, a module split inside stages, ZeRO beyond v1, checkpointing or
 offload on stage rows, ``amp``.
@@ -65,17 +65,13 @@ from epljax import estimate as estimate_lib
 from epljax import strategy as strategy_lib
 from epljax.errors import PlanError, size
 from epljax.memory import offload
-from epljax.mesh import DATA, MODEL, STAGE
+from epljax.mesh import DATA, MODEL, REPLICA, STAGE
 from epljax.pipeline import schedules
 from epljax.pipeline.auto import StageBalanceWarning
 from epljax.sharding import annotations
 
 MAX_COMPILES = 5
 MICRO_BATCHES = (1, 2, 4)
-# HSDP's config key, being built beside this search: until epljax has it, HSDP rows are
-# estimated and shown, never compiled or chosen (``NOT_BUILDABLE``).
-_HSDP_KEY = "zero.shard_size"
-NOT_BUILDABLE = f"not compiled: {_HSDP_KEY} (HSDP) is not in this epljax yet; estimate only"
 ZERO_LEVELS = ("", "v1", "v2", "v3")
 CHECKPOINTING = ("", "auto")
 OFFLOAD = ("", "v0", "v1")
@@ -150,6 +146,8 @@ def search(fns, config, cluster, rng, batch, builders: Builders) -> Any:
   limit = config.auto.memory_limit or chip.memory_bytes
   fixed = {name: config.to_dict()[key] for name, key in SEARCHED_KEYS.items()
            if key in config.changed()}
+  if fixed.get("zero_shard") == "all":   # (the default: ZeRO over all the replicas)
+    fixed["zero_shard"] = ""
   notes = []
   if "offload" not in fixed and (cluster.platform == "cpu"
                                  or offload.host_memory_kind(cluster.devices[0]) is None):
@@ -170,10 +168,6 @@ def search(fns, config, cluster, rng, batch, builders: Builders) -> Any:
                                       next(iter(bases.values())).user_state.params_shape)
             if bases else 0.0)
   facts = {key: estimate_lib.program_facts(built, key[1]) for key, built in bases.items()}
-  hsdp = _HSDP_KEY in config.to_dict()
-  if not hsdp and "zero_shard" not in fixed:
-    notes.append(f"HSDP rows (ZeRO within a host, replicated across) estimated, not compiled: "
-                 f"{_HSDP_KEY} is not in this epljax yet")
   rows = [_estimate(built, facts[key], features, chip, batch_bytes, key[1], residuals, update)
           for key, built in bases.items() for features in _feature_grid(fixed, built)]
   if (1, "") in bases:   # (a mesh the user fixed has no stage axis to search)
@@ -183,7 +177,7 @@ def search(fns, config, cluster, rng, batch, builders: Builders) -> Any:
   rows.sort(key=_order)
   if not rows:
     raise PlanError("auto.auto_parallel found no candidate plan: " + "; ".join(notes[1:]))
-  rows, chosen, compiles = _compile_in_order(rows, bases, make, chip, limit, hsdp)
+  rows, chosen, compiles = _compile_in_order(rows, bases, make, chip, limit)
   if chosen is None:
     raise PlanError(_none_fits(rows, limit, config.auto.memory_limit, compiles))
   index, built = chosen
@@ -276,38 +270,41 @@ def _dominant_module(built) -> str | None:
   return module if total / 2 <= nbytes < total else None
 
 
-def _compile_in_order(rows: list[Candidate], bases: dict, make: Callable, chip, limit: int,
-                      hsdp: bool = True):
+def _compile_in_order(rows: list[Candidate], bases: dict, make: Callable, chip, limit: int):
   """Compiles the rows within the limit in order, at most ``MAX_COMPILES``, while a row's
   estimate can beat the fastest compiled step that fits (module doc): (rows, (the fastest
   fitting row's index, its Built) or None, compiles)."""
   compiles, best = 0, None
-  pace: dict[bool, float] = {}   # pipeline or not -> compiled / estimated step time
+  # (pipeline or not, ZeRO level) -> compiled / estimated step time. Unpipelined, per ZeRO
+  # level: the estimate hides the same share of every level's collectives, where the compiled
+  # step hides v3's gathers inside the layers and not v1's and v2's gathers after the update,
+  # so one level's pace says little of another's. Pipelines: one (their estimate hides nothing).
+  pace: dict[tuple[bool, str], float] = {}
   for i in range(len(rows)):
     row = rows[i]   # (rows are recalibrated as compiles go)
     if row.bytes_per_device > limit:
-      continue
-    if row.features.get("zero_shard") and not hsdp:   # (estimated only: cannot be built)
-      rows[i] = dataclasses.replace(row, skipped=NOT_BUILDABLE)
       continue
     if compiles == MAX_COMPILES:
       rows[i] = dataclasses.replace(row, skipped=f"not compiled: the {MAX_COMPILES} compiles "
                                     "(MAX_COMPILES) were spent on rows estimated faster")
       continue
-    scale = pace.get(row.stages > 1, 1.0)
+    kind = (True, "") if row.stages > 1 else (False, row.features["zero_level"])
+    scale = pace.get(kind, 1.0)
     bar = BETTER * rows[best[0]].predicted_step_s if best is not None else math.inf
     if row.predicted_step_s * scale >= bar:
       rows[i] = dataclasses.replace(row, skipped=(
           "not compiled" + (" (pace-scaled: unscaled, its estimate was under the bar)" if
                             row.predicted_step_s < bar else "")
           + f": its estimate x {scale:.3g} (compiled / estimated time of the last "
-          f"compiled {'pipeline' if row.stages > 1 else 'unpipelined'} row) is "
-          f"{_ms(row.predicted_step_s * scale)}, not {BETTER:g} x the fitting compiled "
+          + ("compiled pipeline row) is " if kind[0] else "compiled unpipelined row with "
+             + (f"ZeRO {kind[1]}) is " if kind[1] else "no ZeRO) is "))
+          + f"{_ms(row.predicted_step_s * scale)}, not {BETTER:g} x the fitting compiled "
           f"{_ms(rows[best[0]].predicted_step_s)}"))
       continue
     k, split = (row.mesh_shape[MODEL], row.split) if row.stages > 1 else next(
         key for key, b in bases.items()
-        if dict(b.plan.mesh.shape) == row.mesh_shape and key[1] == row.split)
+        if _base_shape(dict(b.plan.mesh.shape)) == _base_shape(row.mesh_shape)
+        and key[1] == row.split)
     try:
       built = make(k, split, row.overrides)
       step = _compiled_cost(built, row.features, chip)
@@ -315,8 +312,8 @@ def _compile_in_order(rows: list[Candidate], bases: dict, make: Callable, chip, 
       rows[i] = dataclasses.replace(row, refused=str(e).splitlines()[0])
       continue
     compiles += 1
-    pace[row.stages > 1] = step.step_s / row.predicted_step_s
-    rows[i] = row = _measured(row, step)
+    pace[kind] = step.step_s / row.predicted_step_s
+    rows[i] = row = _measured(row, step, dict(built.plan.mesh.shape))
     if row.bytes_per_device > limit:
       rows = _calibrated(rows, row)
     elif best is None or row.predicted_step_s < rows[best[0]].predicted_step_s:
@@ -337,7 +334,7 @@ def _order(row: Candidate) -> tuple:
   return (round(row.predicted_step_s, 12), row.stages, row.mesh_shape.get(MODEL, 1),
           f["num_micro_batch"],
           ZERO_LEVELS.index(f["zero_level"]), CHECKPOINTING.index(f["gradient_checkpoint"]),
-          OFFLOAD.index(f["offload"]), ZERO_SHARDS.index(f.get("zero_shard", "")))
+          OFFLOAD.index(f["offload"]), bool(f.get("zero_shard")))
 
 
 def _pipeline_plan(pipeline_plan, fns, config, cluster, rng, batch, stages: int, micro: int,
@@ -402,11 +399,14 @@ def _stage_rows(make_pipe: Callable, bases: dict, facts: dict, fixed: dict[str, 
 
 def _feature_grid(fixed: dict[str, Any], built) -> Iterator[dict[str, Any]]:
   """The feature combinations weighed on a base build; ``zero_shard="host"`` (HSDP) only with
-  ZeRO and where the data axis spans hosts (else it is plain ZeRO)."""
+  ZeRO and where the data axis spans hosts with several replicas in each (else it is plain
+  ZeRO, or no sharding at all)."""
   rows = built.plan.global_rows
   replicas = built.plan.num_replicas
   mesh = built.plan.mesh
-  spans = replicas > 1 and estimate_lib.data_per_host(mesh) < dict(mesh.shape).get(DATA, 1)
+  # (a host's line of the data axis holds several replicas and not all: with one, ZeRO within
+  # it would shard nothing)
+  spans = 1 < estimate_lib.data_per_host(mesh) < dict(mesh.shape).get(DATA, 1)
   choices = {
       "num_micro_batch": [m for m in MICRO_BATCHES if rows % (replicas * m) == 0],
       "zero_level": ZERO_LEVELS if replicas > 1 else ("",),
@@ -418,8 +418,8 @@ def _feature_grid(fixed: dict[str, Any], built) -> Iterator[dict[str, Any]]:
     choices[name] = (value,)
   for values in itertools.product(*choices.values()):
     features = dict(zip(choices, values))
-    if features["zero_shard"] and not features["zero_level"]:
-      continue
+    if features["zero_shard"] and not features["zero_level"] and "zero_shard" not in fixed:
+      continue   # (HSDP without ZeRO is plain data parallelism, weighed already)
     yield features
 
 
@@ -463,9 +463,16 @@ def _estimate(built, facts, features: dict[str, Any], chip, batch_bytes: int, sp
               residuals: int, update: float) -> Candidate:
   """A candidate before compiling: every number is ``estimate.step_cost``'s."""
   step = estimate_lib.step_cost(built, facts, features, chip, batch_bytes, residuals, update)
-  return Candidate(dict(built.plan.mesh.shape), dict(features), step.bytes_per_device,
-                   step.step_s, step.compute_s, step.exposed_s, step.bubble_s,
-                   compiled=False, split=split, estimate=step)
+  return Candidate(estimate_lib.hybrid_shape(built.plan.mesh, features), dict(features),
+                   step.bytes_per_device, step.step_s, step.compute_s, step.exposed_s,
+                   step.bubble_s, compiled=False, split=split, estimate=step)
+
+
+def _base_shape(shape: dict[str, int]) -> dict[str, int]:
+  """A row's mesh shape with an HSDP row's 'replica' x 'data' folded back into 'data': the
+  shape of the base build its features go on."""
+  out = {a: n for a, n in shape.items() if a != REPLICA}
+  return {**out, DATA: out.get(DATA, 1) * shape.get(REPLICA, 1)}
 
 
 def _calibrated(rows: list[Candidate], measured: Candidate) -> list[Candidate]:
@@ -488,8 +495,8 @@ def _calibrated(rows: list[Candidate], measured: Candidate) -> list[Candidate]:
   return out
 
 
-def _measured(row: Candidate, step) -> Candidate:
-  return dataclasses.replace(row, bytes_per_device=step.bytes_per_device,
+def _measured(row: Candidate, step, mesh_shape: dict[str, int]) -> Candidate:
+  return dataclasses.replace(row, mesh_shape=mesh_shape, bytes_per_device=step.bytes_per_device,
                              predicted_step_s=step.step_s, compute_s=step.compute_s,
                              communication_s=step.exposed_s, bubble_s=step.bubble_s,
                              compiled=True, cost=step)
@@ -508,8 +515,7 @@ def _lost(row: Candidate, best: Candidate, limit: int) -> Candidate:
     return dataclasses.replace(
         row, reason=f"over the limit by {size(row.bytes_per_device - limit)} ({how})"
         + against)
-  if row.skipped and (row.predicted_step_s <= best.predicted_step_s
-                      or row.skipped == NOT_BUILDABLE):
+  if row.skipped and row.predicted_step_s <= best.predicted_step_s:
     return dataclasses.replace(row, reason=row.skipped + against)
   mine, theirs = (row.cost, best.cost) if row.compiled else (row.estimate, best.estimate)
   diffs = {"compute": mine.compute_s - theirs.compute_s,

@@ -347,8 +347,10 @@ def search_rows(candidates) -> list[list[str]]:
 
   def features(f):
     out = [f"micro {f['num_micro_batch']}"]
-    out += [f"zero {f['zero_level']}"
-            + (" in a host (HSDP)" if f.get("zero_shard") else "")] if f["zero_level"] else []
+    shard = f.get("zero_shard")
+    out += [f"zero {f['zero_level']}" + (" in a host (HSDP)" if shard == "host" else
+                                         f" in groups of {shard} (HSDP)" if shard else "")
+            ] if f["zero_level"] else []
     out += ["gc auto"] if f["gradient_checkpoint"] else []
     out += [f"offload {f['offload']}"] if f["offload"] else []
     return ", ".join(out)
