@@ -28,6 +28,8 @@ import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(__file__))
+# This checkout's epljax, not an installed one (a worktree beside an editable install).
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import argparse  # noqa: E402
 import re  # noqa: E402
@@ -39,11 +41,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax import lax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import epljax as epl  # noqa: E402
 from epljax import hlo  # noqa: E402
+import hand_gpipe  # noqa: E402
 from gpu_aot import as_devices  # noqa: E402
 
 S, M, WIDTH, ROWS, FEATURES, CLASSES = 4, 8, 256, 16, 32, 10
@@ -262,44 +265,16 @@ def gpt_gpipe(params):
 
 
 def gpipe(stem, block, head, params):
-  """A jitted GPipe step (cross-entropy, SGD) written by hand: ``params["blocks"]`` stacked
-  ``(S, L/S, ...)`` and stored over ``stage``, one ``lax.scan`` over a stage's blocks, a loop of
-  ``M + S - 1`` ticks with ``ppermute`` in a ``shard_map`` over ``(data, stage)``."""
-  mesh = Mesh(np.array(jax.devices()[:2 * S]).reshape(2, S), ("data", "stage"))
-  specs = {k: jax.tree.map(lambda _: P(), v) for k, v in params.items()}
-  specs["blocks"] = jax.tree.map(lambda _: P("stage"), params["blocks"])
-  shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-
-  def pipeline(blocks, h):          # h: (M, rows, ...) per replica; stage-local blocks
-    stage = lax.axis_index("stage")
-    blocks = jax.tree.map(lambda a: a[0], blocks)
-
-    def tick(carry, t):
-      inbox, outs = carry
-      x = jnp.where(stage == 0, h[jnp.minimum(t, M - 1)], inbox)
-      y = lax.scan(lambda c, p: (block(p, c), None), x, blocks)[0]
-      m = t - (S - 1)
-      outs = jnp.where((stage == S - 1) & (m >= 0), outs.at[jnp.clip(m, 0, M - 1)].set(y), outs)
-      return (lax.ppermute(y, "stage", [(i, (i + 1) % S) for i in range(S)]), outs), None
-
-    (_, outs), _ = lax.scan(tick, (jnp.zeros_like(h[0]), jnp.zeros_like(h)),
-                            jnp.arange(M + S - 1))
-    return lax.psum(jnp.where(stage == S - 1, outs, 0.0), "stage")
-
-  run = jax.shard_map(pipeline, mesh=mesh, in_specs=(P("stage"), P(None, "data")),
-                      out_specs=P(None, "data"), check_vma=False)
-
-  def loss(p, bt):
-    x = bt["x"].reshape(M, -1, *bt["x"].shape[1:])
-    h = jax.vmap(lambda xm: stem(p["stem"], xm))(x)
-    logits = jax.vmap(lambda hm: head(p["head"], hm))(run(p["blocks"], h))
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits, bt["y"].reshape(M, -1, *bt["y"].shape[1:])).mean()
+  """A jitted GPipe step (cross-entropy, SGD) written by hand (``hand_gpipe.py``) over
+  ``jax.devices()``: ``params["blocks"]`` stacked ``(S, L/S, ...)`` and stored over ``stage``."""
+  mesh = hand_gpipe.mesh_of(jax.devices(), S)
+  loss = hand_gpipe.gpipe_loss(stem, block, head, mesh, M)
 
   def step(p, bt):
     grads = jax.grad(loss)(p, bt)
     return jax.tree.map(lambda a, g: a - 0.1 * g, p, grads)
 
+  shard = hand_gpipe.shardings(params, mesh)
   return jax.jit(step, in_shardings=(shard, NamedSharding(mesh, P("data"))),
                  out_shardings=shard)
 
@@ -378,7 +353,7 @@ def baseline_rows(layers: int = 48, devices: list | None = None) -> list[list]:
   ``devices`` may be compile-only GPUs (``gpu_aot.h100s``, made ``jax.devices()`` while epljax
   and the GPipe build their meshes); default: this machine's."""
   devices = devices or jax.devices()
-  mesh = Mesh(np.array(devices[:2 * S]).reshape(2, S), ("data", "stage"))
+  mesh = hand_gpipe.mesh_of(devices, S)
   model, b = GPT(layers), gpt_batch(2 * M * 2)
   abstract = lambda tree, sharding: jax.tree.map(  # noqa: E731
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
@@ -397,9 +372,7 @@ def baseline_rows(layers: int = 48, devices: list | None = None) -> list[list]:
   stacked_init = gpt_stacked_init(layers)
   with as_devices(devices):
     shapes = jax.eval_shape(stacked_init, jax.random.key(0))
-    specs = {k: jax.tree.map(lambda _: P(), v) for k, v in shapes.items()}
-    specs["blocks"] = jax.tree.map(lambda _: P("stage"), shapes["blocks"])
-    shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    shard = hand_gpipe.shardings(shapes, mesh)
     hand_init, _ = timed(lambda: jax.jit(stacked_init, out_shardings=shard).lower(
         abstract(key, NamedSharding(mesh, P()))).compile())
     step = gpt_gpipe(shapes)

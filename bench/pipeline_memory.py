@@ -21,6 +21,8 @@ import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(__file__))
+# This checkout's epljax, not an installed one (a worktree beside an editable install).
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
@@ -30,11 +32,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import epljax as epl  # noqa: E402
+import hand_gpipe  # noqa: E402
 from gpu_aot import as_devices  # noqa: E402
 
 S, VOCAB, HEADS, SEQ, ROWS = 4, 256, 4, 32, 2   # ROWS: per micro batch per replica
@@ -125,41 +127,14 @@ def stacked_shapes(layers: int, width: int) -> dict:
 
 
 def hand_bytes(layers: int, width: int, micro: int, devices=None) -> Bytes:
-  """A GPipe written by hand (see the module doc) with AdamW, compiled from shapes."""
-  devices = devices or jax.devices()
-  mesh = Mesh(np.array(devices[:2 * S]).reshape(2, S), ("data", "stage"))
+  """A GPipe written by hand (``hand_gpipe.py``) with AdamW, compiled from shapes."""
+  mesh = hand_gpipe.mesh_of(devices or jax.devices(), S)
   shapes = stacked_shapes(layers, width)
-  spec = lambda path, _: P("stage") if path[0].key == "blocks" else P()  # noqa: E731
-  shard = jax.tree.map(lambda s: NamedSharding(mesh, s),
-                       jax.tree_util.tree_map_with_path(spec, shapes))
-  block = lambda p, a: Layer(width).apply({"params": p}, a)  # noqa: E731
+  shard = hand_gpipe.shardings(shapes, mesh)
+  loss = hand_gpipe.gpipe_loss(lambda p, x: Stem(width).apply({"params": p}, x),
+                               lambda p, a: Layer(width).apply({"params": p}, a),
+                               lambda p, h: Head().apply({"params": p}, h), mesh, micro)
   optimizer = optax.adamw(1e-3)
-
-  def pipeline(blocks, h):          # h: (M, rows, ...) per replica; stage-local blocks
-    stage = lax.axis_index("stage")
-    blocks = jax.tree.map(lambda a: a[0], blocks)
-
-    def tick(carry, t):
-      inbox, outs = carry
-      x = jnp.where(stage == 0, h[jnp.minimum(t, micro - 1)], inbox)
-      y = lax.scan(lambda c, p: (block(p, c), None), x, blocks)[0]
-      m = t - (S - 1)
-      outs = jnp.where((stage == S - 1) & (m >= 0),
-                       outs.at[jnp.clip(m, 0, micro - 1)].set(y), outs)
-      return (lax.ppermute(y, "stage", [(i, (i + 1) % S) for i in range(S)]), outs), None
-
-    (_, outs), _ = lax.scan(tick, (jnp.zeros_like(h[0]), jnp.zeros_like(h)),
-                            jnp.arange(micro + S - 1))
-    return lax.psum(jnp.where(stage == S - 1, outs, 0.0), "stage")
-
-  run = jax.shard_map(pipeline, mesh=mesh, in_specs=(P("stage"), P(None, "data")),
-                      out_specs=P(None, "data"), check_vma=False)
-
-  def loss(p, b):
-    x = b["x"].reshape(micro, -1, SEQ)
-    h = jax.vmap(lambda xm: Stem(width).apply({"params": p["stem"]}, xm))(x)
-    logits = jax.vmap(lambda hm: Head().apply({"params": p["head"]}, hm))(run(p["blocks"], h))
-    return ce(logits, b["y"].reshape(micro, -1, SEQ))
 
   def step(p, opt, b):
     value, grads = jax.value_and_grad(loss)(p, b)

@@ -258,8 +258,9 @@ def stage_cost(dp, facts: ProgramFacts, pipe, schedule, features: dict[str, Any]
   Bytes (fitted to compiled steps, XLA:CPU and XLA:GPU, the zoo's GPT-2 and a conv MLP on 2
   and 4 stages: 0.87-1.0x): the stored parameters and, in the step's temp, four more copies
   of them (the loop's packed parameters, the gradient accumulator, the gradients summed and
-  unpacked: ``PIPELINE_PARAM_COPIES``), the optimizer state in proportion to the parameters,
-  and the tick loop's stash: the schedule's slots of the largest stage's residuals per micro
+  unpacked: ``PIPELINE_PARAM_COPIES``), the optimizer state in proportion to the parameters
+  (``dp``'s, unsharded; under ZeRO each stage's is sharded over its ``d`` replicas), and the
+  tick loop's stash: the schedule's slots of the largest stage's residuals per micro
   batch, twice (the loop's carry in and out).
   Time: the work of the data-parallel step (each device runs a stage's share of S times the
   rows), stretched by the schedule's tick table (a tick runs at the pace of its busiest stage:
@@ -271,11 +272,15 @@ def stage_cost(dp, facts: ProgramFacts, pipe, schedule, features: dict[str, Any]
   per_micro = pipe.schedule.num_micro_batch / micro   # (rows per micro batch, relative)
   params = pipe.param_bytes_per_device
   opt = dp.plan.optimizer_bytes * params // max(1, dp.plan.param_bytes)
+  zero = features.get("zero_level", "")
+  if zero:   # each stage's optimizer state (and its update) sharded over the stage's replicas
+    opt //= d
   m = mesh.get(MODEL, 1)
   kept = max((info.kept_bytes for info in pipe.stage_info()), default=0) * per_micro / m
   acts = 2 * schedule.num_slots * kept
   busy = ((schedule.forward != IDLE).astype(int) + 2 * (schedule.backward != IDLE)).max(axis=1)
-  flops = (over_model.flops if over_model is not None else facts.flops * 3) + update * params
+  flops = ((over_model.flops if over_model is not None else facts.flops * 3)
+           + update * params / (d if zero else 1))
   work = flops / (chip.peak_flops * chip.efficiency)
   comm: dict[tuple[str, str], float] = {}
   nbytes: dict[tuple[str, str], int] = {}

@@ -78,8 +78,10 @@ CASES = {
     # Heterogeneous stages from named scopes, 4 nested data-parallel replicas.
     "scopes_2_stages_1f1b": ({**BACKWARD, "pipeline.num_micro_batch": 4}, TwoStages(), 64,
                              (4, 2, 1), adamw, 2),
-    "scopes_2_stages_gpipe": ({**FORWARD, "pipeline.num_micro_batch": 4}, TwoStages(), 64,
-                              (4, 2, 1), adamw, 2),
+    # The same under ZeRO v1: each stage's optimizer state sharded over its 4 replicas.
+    "scopes_2_stages_gpipe_zero_v1": ({**FORWARD, "pipeline.num_micro_batch": 4,
+                                       "zero.level": "v1"}, TwoStages(), 64, (4, 2, 1), adamw,
+                                      2),
     # Identical stages from set_default_strategy calls (EPL's BERT example): the two middle
     # stages share one branch of the switch. Global-norm clipping is exact on packed buffers.
     "stack_4_stages_1f1b": ({**BACKWARD, "pipeline.num_micro_batch": 8}, Stack(stages=4), 64,

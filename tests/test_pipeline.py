@@ -19,12 +19,23 @@ from pipeline_helpers import CASES, adamw, run_case
 def test_matches_single_device_reference(case):
   """Loss, gradients and parameters after 2 steps equal single-device training (1e-5); one
   compile of the step; shardings and dtypes kept (``run_case`` checks all of it)."""
-  _, _, _, (replicas, stages, per_stage), _, distinct = CASES[case]
+  config, _, _, (replicas, stages, per_stage), _, distinct = CASES[case]
   trainer, state = run_case(case)
   plan = trainer.plan
   assert (plan.num_replicas, plan.num_stages) == (replicas, stages)
   assert dict(plan.mesh.shape) == {"data": replicas, "stage": stages, "model": per_stage}
   assert len(plan.pipeline.loop.branches) == distinct
+  if config.get("zero.level") == "v1":
+    # Each stage's optimizer state over its replicas (Megatron's distributed optimizer):
+    # adamw's two moments and the test's recorded gradient, 3x the parameters per device
+    # unsharded, are under half of that (all but the small leaves no dimension of which the
+    # replicas divide), as the plan's bytes say.
+    assert "ZeRO v1: optimizer state sharded over 'data'" in str(plan)
+    assert plan.optimizer_bytes < 3 * plan.param_bytes / 2, (plan.optimizer_bytes,
+                                                             plan.param_bytes)
+    specs = {tuple(x.sharding.spec) for x in jax.tree.leaves(state.opt_state)
+             if x.shape == (20, 32)}   # the first kernel's moments and gradient
+    assert specs == {("data", "stage")}, specs
   # Activations and gradients move between stages; gradients are reduced over replicas; the
   # stored parameters (the user's leaves, sharded over stage) are gathered into their stage's
   # buffer and the gradients scattered back, moving at most the parameters' bytes each way.

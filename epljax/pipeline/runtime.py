@@ -244,7 +244,7 @@ def _forward_branch(branch: Branch, sizes: Buffers, aux_avals):
 def _backward_branch(branch: Branch, sizes: Buffers):
   # The stash comes in whole and is sliced here, where the slices fuse into their consumers,
   # rather than copying a slot out before the switch.
-  def run(params, stash_x, stash_r, slot, batch, grad_out, seed):
+  def run(params, acc, stash_x, stash_r, slot, batch, grad_out, seed):
     leaves = branch.stage.with_stacks(branch.params.unpack(params))
     acts = branch.incoming.unpack(_take(stash_x, slot)) if branch.needs_inputs else [
         jnp.zeros(a.shape, a.dtype) for a in branch.stage.incoming]
@@ -255,7 +255,7 @@ def _backward_branch(branch: Branch, sizes: Buffers):
     pull = jax.tree.unflatten(branch.residuals.treedef, pull_leaves)
     g_outs = branch.outgoing.unpack(grad_out)
     g_params, g_acts = pull((tuple(g_outs), seed.astype(branch.loss_dtype)))
-    return (branch.params.pack(branch.stage.leaf_gradients(g_params), sizes.params),
+    return (branch.params.accumulate(acc, branch.stage.leaf_gradients(g_params)),
             branch.incoming.pack(g_acts, sizes.grad_payload, skip_missing=True))
 
   return run
@@ -270,8 +270,8 @@ def _idle_forward(sizes: Buffers, aux_avals):
 
 
 def _idle_backward(sizes: Buffers):
-  def run(params, stash_x, stash_r, slot, batch, grad_out, seed):
-    return packing.zeros(sizes.params), packing.zeros(sizes.grad_payload)
+  def run(params, acc, stash_x, stash_r, slot, batch, grad_out, seed):
+    return acc, packing.zeros(sizes.grad_payload)
   return run
 
 
@@ -308,10 +308,11 @@ def _chunk(buffers: dict, j, v: int) -> dict:
   return {k: x[0] for k, x in buffers.items()} if v == 1 else _take(buffers, j)
 
 
-def _add_to_chunk(acc: dict, j, values: dict, v: int) -> dict:
+def _set_chunk(buffers: dict, j, values: dict, v: int) -> dict:
+  """Chunk ``j``'s row of ``buffers`` replaced by ``values``."""
   if v == 1:
-    return {k: acc[k] + values[k][None] for k in acc}   # packed buffers or slots alike
-  return _put(acc, j, {k: x + values[k] for k, x in _take(acc, j).items()})
+    return {k: x[None] for k, x in values.items()}
+  return _put(buffers, j, values)
 
 
 def _hops(n_stages: int, step: int, ring: bool) -> list[tuple[int, int]]:
@@ -377,10 +378,10 @@ def pipelined_gradients(loop: Loop, aux_avals, schedule: Schedule, mesh: Mesh,
       losses = c["losses"].at[f_m].add(loss)
       auxes = [acc.at[f_m].add(a) for acc, a in zip(c["aux"], aux)]
       batch = [lax.dynamic_index_in_dim(x, b_m, keepdims=False) for x in micro]
-      g_params, g_in = lax.switch(
-          b_branch, bwd, _chunk(params, b_j, n_virtual),
+      acc, g_in = lax.switch(
+          b_branch, bwd, _chunk(params, b_j, n_virtual), _chunk(c["grads"], b_j, n_virtual),
           stash_x, stash_r, b_slot, batch, c["bwd"], seed)
-      grads = _add_to_chunk(c["grads"], b_j, g_params, n_virtual)
+      grads = _set_chunk(c["grads"], b_j, acc, n_virtual)
       return dict(fwd=lax.ppermute(out, STAGE, down), bwd=lax.ppermute(g_in, STAGE, up),
                   stash_x=stash_x, stash_r=stash_r, grads=grads, losses=losses,
                   aux=auxes, state=new_state), None
@@ -415,7 +416,7 @@ def branch_flops(loop: Loop, aux_avals, batch_avals) -> list[tuple[float, float]
     fwd = jax.jit(b._bound(_forward_branch(b, sizes, aux_avals))).lower(
         params, bufs(sizes.payload), batch, state).compile()
     bwd = jax.jit(b._bound(_backward_branch(b, sizes))).lower(
-        params, bufs(sizes.payload if sizes.keep_inputs else {}, (2,)),
+        params, params, bufs(sizes.payload if sizes.keep_inputs else {}, (2,)),
         bufs(sizes.residuals, (2,)), jax.ShapeDtypeStruct((), jnp.int32), batch,
         bufs(sizes.grad_payload), jax.ShapeDtypeStruct((), jnp.float32)).compile()
     out.append((compiled_flops(fwd), compiled_flops(bwd)))

@@ -45,6 +45,14 @@ class SlotLayout:
       out[k] = jnp.asarray(v, types[k].dtype)
     return out
 
+  def accumulate(self, acc: Mapping[str, jax.Array], values: Sequence[Any]
+                 ) -> dict[str, jax.Array]:
+    """``acc + pack(values)``, touching only this stage's slots."""
+    out = dict(acc)
+    for k, v in zip(self.keys, values, strict=True):
+      out[k] = acc[k] + jnp.asarray(v, acc[k].dtype)
+    return out
+
   @property
   def sizes(self) -> dict[str, int]:
     """Elements per dtype of this stage's own leaves (as ``packing.Layout.sizes``)."""

@@ -195,6 +195,14 @@ class ExchangeLayout:
                                                                    strict=True))
     return out
 
+  def accumulate(self, acc: Mapping[str, jax.Array], values: Sequence[Any]
+                 ) -> dict[str, jax.Array]:
+    """``acc + pack(values)``: the stage's gradients added into its accumulator where the
+    backward makes them (one elementwise pass that XLA:GPU writes into ``acc`` in place,
+    its matmuls accumulating there; no buffer of the stage's gradients of its own)."""
+    packed = self.pack(values, {k: v.shape[-1] for k, v in acc.items()})
+    return {k: acc[k] + packed[k].reshape(acc[k].shape) for k in acc}
+
 
 def part_key(j: int) -> str:
   return f"part{j}"
