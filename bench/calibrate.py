@@ -38,6 +38,8 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_disable_hlo_passes=rematerialization").strip()
 sys.path.insert(0, os.path.dirname(__file__))
+# This checkout's epljax, not an installed one (a worktree beside an editable install).
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))   # (this checkout's epljax)
 

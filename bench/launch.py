@@ -27,6 +27,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
+# This checkout's epljax, not an installed one (a worktree beside an editable install).
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

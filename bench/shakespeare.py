@@ -21,6 +21,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+# This checkout's epljax, not an installed one (a worktree beside an editable install).
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import argparse  # noqa: E402
 
