@@ -272,9 +272,7 @@ def stage_cost(dp, facts: ProgramFacts, pipe, schedule, features: dict[str, Any]
   per_micro = pipe.schedule.num_micro_batch / micro   # (rows per micro batch, relative)
   params = pipe.param_bytes_per_device
   opt = dp.plan.optimizer_bytes * params // max(1, dp.plan.param_bytes)
-  zero = features.get("zero_level", "")
-  if zero:   # each stage's optimizer state (and its update) sharded over the stage's replicas
-    opt //= d
+  zero = features.get("zero_level", "")   # (its optimizer state sharded: _stage_data_sync)
   m = mesh.get(MODEL, 1)
   kept = max((info.kept_bytes for info in pipe.stage_info()), default=0) * per_micro / m
   acts = 2 * schedule.num_slots * kept
