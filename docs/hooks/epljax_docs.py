@@ -111,8 +111,8 @@ def _type_name(hint) -> str:
 # <!-- figures: KEY; KEY --> ... <!-- /figures -->: every figure between (a number with a unit:
 # 1.02x, 0.4 ms, 14.44 MiB, 6-8x, 22%; code spans aside) must be in those records; a measured
 # figure (a decimal with a unit) outside both kinds of block fails too.
-RECORD = re.compile(r"(<!-- record: (?P<key>.+?)(?: § (?P<sub>.+?))?(?:, rows (?P<rows>\d+))? -->\n)"
-                    r"(?P<body>.*?)(<!-- /record -->)", re.S)
+RECORD = re.compile(r"(<!-- record: (?P<key>.+?)(?: § (?P<sub>.+?))?"
+                    r"(?:, rows (?P<rows>\d+))? -->\n)(?P<body>.*?)(<!-- /record -->)", re.S)
 FIGURES = re.compile(r"<!-- figures: (?P<keys>.+?) -->(?P<body>.*?)<!-- /figures -->", re.S)
 NUMBER = r"\d+\.\d+"
 UNIT = r"(?:[x×]|\s?(?:ms|us|µs|s|%|KiB|MiB|GiB|kB|KB|MB|GB|kchars))(?![\w])"
@@ -218,7 +218,7 @@ def notebook_markdown(path: str) -> str:
   widgets = notebook.get("metadata", {}).get("widgets", {}).get(
       "application/vnd.jupyter.widget-state+json", {}).get("state", {})
   link = "[examples/notebook.ipynb](examples/notebook.ipynb)"
-  out = [f"<!-- generated from examples/notebook.ipynb by docs/hooks/epljax_docs.py -->\n",
+  out = ["<!-- generated from examples/notebook.ipynb by docs/hooks/epljax_docs.py -->\n",
          f"*This page is {link} with the outputs saved in it (`tests/test_notebook.py` checks "
          "them against a fresh run).*\n"]
   for cell in notebook["cells"]:
