@@ -38,23 +38,12 @@ import optax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import epljax as epl  # noqa: E402
-from common import record, table  # noqa: E402
+from common import StepCompiles, record, table  # noqa: E402
 from epljax.errors import size  # noqa: E402
 from epljax.plan import search_rows  # noqa: E402
 from models import ZOO  # noqa: E402
 
 ROWS = 16
-
-
-class _Compiles(logging.Handler):
-  def __init__(self):
-    super().__init__()
-    self.steps = 0
-
-  def emit(self, rec):
-    text = rec.getMessage()
-    if "Finished XLA compilation" in text and "epl_step" in text:
-      self.steps += 1
 
 
 def search(name: str, limit: int, rows: int = ROWS,
@@ -63,7 +52,7 @@ def search(name: str, limit: int, rows: int = ROWS,
   epl.init({"auto.auto_parallel": True, "auto.memory_limit": limit})
   rules = (nn.logical_axis_rules(model.logical_rules) if model.logical_rules
            else contextlib.nullcontext())
-  handler = _Compiles()
+  handler = StepCompiles()
   logger = logging.getLogger("jax")
   logger.addHandler(handler)
   start = time.perf_counter()

@@ -50,17 +50,6 @@ LENGTH = 2048
 CACHE = "/tmp/epljax-auto-scale"
 
 
-class _Compiles(logging.Handler):
-  def __init__(self):
-    super().__init__()
-    self.steps = 0
-
-  def emit(self, rec):
-    text = rec.getMessage()
-    if "Finished XLA compilation" in text and "epl_step" in text:
-      self.steps += 1
-
-
 KINDS = ("FSDP", "HSDP", "TP8 x data (ZeRO v1)", "TP x PP x data (ZeRO v1)", "PP x data")
 
 
@@ -95,7 +84,9 @@ def search(cell: str, config: dict = {"auto.auto_parallel": True}):  # noqa: B00
   init_fn, loss_fn = llama.fns(model)
   ids = jax.ShapeDtypeStruct((rows, LENGTH), jnp.int32)
   epl.init(config, devices=epl.topology("h100", hosts=n // 8, per_host=8))
-  handler, logger = _Compiles(), logging.getLogger("jax")
+  from common import StepCompiles
+
+  handler, logger = StepCompiles(), logging.getLogger("jax")
   logger.addHandler(handler)
   start = time.perf_counter()
   try:

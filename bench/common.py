@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import platform
 import statistics
@@ -148,3 +149,17 @@ def record(title: str, body: str, argv: Sequence[str] | None = None,
   key = records.record_key(title, command, planned_for or devices())
   stamp = datetime.date.today().isoformat()
   records.write(key, stamp, f"Machine: {machine()}  \nCommand: `{command}`\n\n{body}")
+
+
+class StepCompiles(logging.Handler):
+  """Counts jax's "Finished XLA compilation" log records of epljax's step (``epl_step``): the
+  searches' compiles, read from jax's logger at DEBUG."""
+
+  def __init__(self):
+    super().__init__()
+    self.steps = 0
+
+  def emit(self, rec):
+    text = rec.getMessage()
+    if "Finished XLA compilation" in text and "epl_step" in text:
+      self.steps += 1
