@@ -61,17 +61,23 @@ class ProgramFacts:
   flops: float                   # forward FLOPs per device (split matmuls divided by model)
   share: float                   # share of the kept activations left per device by model
   leaving: dict[str, tuple[int, float]]   # collectives where unsplit code reads split outputs
+  recompute: float = 0.0         # of ``flops``, what the model's own rematerialization reruns
+  use_bytes: int = 0             # trainable parameters in the dtype their uses compute in
 
 
-def program_facts(built, split: str) -> ProgramFacts:
+def program_facts(built, split: str, amp: bool = False) -> ProgramFacts:
   """``step_cost``'s reading of ``built``'s program; ``split``: what ``epl.split(model)``
-  holds ("all", a module path, or "")."""
+  holds ("all", a module path, or ""); ``amp``: mixed precision is on (uses read parameters
+  in 16 bits)."""
   plan, cap = built.plan, built.capture
   mesh = dict(plan.mesh.shape)
   d, m = _replicas(plan.mesh), mesh.get(MODEL, 1)
   split_nodes = _split_uses(built, m)
-  flops = sum(node_flops(n) / (d * (m if n.index in split_nodes else 1))
-              for n in cap.program.nodes)
+  again = recomputed(cap.program)
+  per_node = [(node_flops(n) / (d * (m if n.index in split_nodes else 1)), n)
+              for n in cap.program.nodes]
+  flops = sum(f for f, _ in per_node)
+  recompute = sum(f for f, n in per_node if n.index in again)
   # Kept for the backward pass: the residuals of the loss's vjp (``residual_bytes``), split
   # like the batch, one micro batch at a time; over model split as the outputs of matmuls and
   # nonlinear functions are (split where a matmul keeps the split dimension).
@@ -80,7 +86,68 @@ def program_facts(built, split: str) -> ProgramFacts:
           for n in cap.program.nodes if n.primitive in _KEPT]
   share = (sum(b / k for b, k in kept) / sum(b for b, _ in kept)) if kept else 1.0
   leaving = (_leaving_split(cap.program, split_nodes) if split not in ("", "all") else {})
-  return ProgramFacts(split_nodes, flops, share, leaving)
+  return ProgramFacts(split_nodes, flops, share, leaving, recompute,
+                      _use_bytes(built, 2 if amp else None))
+
+
+# Operations whose backward pass reads none of their operands' values (linear in each, or
+# moving data only): a value feeding only these needs no recomputing (``recomputed``).
+_LINEAR = {"convert_element_type", "reshape", "broadcast_in_dim", "transpose", "squeeze",
+           "expand_dims", "slice", "dynamic_slice", "concatenate", "pad", "rev", "copy",
+           "copy_p", "add", "add_any", "sub", "neg", "reduce_sum"}
+
+
+def recomputed(program) -> set[int]:
+  """The nodes the backward pass runs again under the model's own rematerialization
+  (``nn.remat``, ``jax.checkpoint``): inside a ``checkpoint`` whose policy does not save them
+  (``Node.remat``), those whose outputs the body's own backward reads (a matmul's operand, a
+  nonlinear function's input; through linear operations, which read none), and what they are
+  computed from there. A rematerialized body's last matmul, read only by the body's outputs,
+  is not run again, as JAX's partial evaluation leaves it."""
+  needed: set[int] = set()
+  for node in program.nodes:
+    if not node.remat:
+      continue
+    todo, seen = [node], {node.index}
+    while todo:
+      users = [c for c in program.node_consumers(todo.pop()) if c.remat == node.remat]
+      if any(c.primitive not in _LINEAR for c in users):
+        needed.add(node.index)
+        break
+      for c in users:
+        if c.index not in seen:
+          seen.add(c.index)
+          todo.append(c)
+  again, todo = set(needed), list(needed)
+  while todo:   # (and what they are computed from in the same body)
+    node = program.nodes[todo.pop()]
+    for p in program.node_producers(node):
+      if p.remat == node.remat and p.index not in again:
+        again.add(p.index)
+        todo.append(p.index)
+  return again
+
+
+def _use_bytes(built, amp_itemsize: int | None) -> int:
+  """The trainable parameters' bytes in the dtype their uses read them: a leaf whose every use
+  is a cast to a narrower float (a bfloat16 layer's cast of its float32 kernel), or any
+  floating leaf under mixed precision (``amp_itemsize``), counts at the narrower width, as
+  ZeRO v3 gathers it (``memory.uses``)."""
+  program, total = built.capture.program, 0
+  for i, leaf in enumerate(built.plan.leaves):
+    if not leaf.trainable:
+      continue
+    aval = program.invars[i].aval
+    itemsize = aval.dtype.itemsize
+    uses = program.uses_of_input(i)
+    casts = [n.eqn.outvars[0].aval.dtype.itemsize for n, _ in uses
+             if n.primitive == "convert_element_type"]
+    if uses and len(casts) == len(uses):
+      itemsize = min(itemsize, max(casts))
+    elif amp_itemsize and jnp.issubdtype(aval.dtype, jnp.floating):
+      itemsize = min(itemsize, amp_itemsize)
+    total += math.prod(aval.shape) * itemsize
+  return total
 
 
 def step_cost(built, facts: ProgramFacts, features: dict[str, Any], chip, batch_bytes: int,
@@ -88,9 +155,10 @@ def step_cost(built, facts: ProgramFacts, features: dict[str, Any], chip, batch_
   """A candidate's bytes and time before compiling: parameters, gradients, optimizer and
   model state per device exactly from the specs; activations (the vjp's ``residuals``, split
   like the batch and like the model's split outputs), FLOPs (``node_flops``, x3 for the
-  backward, x4 with checkpointing) and collectives (gradient reduction over data; over model,
-  an all-reduce of the output of each matmul that contracts a split dimension, and of the
-  input gradient of each that does not) estimated from the traced program, as ``facts``
+  backward, once more for what the model's own rematerialization reruns or, with
+  checkpointing, for the whole forward pass) and collectives (gradient reduction over data;
+  over model, an all-reduce of the output of each matmul that contracts a split dimension,
+  and of the input gradient of each that does not) estimated from the traced program, as ``facts``
   (``program_facts``) read it; and ``update`` FLOPs per byte of the parameters a device
   updates (``update_flops``: ZeRO shards the update over data)."""
   plan = built.plan
@@ -130,7 +198,10 @@ def step_cost(built, facts: ProgramFacts, features: dict[str, Any], chip, batch_
   # the residuals are freed.
   if d > 1:
     acts = max(acts, full_params // g if zero else grads)
-  flops = facts.flops * (4 if checkpointed else 3) + update * full_params / (g if zero else 1)
+  # The backward pass runs the forward again: all of it under checkpointing (the model's own
+  # rematerialized layers counted once), else what the model rematerializes.
+  flops = (facts.flops * 3 + (facts.flops if checkpointed else facts.recompute)
+           + update * full_params / (g if zero else 1))
   comm: dict[tuple[str, str], float] = {}
   nbytes: dict[tuple[str, str], int] = {}
 
@@ -145,14 +216,15 @@ def step_cost(built, facts: ProgramFacts, features: dict[str, Any], chip, batch_
   leaves = sum(leaf.trainable for leaf in plan.leaves)
   if d > 1:
     if zero:
-      _add_zero(add, full_params, d, g, leaves, zero == "v3")
+      _add_zero(add, full_params, facts.use_bytes or full_params, d, g, leaves, zero == "v3")
     else:
       add("all-reduce", "+".join(a for a in data_axes(plan.mesh) if mesh[a] > 1),
           full_params, d)
   forwards = 2 if checkpointed else 1   # (checkpointing runs the forward pass again)
   for use in split_nodes.values():      # each micro batch
     if use.forward:
-      add("all-reduce", MODEL, forwards * use.forward / d, m, times=forwards * micro)
+      again = 2 if checkpointed or use.recomputed else 1
+      add("all-reduce", MODEL, again * use.forward / d, m, times=again * micro)
     if use.backward:
       add("all-reduce", MODEL, use.backward / d, m, times=micro)
   if split_nodes:   # the step's finite check and gradient norm sum over split shards
@@ -211,20 +283,27 @@ def data_per_host(mesh) -> int:
   return sum(dev.process_index == line[0].process_index for dev in line)
 
 
-def _add_zero(add, full_params: float, d: int, g: int, leaves: int, v3: bool) -> None:
-  """ZeRO's traffic over its ``g`` replicas ('data'): each parameter's gradient
-  reduce-scattered and its update gathered (v3: gathered again in the forward and the backward
-  pass); with ``g < d`` (HSDP: 'data' within a host) the group's shards all-reduced over the
-  ``d / g`` groups ('replica', across hosts), as the compiled step names the axes."""
+def _add_zero(add, full_params: float, use_bytes: float, d: int, g: int, leaves: int,
+              v3: bool) -> None:
+  """ZeRO's traffic over its ``g`` replicas ('data'). v1/v2: each parameter's gradient
+  reduce-scattered and its update gathered, in the stored dtype (``full_params`` bytes). v3:
+  each parameter gathered where it is used, in the dtype the use reads (``use_bytes``:
+  ``memory.uses`` casts before it gathers), twice (the forward and the backward pass; a
+  rematerialized layer's backward reuses its recomputed forward's gather), and its gradient
+  reduce-scattered in that dtype; nothing gathered after the update. With ``g < d`` (HSDP:
+  'data' within a host) the group's gradient shards are all-reduced over the ``d / g`` groups
+  ('replica', across hosts), as the compiled step names the axes."""
   inside = g < d
   across = False if inside else None
+  grads = use_bytes if v3 else full_params
   if g > 1:
-    add("reduce-scatter", DATA, full_params / g, g, times=leaves, across=across)
-    add("all-gather", DATA, full_params, g, times=leaves, across=across)
+    add("reduce-scatter", DATA, grads / g, g, times=leaves, across=across)
     if v3:
-      add("all-gather", DATA, 2 * full_params, g, times=2 * leaves, across=across)
+      add("all-gather", DATA, 2 * use_bytes, g, times=2 * leaves, across=across)
+    else:
+      add("all-gather", DATA, full_params, g, times=leaves, across=across)
   if inside:
-    add("all-reduce", REPLICA, full_params / g, d // g, times=leaves, across=True)
+    add("all-reduce", REPLICA, grads / g, d // g, times=leaves, across=True)
 
 
 def hidden_estimate(comm: dict[tuple[str, str], float], compute_s: float, chip) -> float:
@@ -277,7 +356,7 @@ def stage_cost(dp, facts: ProgramFacts, pipe, schedule, features: dict[str, Any]
   kept = max((info.kept_bytes for info in pipe.stage_info()), default=0) * per_micro / m
   acts = 2 * schedule.num_slots * kept
   busy = ((schedule.forward != IDLE).astype(int) + 2 * (schedule.backward != IDLE)).max(axis=1)
-  flops = ((over_model.flops if over_model is not None else facts.flops * 3)
+  flops = ((over_model.flops if over_model is not None else facts.flops * 3 + facts.recompute)
            + update * params / (d if zero else 1))
   work = flops / (chip.peak_flops * chip.efficiency)
   comm: dict[tuple[str, str], float] = {}
@@ -317,11 +396,13 @@ def _stage_data_sync(add, params: int, opt: int, d: int, zero: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class _SplitUse:
-  """How a node reading a model-split parameter runs: whether its output stays split, and the
-  bytes (whole batch) it all-reduces over model in the forward and in the backward pass."""
+  """How a node reading a model-split parameter runs: whether its output stays split, the
+  bytes (whole batch) it all-reduces over model in the forward and in the backward pass, and
+  whether the backward pass runs it again (the model's own rematerialization)."""
   output_split: bool
   forward: int = 0
   backward: int = 0
+  recomputed: bool = False
 
 
 _WHOLE = _SplitUse(False)
@@ -337,6 +418,7 @@ def _split_uses(built, m: int) -> dict[int, _SplitUse]:
     return {}
   out: dict[int, _SplitUse] = {}
   program = built.capture.program
+  again = recomputed(program)
   for i, leaf in enumerate(built.plan.leaves):
     spec = tuple(leaf.spec)
     split = [dim for dim, a in enumerate(spec) if a is not None and MODEL in jax.tree.leaves(a)]
@@ -361,10 +443,11 @@ def _split_uses(built, m: int) -> dict[int, _SplitUse]:
           produced = any(b in program.producer for b in other)
           use = _SplitUse(True, backward=(_bytes([node.eqn.invars[1 - side]]) * node.trips
                                           if produced else 0))
+      use = dataclasses.replace(use, recomputed=node.index in again)
       seen = out.get(node.index)
       out[node.index] = use if seen is None else _SplitUse(
           seen.output_split and use.output_split, max(seen.forward, use.forward),
-          max(seen.backward, use.backward))
+          max(seen.backward, use.backward), use.recomputed)
   return out
 
 

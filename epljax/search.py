@@ -167,7 +167,8 @@ def search(fns, config, cluster, rng, batch, builders: Builders) -> Any:
   update = (estimate_lib.update_flops(fns.optimizer,
                                       next(iter(bases.values())).user_state.params_shape)
             if bases else 0.0)
-  facts = {key: estimate_lib.program_facts(built, key[1]) for key, built in bases.items()}
+  facts = {key: estimate_lib.program_facts(built, key[1], bool(config.amp.level))
+           for key, built in bases.items()}
   rows = [_estimate(built, facts[key], features, chip, batch_bytes, key[1], residuals, update)
           for key, built in bases.items() for features in _feature_grid(fixed, built)]
   if (1, "") in bases:   # (a mesh the user fixed has no stage axis to search)

@@ -323,6 +323,8 @@ class Node:
                                            # (``vmap``, ``jvp``), method suffixes dropped
   trips: int = 1                           # how often it runs: the lengths of the scans around
                                            # it multiplied (a while loop's count is unknown: 1)
+  remat: int = 0                           # the ``checkpoint`` that may run it again: its id,
+                                           # 0 when none or its policy saves it (``_remat``)
 
   @property
   def primitive(self) -> str:
@@ -373,7 +375,24 @@ def _node(step: Step) -> Node:
       trips *= int(e.params["length"])
   return Node(step.index, step.eqn, step.frames, tuple(_bases(r) for r in step.inputs),
               tuple(e.primitive.name for e in step.enclosing),
-              tuple(id(e) for e in step.enclosing), step.module_frames, trips)
+              tuple(id(e) for e in step.enclosing), step.module_frames, trips,
+              _remat(step.eqn, step.enclosing))
+
+
+def _remat(eqn: jcore.JaxprEqn, enclosing: Sequence[jcore.JaxprEqn]) -> int:
+  """The id of the innermost ``checkpoint`` around ``eqn`` (the model's own ``nn.remat``,
+  ``jax.checkpoint``) whose policy does not save its outputs, or 0: the backward pass runs
+  ``eqn`` again where that body's own backward needs its outputs. A policy is asked as JAX's
+  partial evaluation asks it, ``policy(primitive, *avals, **params)``: falsy or ``Recompute``
+  for an output not saved."""
+  for e in reversed(enclosing):
+    if e.primitive.name not in REMAT:
+      continue
+    policy = e.params.get("policy")
+    saved = policy is not None and policy(eqn.primitive, *(v.aval for v in eqn.invars),
+                                          **eqn.params)
+    return 0 if saved and type(saved).__name__ != "RecomputeType" else id(e)
+  return 0
 
 
 # -- the memory features' view: steps, plain calls entered ------------------------------------
