@@ -531,6 +531,12 @@ def _lost(row: Candidate, best: Candidate, limit: int) -> Candidate:
   what, delta = max(diffs.items(), key=lambda kv: kv[1])
   if mine.step_s - theirs.step_s > 1e-12 and delta > 0:
     return dataclasses.replace(row, reason=f"+{_ms(delta)} {what} ({how})" + against)
+  # Its estimate is not above the chosen row's: the chosen row's compile bettered its own.
+  if row.skipped:
+    return dataclasses.replace(row, reason=row.skipped + against)
+  if row.predicted_step_s > best.predicted_step_s:
+    return dataclasses.replace(row, reason=f"slower than the chosen row's compiled step ({how})"
+                               + against)
   return dataclasses.replace(row, reason=f"as fast, but a simpler plan fitted first ({how})"
                              + against)
 
