@@ -73,15 +73,17 @@ def program_facts(built, split: str, amp: bool = False) -> ProgramFacts:
   mesh = dict(plan.mesh.shape)
   d, m = _replicas(plan.mesh), mesh.get(MODEL, 1)
   split_nodes = _split_uses(built, m)
-  again = recomputed(cap.program)
-  per_node = [(node_flops(n) / (d * (m if n.index in split_nodes else 1)), n)
-              for n in cap.program.nodes]
-  flops = sum(f for f, _ in per_node)
-  recompute = sum(f for f, n in per_node if n.index in again)
   # Kept for the backward pass: the residuals of the loss's vjp (``residual_bytes``), split
   # like the batch, one micro batch at a time; over model split as the outputs of matmuls and
   # nonlinear functions are (split where a matmul keeps the split dimension).
   split_out = _split_outputs(cap.program, split_nodes, gathered=split not in ("", "all"))
+  # Per device: the matmuls reading split weights and the operations on split outputs run on
+  # a 1/model share.
+  again = recomputed(cap.program)
+  per_node = [(node_flops(n) / (d * (m if n.index in split_nodes or n.index in split_out
+                                     else 1)), n) for n in cap.program.nodes]
+  flops = sum(f for f, _ in per_node)
+  recompute = sum(f for f, n in per_node if n.index in again)
   kept = [(_bytes(n.eqn.outvars) * n.trips, m if n.index in split_out else 1)
           for n in cap.program.nodes if n.primitive in _KEPT]
   share = (sum(b / k for b, k in kept) / sum(b for b, _ in kept)) if kept else 1.0
@@ -129,24 +131,24 @@ def recomputed(program) -> set[int]:
 
 
 def _use_bytes(built, amp_itemsize: int | None) -> int:
-  """The trainable parameters' bytes in the dtype their uses read them: a leaf whose every use
-  is a cast to a narrower float (a bfloat16 layer's cast of its float32 kernel), or any
-  floating leaf under mixed precision (``amp_itemsize``), counts at the narrower width, as
-  ZeRO v3 gathers it (``memory.uses``)."""
+  """A device's trainable parameters (its share under the plan's model split) in the dtype
+  their uses read them: a leaf whose every use is a cast to a narrower float (a bfloat16
+  layer's cast of its float32 kernel), or any floating leaf under mixed precision
+  (``amp_itemsize``), counts at the narrower width, as ZeRO v3 gathers it (``memory.uses``)."""
   program, total = built.capture.program, 0
   for i, leaf in enumerate(built.plan.leaves):
     if not leaf.trainable:
       continue
-    aval = program.invars[i].aval
-    itemsize = aval.dtype.itemsize
+    dtype = program.invars[i].aval.dtype
+    itemsize = dtype.itemsize
     uses = program.uses_of_input(i)
     casts = [n.eqn.outvars[0].aval.dtype.itemsize for n, _ in uses
              if n.primitive == "convert_element_type"]
     if uses and len(casts) == len(uses):
       itemsize = min(itemsize, max(casts))
-    elif amp_itemsize and jnp.issubdtype(aval.dtype, jnp.floating):
+    elif amp_itemsize and jnp.issubdtype(dtype, jnp.floating):
       itemsize = min(itemsize, amp_itemsize)
-    total += math.prod(aval.shape) * itemsize
+    total += leaf.bytes_per_device * itemsize // dtype.itemsize
   return total
 
 

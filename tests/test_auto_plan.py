@@ -627,6 +627,7 @@ def test_a_split_weight_read_through_its_cast_splits_the_matmul():
   full = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
       jax.eval_shape(init_fn, jax.random.key(0), batch)))
   assert facts[1].use_bytes == full // 2
+  assert facts[2].use_bytes < 0.6 * facts[1].use_bytes   # (a device's share of the split)
 
 
 class Block(nn.Module):
