@@ -152,7 +152,7 @@ def compile_epl(problem: Problem, layout: str, rows: int, tp: int = TP,
     start = time.perf_counter()
     compiled = built.plan.compiled
     compile_s = time.perf_counter() - start
-  return Figures.of(compiled, compile_s), plan_s, built.plan
+  return Figures.of(compiled, compile_s, built.plan.collectives), plan_s, built.plan
 
 
 def compile_hand(problem: Problem, layout: str, rows: int, devices: list,
