@@ -162,10 +162,15 @@ class _Conditional:
 
 
 def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None,
-                                           dict[str, list[tuple[str, int, str]]],
-                                           list[_Conditional]]:
-  """(lines of each computation, the entry's name, callee -> [(caller, times, how)], the
-  conditionals)."""
+                                           dict[str, list[tuple[str, int, str]]]]:
+  """(lines of each computation, the entry's name, callee -> [(caller, times, how)])."""
+  return _program(hlo_text)[:3]
+
+
+def _program(hlo_text: str) -> tuple[dict[str, list[str]], str | None,
+                                     dict[str, list[tuple[str, int, str]]],
+                                     list[_Conditional]]:
+  """``_computations`` and the conditionals."""
   bodies: dict[str, list[str]] = {}
   entry, current = None, None
   for line in hlo_text.splitlines():
@@ -219,7 +224,7 @@ def executed_collectives(hlo_text: str, include_trivial: bool = False,
   asked about (a pipeline stage's tick table: ``Pipeline.branch_shares``); a branch left
   out of the shares never runs.
   """
-  bodies, entry, callers, conditionals = _computations(hlo_text)
+  bodies, entry, callers, conditionals = _program(hlo_text)
   if entry is None:   # a fragment without computations: every collective once
     return collectives(hlo_text, include_trivial)
   own = {name: collectives("\n".join(lines), include_trivial) for name, lines in bodies.items()}
@@ -273,7 +278,7 @@ def computations_in_branches(hlo_text: str, in_loops: bool = False
   """The lines of each computation of ``hlo_text``, and the names of those that run inside a
   branch of a conditional (or in what a branch calls); ``in_loops``: of a conditional that
   itself runs inside a ``while`` body (a pipeline loop's switch, not a step-wide cond)."""
-  bodies, _, callers, _ = _computations(hlo_text)
+  bodies, _, callers = _computations(hlo_text)
 
   def walk(start: Callable[[str, str], bool]) -> Callable[[str], bool]:
     seen: dict[str, bool] = {}
