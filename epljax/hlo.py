@@ -251,6 +251,9 @@ def executed_collectives(hlo_text: str, include_trivial: bool = False,
     if given is None:
       heaviest = max(cond.branches, key=weight)
       given = [float(b == heaviest) for b in cond.branches]
+    if len(given) > len(cond.branches):
+      raise ValueError(f"taken gives {len(given)} shares to the conditional '{cond.op_name}' of "
+                       f"{len(cond.branches)} branches")
     for branch, part in zip(cond.branches, [*given, *[0] * len(cond.branches)]):
       key = (cond.caller, branch)
       share[key] = share.get(key, Fraction(0)) + Fraction(part).limit_denominator(1 << 20)

@@ -1,4 +1,6 @@
 # ruff: noqa: E501  (HLO lines are long)
+import pytest
+
 from epljax import hlo
 
 HLO = """
@@ -191,3 +193,5 @@ def test_a_conditional_runs_one_branch_each_time():
   assert shapes(idle) == ["f32[4]"] * 6                       # 2 small, never large
   assert shapes(hlo.executed_collectives(SWITCHED, taken={"other_scope": [1, 0]})) == shapes(
       hlo.executed_collectives(SWITCHED))
+  with pytest.raises(ValueError, match="3 shares to the conditional .* of 2 branches"):
+    hlo.executed_collectives(SWITCHED, taken={"pipeline_forward": [0.25, 0.25, 0.5]})
