@@ -34,8 +34,8 @@ for stash memory.
 from __future__ import annotations
 
 import dataclasses
-from fractions import Fraction
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from typing import Any
 
 import jax
