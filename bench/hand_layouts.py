@@ -39,13 +39,16 @@ class Figures:
   by_kind: tuple[tuple[str, int], ...] = ()   # ("all-gather f32", bytes), largest first
 
   @staticmethod
-  def of(compiled, compile_s: float) -> "Figures":
+  def of(compiled, compile_s: float, found: list | None = None) -> "Figures":
+    """``found``: the collectives a device executes, if not ``hlo.executed_collectives``'
+    reading (a pipeline's: ``Plan.collectives``)."""
     from epljax import hlo
 
     mem = compiled.memory_analysis()
     used = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
             + mem.temp_size_in_bytes)
-    found = hlo.executed_collectives(compiled.as_text())
+    if found is None:
+      found = hlo.executed_collectives(compiled.as_text())
     kinds: dict[str, int] = {}
     for c in found:
       key = f"{c.kind} {c.shapes[0].split('[')[0] if c.shapes else '?'}"

@@ -24,7 +24,8 @@ H100s in the layouts people use, and the same step is written by hand for the sa
 Only ``ShapeDtypeStruct`` batches are given: nothing of the real size is ever created; epljax is
 driven through ``trainer._build`` (plan) and ``plan.compiled`` (compile). Each row: bytes per
 device (``memory_analysis()``: arguments + outputs - aliased + temp) and collective bytes per
-step per device (``epljax.hlo``) of both, their ratios, plan and compile seconds, and whether
+step per device (``epljax.hlo``; a pipeline's on a device of its busiest stage,
+``Plan.collectives``) of both, their ratios, plan and compile seconds, and whether
 XLA warned "Involuntary full rematerialization" while compiling epljax's step.
 """
 
@@ -152,7 +153,7 @@ def compile_epl(problem: Problem, layout: str, rows: int, tp: int = TP,
     start = time.perf_counter()
     compiled = built.plan.compiled
     compile_s = time.perf_counter() - start
-  return Figures.of(compiled, compile_s), plan_s, built.plan
+  return Figures.of(compiled, compile_s, built.plan.collectives), plan_s, built.plan
 
 
 def compile_hand(problem: Problem, layout: str, rows: int, devices: list,
@@ -185,20 +186,24 @@ def gib(n: int) -> str:
   return f"{n / 2**30:.2f}"
 
 
-def pipeline_config(devices: int, tp: int = TP) -> dict:
-  """``tp_pp`` over ``devices`` H100s: 2 stages, 4 from 64 devices; 2 micro batches a stage."""
+SCHEDULES = {"1F1B": "PreferBackward", "GPipe": "PreferForward"}   # --schedule -> strategy
+
+
+def pipeline_config(devices: int, tp: int = TP, schedule: str = "1F1B") -> dict:
+  """``tp_pp`` over ``devices`` H100s: 2 stages, 4 from 64 devices; 2 micro batches a stage;
+  epljax's ``schedule`` (the hand program is GPipe whatever it is)."""
   stages = min(4, max(2, devices // 16))
   return {"auto.auto_parallel": True, "pipeline.num_stages": stages,
-          "pipeline.num_micro_batch": 2 * stages}
+          "pipeline.num_micro_batch": 2 * stages, "pipeline.strategy": SCHEDULES[schedule]}
 
 
 def row(name: str, layout: str, topology: str, rows: int, devices: list,
-        tp: int = TP) -> list[str]:
+        tp: int = TP, schedule: str = "1F1B") -> list[str]:
   problem = PROBLEMS[name]()
   pipeline = layout == "tp_pp"
   if pipeline:   # a stage of 4 GPUs on one host, of 8 across hosts
     tp = min(tp, len(devices) // 2)
-  config = pipeline_config(len(devices), tp) if pipeline else None
+  config = pipeline_config(len(devices), tp, schedule) if pipeline else None
   with tempfile.NamedTemporaryFile("r", suffix=".log") as log:
     with stderr_to(log.name):
       ours, plan_s, plan = compile_epl(problem, "tp" if pipeline else layout, rows, tp,
@@ -213,6 +218,8 @@ def row(name: str, layout: str, topology: str, rows: int, devices: list,
             if hand else ("", ""))
   moved = ((gib(hand.collective_bytes), ratio(ours.collective_bytes, hand.collective_bytes))
            if hand else ("", ""))
+  if pipeline and schedule != "1F1B":
+    layout = f"{layout} {schedule}"
   return [problem.name, f"{problem.params / 1e9:.2f}B", layout, topology, mesh, rows,
           gib(ours.bytes_per_device), *theirs, gib(ours.collective_bytes), *moved,
           f"{plan_s:.0f}", f"{ours.compile_s:.0f}", f"{hand.compile_s:.0f}" if hand else "",
@@ -238,6 +245,8 @@ def main(argv=None):
                       help="these cells, in this order, instead of the product of the above")
   parser.add_argument("--rows_per_device", type=int, default=1,
                       help="global batch rows = this x devices")
+  parser.add_argument("--schedule", default="1F1B", choices=list(SCHEDULES),
+                      help="epljax's pipeline schedule in tp_pp cells (the hand one is GPipe)")
   parser.add_argument("--record", action="store_true")
   args = parser.parse_args(argv)
   cells = [(m, int(n), layout) for m, n, layout in (c.split(":") for c in args.cells)] or [
@@ -248,7 +257,8 @@ def main(argv=None):
       gpus[n] = epl.topology("h100", hosts=TOPOLOGIES[n], per_host=8)
     where, before = f"{n} ({n // 8} host{'s' * (n > 8)})", len(DETAILS)
     try:
-      rows.append(row(name, layout, where, n * args.rows_per_device, gpus[n]))
+      rows.append(row(name, layout, where, n * args.rows_per_device, gpus[n],
+                      schedule=args.schedule))
     except Exception as e:  # noqa: BLE001 (the table says which layout fails and why)
       why = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
       rows.append([name, "", layout, where, why] + [""] * (len(HEADERS) - 5))
@@ -260,7 +270,9 @@ def main(argv=None):
     record("Real sizes on compile-only H100s (bench/scale.py)", body + (
         "\n\nAdamW, bfloat16 compute over float32 weights, every layer rematerialized; Llama "
         "rows of 2048 tokens, GPT-2-XL 1024. GiB/device: memory_analysis() arguments + outputs"
-        " - aliased + temp; collective GiB: executed per step per device (epljax.hlo); hand: "
+        " - aliased + temp; collective GiB: executed per step per device (epljax.hlo; tp_pp: "
+        "a device of epljax's busiest stage, each tick's branch as its schedule says, "
+        "Plan.collectives); hand: "
         "bench/hand_layouts.py. Plan s: trainer._build (trace and plan); compile s: XLA:GPU "
         "compile of the step on a shared 2-core VM."), argv, "compile-only H100s")
 

@@ -74,9 +74,11 @@ def link_seconds(kind: str, result_bytes: float, group: int, across_hosts: bool,
   return chip.latency_s + wire_bytes(kind, result_bytes, group) / bandwidth
 
 
-def compiled_cost(compiled, mesh, chip: Chip, host_bytes: int = 0) -> StepCost:
+def compiled_cost(compiled, mesh, chip: Chip, host_bytes: int = 0,
+                  executed=hlo.executed_collectives) -> StepCost:
   """The ``StepCost`` of a compiled step: ``memory_analysis()`` bytes (arguments + outputs -
-  aliased + temp), ``cost_analysis()`` FLOPs, and the HLO's executed collectives per axis."""
+  aliased + temp), ``cost_analysis()`` FLOPs, and the HLO's executed collectives per axis
+  (``executed`` reads them from the text; a pipeline's: ``Pipeline.executed_collectives``)."""
   mem = compiled.memory_analysis()
   nbytes = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
             + mem.temp_size_in_bytes)
@@ -87,7 +89,7 @@ def compiled_cost(compiled, mesh, chip: Chip, host_bytes: int = 0) -> StepCost:
   # Newer XLA writes some groups as ``mesh[...], device_ids=(...) {axes}``: keep the device
   # ids with the groups, which ``hlo`` reads up to the next attribute.
   text = _MESH_IDS.sub(lambda m: f"replica_groups={m[1]}@{m[2]} {m[3]}", hlo_text)
-  for c in hlo.executed_collectives(text):
+  for c in executed(text):
     axis, group, across = collective_axis(c, mesh)
     key = (c.kind, axis)
     coll[key] = coll.get(key, 0) + c.bytes
@@ -138,8 +140,11 @@ class Target:
 def step_cost(compiled, mesh, chip: Chip, pipe=None, host_bytes: int = 0) -> StepCost:
   """``compiled_cost`` of a train step; with pipeline stages (``pipe``, an
   ``epljax.pipeline.Pipeline``) its FLOPs and bubble from the schedule (``_pipeline_compute``)."""
-  step = compiled_cost(compiled, mesh, chip, host_bytes)
-  return step if pipe is None else _pipeline_compute(step, pipe, compiled, chip)
+  if pipe is None:
+    return compiled_cost(compiled, mesh, chip, host_bytes)
+  # A device of the busiest stage: its branch of each tick's switch, as the schedule says.
+  step = compiled_cost(compiled, mesh, chip, host_bytes, pipe.executed_collectives)
+  return _pipeline_compute(step, pipe, compiled, chip)
 
 
 def _pipeline_compute(step: StepCost, pipe, compiled, chip: Chip) -> StepCost:

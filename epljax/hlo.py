@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from fractions import Fraction
 
 import numpy as np
 
@@ -143,15 +144,33 @@ def _result_arrays(op: str, start_type: str) -> list[tuple[str, str]]:
 
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
-_CALLEE = re.compile(r"\b(?P<kind>body|condition|to_apply|calls|true_computation|"
-                     r"false_computation)=%?(?P<name>[\w.\-]+)")
+_CALLEE = re.compile(r"\b(?P<kind>body|condition|to_apply|calls)=%?(?P<name>[\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
+# The older, predicated form: index 0 takes false_computation, as jax numbers a ``lax.cond``.
+_PREDICATED = re.compile(r"\b(?P<kind>true_computation|false_computation)=%?(?P<name>[\w.\-]+)")
+_OP_NAME = re.compile(r'op_name="(?P<name>[^"]*)"')
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
+
+
+@dataclasses.dataclass(frozen=True)
+class _Conditional:
+  """A ``conditional`` instruction: the computation it stands in, its branches in index
+  order and its ``op_name`` (the jax name scopes it was traced under)."""
+  caller: str
+  branches: tuple[str, ...]
+  op_name: str
 
 
 def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None,
                                            dict[str, list[tuple[str, int, str]]]]:
   """(lines of each computation, the entry's name, callee -> [(caller, times, how)])."""
+  return _program(hlo_text)[:3]
+
+
+def _program(hlo_text: str) -> tuple[dict[str, list[str]], str | None,
+                                     dict[str, list[tuple[str, int, str]]],
+                                     list[_Conditional]]:
+  """``_computations`` and the conditionals."""
   bodies: dict[str, list[str]] = {}
   entry, current = None, None
   for line in hlo_text.splitlines():
@@ -165,41 +184,95 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None,
     elif current is not None:
       bodies[current].append(line)
   callers: dict[str, list[tuple[str, int, str]]] = {}
+  conditionals: list[_Conditional] = []
   for name, lines in bodies.items():
     for line in lines:
       trips = _TRIPS.search(line)
       for m in _CALLEE.finditer(line):
         times = int(trips["n"]) if trips and m["kind"] in ("body", "condition") else 1
         callers.setdefault(m["name"], []).append((name, times, m["kind"]))
-      for m in _BRANCHES.finditer(line):
-        for callee in re.findall(r"%?([\w.\-]+)", m["names"]):
+      branches = [callee for m in _BRANCHES.finditer(line)
+                  for callee in re.findall(r"%?([\w.\-]+)", m["names"])]
+      predicated = {m["kind"]: m["name"] for m in _PREDICATED.finditer(line)}
+      if predicated:
+        branches = [predicated[k] for k in ("false_computation", "true_computation")
+                    if k in predicated]
+      if branches:
+        op_name = _OP_NAME.search(line)
+        conditionals.append(_Conditional(name, tuple(branches), op_name["name"] if op_name
+                                         else ""))
+        for callee in branches:
           callers.setdefault(callee, []).append((name, 1, "branch"))
-  return bodies, entry, callers
+  return bodies, entry, callers, conditionals
 
 
-def executed_collectives(hlo_text: str, include_trivial: bool = False) -> list[Collective]:
-  """``collectives``, each as many times as one run of the program executes it.
+def executed_collectives(hlo_text: str, include_trivial: bool = False,
+                         taken: Mapping[str, Sequence[float]] | None = None
+                         ) -> list[Collective]:
+  """``collectives``, each as many times as one run of the program executes it on a device.
 
   A collective inside a ``while`` body (a ``lax.scan`` over layers under ``nn.scan``, the
   pipeline's tick loop, gradient accumulation) runs once per iteration, but stands once in
   the text. Bodies are multiplied by the trip count XLA annotates (``known_trip_count``);
-  a loop without one (a data-dependent ``while_loop``) counts once per entry, and a
-  conditional's branches each count as if taken.
+  a loop without one (a data-dependent ``while_loop``) counts once per entry.
+
+  A ``conditional`` runs one of its branches each time it runs. Which one is data, not
+  text: by default the branch whose collectives (and what it calls, loops multiplied) move
+  the most bytes counts for every run, the most any device can execute. ``taken`` says
+  instead, for the conditionals whose ``op_name`` contains a key (a ``jax.named_scope``
+  they were traced under), the share of their runs that take each branch on the device
+  asked about (a pipeline stage's tick table: ``Pipeline.branch_shares``); a branch left
+  out of the shares never runs.
   """
-  bodies, entry, callers = _computations(hlo_text)
+  bodies, entry, callers, conditionals = _program(hlo_text)
   if entry is None:   # a fragment without computations: every collective once
     return collectives(hlo_text, include_trivial)
-  runs: dict[str, int] = {entry: 1}
+  own = {name: collectives("\n".join(lines), include_trivial) for name, lines in bodies.items()}
+  callees: dict[str, list[tuple[str, int]]] = {}
+  for callee, calls in callers.items():
+    for caller, times, how in calls:
+      if how != "branch":
+        callees.setdefault(caller, []).append((callee, times))
+  weights: dict[str, int] = {}
 
-  def times_run(name: str) -> int:
+  def weight(name: str) -> int:
+    """Bytes one run of ``name`` executes, with its conditionals' heaviest branches."""
+    if name not in weights:
+      weights[name] = 0   # guards against a cycle (none in valid HLO)
+      weights[name] = (sum(c.bytes for c in own.get(name, ()))
+                       + sum(t * weight(c) for c, t in callees.get(name, ()))
+                       + sum(max(map(weight, cond.branches)) for cond in conditionals
+                             if cond.caller == name))
+    return weights[name]
+
+  share: dict[tuple[str, str], Fraction] = {}   # (conditional's caller, branch) -> its share
+  for cond in conditionals:
+    given = next((list(v) for k, v in (taken or {}).items() if k in cond.op_name), None)
+    if given is None:
+      heaviest = max(cond.branches, key=weight)
+      given = [float(b == heaviest) for b in cond.branches]
+    if len(given) > len(cond.branches):
+      raise ValueError(f"taken gives {len(given)} shares to the conditional '{cond.op_name}' of "
+                       f"{len(cond.branches)} branches")
+    for branch, part in zip(cond.branches, [*given, *[0] * len(cond.branches)]):
+      key = (cond.caller, branch)
+      share[key] = share.get(key, Fraction(0)) + Fraction(part).limit_denominator(1 << 20)
+  runs: dict[str, Fraction] = {entry: Fraction(1)}
+
+  def times_run(name: str) -> Fraction:
     if name not in runs:
-      runs[name] = 0   # guards against a cycle (none in valid HLO)
-      runs[name] = sum(times_run(c) * t for c, t, _ in callers.get(name, ()))
+      runs[name] = Fraction(0)   # guards against a cycle (none in valid HLO)
+      runs[name] = sum((times_run(c) * (share.get((c, name), 0) if how == "branch" else t)
+                        for c, t, how in callers.get(name, ())), Fraction(0))
     return runs[name]
 
   out: list[Collective] = []
-  for name, lines in bodies.items():
-    out += collectives("\n".join(lines), include_trivial) * times_run(name)
+  for name, found in own.items():
+    n = times_run(name)
+    if n.denominator != 1:
+      raise ValueError(f"computation {name} runs {n} times: the shares in ``taken`` do not "
+                       "divide its conditional's runs")
+    out += found * int(n)
   return out
 
 

@@ -1,4 +1,6 @@
 # ruff: noqa: E501  (HLO lines are long)
+import pytest
+
 from epljax import hlo
 
 HLO = """
@@ -147,3 +149,49 @@ def test_mesh_groups_with_their_device_order_are_read_whole():
   other = c.replica_groups.replace("{'axis_0'}", "{'axis_2'}")
   assert hlo.Collective("all-gather", (), 0, other).device_groups(8) == [
       [0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+# A loop of 4 ticks whose body switches between two branches, as a pipeline's tick loop does:
+# each tick a device runs one of them.
+SWITCHED = """
+%small (p: f32[4]) -> f32[4] {
+  ROOT %ar.s = f32[4]{0} all-reduce(%p), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+}
+
+%large (q: f32[4]) -> f32[4] {
+  %ar.l = f32[16]{0} all-reduce(%q), channel_id=2, replica_groups={{0,1}}, to_apply=%add
+  ROOT %s = f32[4]{0} slice(%ar.l), slice={[0:4]}
+}
+
+%tick (t: (f32[4], s32[])) -> (f32[4], s32[]) {
+  %c = f32[4]{0} conditional(%i, %a, %a), branch_computations={%small, %large}, metadata={op_name="jit(step)/while/body/pipeline_forward/cond" stack_frame_id=3}
+  %cp = f32[4]{0} collective-permute(%c), channel_id=3, source_target_pairs={{0,1},{1,0}}
+  ROOT %r = (f32[4], s32[]) tuple(%cp, %i)
+}
+
+%tick_cond (u: (f32[4], s32[])) -> pred[] {
+  ROOT %k = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[4]) -> (f32[4], s32[]) {
+  ROOT %w = (f32[4], s32[]) while(%a), condition=%tick_cond, body=%tick, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""
+
+
+def test_a_conditional_runs_one_branch_each_time():
+  """Each tick runs one branch: by default the heaviest counts for every tick (the most a
+  device can execute; summing both branches counted bytes no device moves), and ``taken``
+  says which share of the ticks take each branch (a pipeline stage's tick table)."""
+  def shapes(found):
+    return sorted(s for c in found for s in c.shapes)
+
+  assert shapes(hlo.executed_collectives(SWITCHED)) == ["f32[16]"] * 4 + ["f32[4]"] * 4
+  taken = hlo.executed_collectives(SWITCHED, taken={"pipeline_forward": [0.25, 0.75]})
+  assert shapes(taken) == ["f32[16]"] * 3 + ["f32[4]"] * 5   # 1 small, 3 large, 4 permutes
+  idle = hlo.executed_collectives(SWITCHED, taken={"pipeline_forward": [0.5]})
+  assert shapes(idle) == ["f32[4]"] * 6                       # 2 small, never large
+  assert shapes(hlo.executed_collectives(SWITCHED, taken={"other_scope": [1, 0]})) == shapes(
+      hlo.executed_collectives(SWITCHED))
+  with pytest.raises(ValueError, match="3 shares to the conditional .* of 2 branches"):
+    hlo.executed_collectives(SWITCHED, taken={"pipeline_forward": [0.25, 0.25, 0.5]})

@@ -171,6 +171,17 @@ class Pipeline:
           splits=", ".join(f"'{s.name}': split({k})" for s, k in zip(self.stages, self.split)
                            if k > 1)))
 
+  def executed_collectives(self, hlo_text: str) -> list[hlo.Collective]:
+    """The collectives one device of the busiest stage executes in a step of the compiled
+    ``hlo_text``: the tick loop's switches hold every stage's branch, and a device runs its
+    stage's in the ticks its schedule says (``runtime.branch_shares``); the stage whose
+    collectives move the most bytes."""
+    if self.loop is None:   # internal invariant: build.py adds the features first
+      raise AssertionError("Pipeline.executed_collectives before with_features")
+    per_stage = [hlo.executed_collectives(hlo_text, taken=runtime.branch_shares(
+        self.loop, self.schedule, s)) for s in range(self.schedule.num_stages)]
+    return max(per_stage, key=lambda found: sum(c.bytes for c in found))
+
   def with_features(self, features: Sequence[Feature], ctx: BuildContext) -> Pipeline:
     """This pipeline with its loop's branches: every feature's ``forward`` hook around each
     stage's forward, one branch per distinct result (traced, not compiled)."""

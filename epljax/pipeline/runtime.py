@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from typing import Any
 
 import jax
@@ -51,6 +52,10 @@ from epljax.mesh import STAGE
 from epljax.pipeline import packing, slots
 from epljax.pipeline.partition import Stage, same_consts
 from epljax.pipeline.schedules import Schedule
+
+# Name scopes of the tick loop's two switches (the ``op_name`` of their conditionals).
+FORWARD_SWITCH = "pipeline_forward"
+BACKWARD_SWITCH = "pipeline_backward"
 
 StageFn = Callable[[Sequence[Any], Sequence[Any], Sequence[Any]], tuple[Any, Any, Any]]
 
@@ -288,6 +293,18 @@ def _put(buffers: dict, index, values: dict, keep=None) -> dict:
   return {k: lax.dynamic_update_index_in_dim(v, values[k], index, 0) for k, v in buffers.items()}
 
 
+def branch_shares(loop: Loop, schedule: Schedule, stage: int) -> dict[str, list[Fraction]]:
+  """Per switch of the tick loop (its name scope), the share of the ticks in which stage
+  ``stage`` takes each branch (the idle one last): what ``hlo.executed_collectives`` needs to
+  count the collectives one device of that stage executes, where the compiled program holds
+  every branch once in each tick."""
+  idle = len(loop.branches)
+  tables = tick_tables(schedule, loop.branch_of, idle)[:, stage]
+  return {name: [Fraction(int(np.sum(tables[:, column] == b)), schedule.num_ticks)
+                 for b in range(idle + 1)]
+          for name, column in ((FORWARD_SWITCH, 0), (BACKWARD_SWITCH, 4))}
+
+
 def tick_tables(schedule: Schedule, branch_of: Sequence[int], idle: int) -> np.ndarray:
   """``(ticks, stages, 8)`` int32 rows of the loop: per stage, the forward's switch branch,
   micro batch, stash slot and chunk (which of the stage's ``v`` parameter rows), then the
@@ -371,16 +388,18 @@ def pipelined_gradients(loop: Loop, aux_avals, schedule: Schedule, mesh: Mesh,
     def tick(c, row):
       f_branch, f_m, f_slot, f_j, b_branch, b_m, b_slot, b_j = (row[stage, i] for i in range(8))
       batch = [lax.dynamic_index_in_dim(x, f_m, keepdims=False) for x in micro]
-      out, loss, aux, res, new_state = lax.switch(
-          f_branch, fwd, _chunk(params, f_j, n_virtual), c["fwd"], batch, c["state"])
+      with jax.named_scope(FORWARD_SWITCH):
+        out, loss, aux, res, new_state = lax.switch(
+            f_branch, fwd, _chunk(params, f_j, n_virtual), c["fwd"], batch, c["state"])
       stash_x = _put(c["stash_x"], f_slot, c["fwd"], keep=f_branch == idle)
       stash_r = _put(c["stash_r"], f_slot, res, keep=f_branch == idle)
       losses = c["losses"].at[f_m].add(loss)
       auxes = [acc.at[f_m].add(a) for acc, a in zip(c["aux"], aux)]
       batch = [lax.dynamic_index_in_dim(x, b_m, keepdims=False) for x in micro]
-      acc, g_in = lax.switch(
-          b_branch, bwd, _chunk(params, b_j, n_virtual), _chunk(c["grads"], b_j, n_virtual),
-          stash_x, stash_r, b_slot, batch, c["bwd"], seed)
+      with jax.named_scope(BACKWARD_SWITCH):
+        acc, g_in = lax.switch(
+            b_branch, bwd, _chunk(params, b_j, n_virtual), _chunk(c["grads"], b_j, n_virtual),
+            stash_x, stash_r, b_slot, batch, c["bwd"], seed)
       grads = _set_chunk(c["grads"], b_j, acc, n_virtual)
       return dict(fwd=lax.ppermute(out, STAGE, down), bwd=lax.ppermute(g_in, STAGE, up),
                   stash_x=stash_x, stash_r=stash_r, grads=grads, losses=losses,

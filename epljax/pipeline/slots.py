@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from epljax.mesh import DATA, STAGE
 from epljax.pipeline.packing import SlotType
-from epljax.pipeline.storage import ParamStore
+from epljax.pipeline.storage import ParamStore, stage_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,10 +77,15 @@ class SlotStore(ParamStore):
   def _pack(self, leaves: Sequence[Any], parts: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return {k: lax.with_sharding_constraint(v, NamedSharding(
         self.mesh, P(STAGE, *self.buffers[k].spec)))
-            for k, v in {**stack(leaves, self.members, self.leaf_slots), **parts}.items()}
+            for k, v in {**self._exchange().pack(leaves), **parts}.items()}
 
   def _gradients(self, packed: Mapping[str, jax.Array]) -> list[Any]:
-    return unstack(packed, self.members, self.leaf_slots, self.avals)
+    keys = set(dict(self.leaf_slots[0].types))
+    return self._exchange().gradients({k: v for k, v in packed.items() if k in keys})
+
+  def _exchange(self) -> SlotExchange:
+    return SlotExchange(self.mesh, self.avals, self.members, self.leaf_slots,
+                        tuple(stage_dim(sh.spec) for sh in self.shardings))
 
   def stash(self, layouts: list[Any]) -> tuple[list[SlotLayout], dict[str, SlotType]]:
     """Whole residuals in slots, which keep GSPMD's ``model`` split (a packed buffer would
@@ -152,3 +157,114 @@ def as_data(x: Any) -> Any:
 def as_key(x: Any, aval: Any) -> Any:
   """Raw key data back to a key of ``aval``'s implementation (the key dtype names it)."""
   return jax.random.wrap_key_data(x, impl=aval.dtype._impl) if is_key(aval) else x
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotExchange:
+  """The stored leaves (each split over ``stage`` on its dimension ``dims[i]``, or not split)
+  <-> the slots, written out per device in a ``shard_map`` over ``stage`` (``model`` and
+  ``data`` left to GSPMD, so each piece keeps its split).
+
+  Slot ``k``'s row ``s`` is stage ``s``'s leaf; device ``r`` of the stored leaf holds its
+  ``r``-th piece along its stage dimension. In round ``o = 1 .. S-1`` every device sends its
+  piece of stage ``r + o``'s leaf to that stage (one ``ppermute``, only to stages that hold a
+  leaf in the slot), and each stage puts its leaf together from the pieces, its own and the
+  ``S - 1`` received: every byte moves once, a stage receives only its own leaves, and none
+  moves zeros. (Left to GSPMD, stacking leaves split over ``stage`` into rows over ``stage``
+  replicated every such leaf first, XLA's "Involuntary full rematerialization".) A leaf not
+  split over ``stage`` is whole on every device: its row is selected, nothing moves.
+  ``gradients`` is the transpose (a leaf held by several stages gets their sum)."""
+  mesh: Any
+  avals: tuple[Any, ...]
+  members: tuple[tuple[int, ...], ...]   # per stage, its leaves (in its layout's order)
+  layouts: tuple[SlotLayout, ...]        # per stage, its leaves' slots
+  dims: tuple[int | None, ...]           # per leaf, the dimension split over ``stage``
+
+  def holders(self) -> dict[str, dict[int, int]]:
+    """Slot -> {stage: the leaf it holds there}."""
+    out: dict[str, dict[int, int]] = {k: {} for k, _ in self.layouts[0].types}
+    for s, (idx, layout) in enumerate(zip(self.members, self.layouts)):
+      for i, k in zip(idx, layout.keys):
+        out[k][s] = i
+    return out
+
+  def slot_dim(self, held: Mapping[int, int]) -> int | None:
+    dims = {self.dims[i] for i in held.values()}
+    if len(dims) > 1:   # internal invariant: one slot type, one stored spec (add_axis)
+      raise AssertionError(f"leaves of one slot stored split on dimensions {dims}")
+    return dims.pop() if dims else None
+
+  def pack(self, leaves: Sequence[Any]) -> dict[str, jax.Array]:
+    """The stored leaves -> ``{slot: (S, *shape)}`` over ``stage``."""
+    n, types = self.mesh.shape[STAGE], dict(self.layouts[0].types)
+
+    def local(*mine):
+      r = lax.axis_index(STAGE)
+      out = {}
+      for k, held in self.holders().items():
+        t, d = types[k], self.slot_dim(held)
+        piece = _piece_shape(t.shape, d, n)
+        rows = jnp.stack([mine[held[s]].astype(t.dtype) if s in held
+                          else jnp.zeros(piece, t.dtype) for s in range(n)])
+        if d is None:   # whole on every device: this stage's row
+          out[k] = lax.dynamic_index_in_dim(rows, r, keepdims=True)
+          continue
+        got = [rows[r]] + [_shift(lax.dynamic_index_in_dim(rows, (r + o) % n, keepdims=False),
+                                  o, held, n) for o in range(1, n)]   # from r - o
+        by_source = jnp.stack(got)[(r - jnp.arange(n)) % n]   # [j]: piece j of my leaf
+        out[k] = jnp.concatenate(list(by_source), axis=d)[None]
+      return out
+
+    return jax.shard_map(local, mesh=self.mesh, in_specs=tuple(map(_stage_spec, self.dims)),
+                         out_specs=P(STAGE), axis_names=frozenset({STAGE}),
+                         check_vma=False)(*leaves)
+
+  def gradients(self, packed: Mapping[str, jax.Array]) -> list[Any]:
+    """``{slot: (S, *shape)}`` gradients -> per stored leaf, the sum over the stages that hold
+    it, in its stored layout (zeros for a leaf no stage holds)."""
+    n = self.mesh.shape[STAGE]
+
+    def local(bufs):
+      r = lax.axis_index(STAGE)
+      sums: list[Any] = [None] * len(self.avals)
+
+      def add(i, x):
+        sums[i] = x if sums[i] is None else sums[i] + x
+
+      for k, held in self.holders().items():
+        g, d = bufs[k][0], self.slot_dim(held)
+        if d is None:   # whole on every stage: the holders' sum
+          for s, i in held.items():
+            add(i, lax.psum(jnp.where(r == s, g, jnp.zeros_like(g)), STAGE))
+          continue
+        pieces = jnp.stack(jnp.split(g, n, axis=d))
+        # Round o: each holder sends piece s - o of its gradient to device s - o.
+        got = jnp.stack([pieces[r]] + [_shift(
+            lax.dynamic_index_in_dim(pieces, (r - o) % n, keepdims=False), -o,
+            {(s - o) % n: i for s, i in held.items()}, n, sources=set(held)) for o in
+            range(1, n)])   # [o]: piece r of stage r + o's gradient
+        for s, i in held.items():
+          add(i, got[(s - r) % n])
+      return tuple(jnp.zeros(_piece_shape(a.shape, d, n), a.dtype) if x is None
+                   else x.astype(a.dtype) for x, a, d in zip(sums, self.avals, self.dims))
+
+    return list(jax.shard_map(local, mesh=self.mesh, in_specs=(P(STAGE),),
+                              out_specs=tuple(map(_stage_spec, self.dims)),
+                              axis_names=frozenset({STAGE}), check_vma=False)(dict(packed)))
+
+
+def _shift(x: jax.Array, o: int, targets: Mapping[int, Any], n: int,
+           sources: set[int] | None = None) -> jax.Array:
+  """``x`` of device ``j`` to device ``j + o`` (mod ``n``) over ``stage``, for the targets
+  in ``targets`` (and sources in ``sources``) only; zeros elsewhere."""
+  pairs = [(j, (j + o) % n) for j in range(n) if (j + o) % n in targets
+           and (sources is None or j in sources)]
+  return lax.ppermute(x, STAGE, pairs) if pairs else jnp.zeros_like(x)
+
+
+def _piece_shape(shape: tuple[int, ...], dim: int | None, n: int) -> tuple[int, ...]:
+  return tuple(shape) if dim is None else (*shape[:dim], shape[dim] // n, *shape[dim + 1:])
+
+
+def _stage_spec(dim: int | None) -> P:
+  return P(*([None] * dim), STAGE) if dim is not None else P()

@@ -137,13 +137,18 @@ class Plan:
 
   @property
   def collectives(self) -> list[StepCollective]:
-    """Every collective one step executes (those in loops once per iteration), each with the
-    mesh axes it runs over and whether it crosses hosts (``epljax.mesh.hosts``)."""
+    """Every collective one step executes on a device (those in loops once per iteration; a
+    pipeline's, on a device of its busiest stage), each with the mesh axes it runs over and
+    whether it crosses hosts (``epljax.mesh.hosts``)."""
     if self._collectives is None:
       from epljax import cost   # (cost reads plans)
 
       rows = []
-      for c in hlo.executed_collectives(self.compiled.as_text()):
+      text = self.compiled.as_text()
+      # A pipeline's tick loop holds every stage's branch: a device runs its own stage's.
+      found = (self.pipeline.executed_collectives(text) if self.pipeline is not None
+               else hlo.executed_collectives(text))
+      for c in found:
         axes, _, across = cost.collective_axis(c, self.mesh)
         rows.append(StepCollective(c.kind, c.shapes, c.bytes, c.replica_groups, axes, across))
       self._collectives = rows
