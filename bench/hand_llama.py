@@ -1,7 +1,7 @@
 """Hand-written steps of the zoo's Llama, what ``bench/scale.py`` holds epljax's against where
 the generic ``hand_layouts`` programs are not what a user writes: FSDP that gathers each layer's
 kernels inside the scan (``llama_fsdp_loss``), and tensor x pipeline x data, a GPipe as a
-``shard_map`` over the ``stage`` axis alone, the rest left to GSPMD (``llama_loss``).
+``shard_map`` over the ``stage`` and ``data`` axes, ``model`` left to GSPMD (``llama_loss``).
 
 GPipe:
 Mesh ``data x stage x model`` (``model`` innermost: a stage's tensor-parallel devices on one
@@ -87,7 +87,11 @@ def llama_loss(size, mesh: Mesh, stages: int, micro: int):
   def run_layers(layers, h):
     return jax.lax.scan(lambda h, p: (run(h, p), None), h, layers)[0]
 
-  def stage_loop(layers, x):   # x: (micro, rows, length, d), the same on every stage
+  def stage_loop(layers, x):   # x: (micro, replica rows, length, d), the same on every stage
+    # The float32 weights made varying over ``data`` here, so their gradients are summed over
+    # it once, in float32, as they leave the loop (left to the use, the sum fell on each
+    # layer's bfloat16 cotangent at every tick).
+    layers = jax.lax.pcast(layers, "data", to="varying")
     stage = jax.lax.axis_index("stage")
     state, outs = jnp.zeros_like(x[0]), jnp.zeros_like(x)
     for t in range(micro + stages - 1):
@@ -97,12 +101,16 @@ def llama_loss(size, mesh: Mesh, stages: int, micro: int):
       state = jax.lax.ppermute(out, "stage", [(i, i + 1) for i in range(stages - 1)])
     return jax.lax.psum(jnp.where(stage == stages - 1, outs, 0), "stage")
 
-  pipeline = jax.shard_map(stage_loop, mesh=mesh, in_specs=(P("stage"), P()), out_specs=P(),
-                           axis_names=frozenset({"stage"}))
+  # Manual over ``data`` too: each replica runs its own rows through the stages (left to
+  # GSPMD, the activations entered the loop whole on every replica and each replica computed
+  # the whole batch); the layers' gradients are summed over ``data`` by the transpose.
+  pipeline = jax.shard_map(stage_loop, mesh=mesh, in_specs=(P("stage"), P(None, "data")),
+                           out_specs=P(None, "data"), axis_names=frozenset({"stage", "data"}))
 
-  def layers_fn(layers, x):
+  def layers_fn(layers, x):   # micro batch m: rows m, m + M, ... (a replica's rows stay its own)
     rows, length, d = x.shape
-    return pipeline(layers, x.reshape(micro, rows // micro, length, d)).reshape(x.shape)
+    out = pipeline(layers, x.reshape(rows // micro, micro, length, d).swapaxes(0, 1))
+    return out.swapaxes(0, 1).reshape(x.shape)
 
   return _loss_around(size, layers_fn)
 
