@@ -21,10 +21,11 @@ groups hold the same shards, and each gradient shard is all-reduced over ``repli
 (``hybrid_traffic`` gives the step's collectives for a plan search).
 
 A leaf is sharded on its largest dimension that the data axis divides and that no other mesh
-axis uses; leaves with no such dimension stay as they are (``describe`` lists them). This
-file gives the shardings (``StateShardings.params_at_use``: the layout before the split, which
-v3 gathers to at each use; ``grads``: the ZeRO layout), the gradient constraint and the sharded
-update; the per-use part of the forward pass is ``uses.ParamUses``, reading those shardings.
+axis of several devices uses; leaves with no such dimension stay as they are (``describe``
+lists them). This file gives the shardings (``StateShardings.params_at_use``: the layout
+before the split, which v3 gathers to at each use; ``grads``: the ZeRO layout), the gradient
+constraint and the sharded update; the per-use part of the forward pass is ``uses.ParamUses``,
+reading those shardings.
 """
 
 from __future__ import annotations
@@ -42,12 +43,17 @@ from epljax.mesh import DATA, REPLICA
 
 
 def shard_over_data(sharding: NamedSharding, shape, size: int) -> NamedSharding:
-  """``sharding`` with ``data`` added on the largest free dimension ``size`` divides (as it is
-  when ``data`` is used already or no dimension fits)."""
+  """``sharding`` with ``data`` on the largest free dimension ``size`` divides (as it is when
+  ``data`` is used already or no dimension fits). A dimension named only by mesh axes of one
+  device (a model's logical rules naming ``model`` in a data-only mesh) splits nothing, so it
+  is free: the vocabulary dimension of an embedding or an LM head is then split like any other,
+  as a hand-written FSDP splits it (``uses.py`` relies on it to leave such uses sharded)."""
+  axes = lambda e: () if e is None else e if isinstance(e, tuple) else (e,)  # noqa: E731
   entries = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
-  used = {a for e in entries if e is not None for a in (e if isinstance(e, tuple) else (e,))}
-  free = [d for d, e in enumerate(entries) if e is None and shape[d] % size == 0
-          and shape[d] >= size]
+  used = {a for e in entries for a in axes(e)}
+  free = [d for d, e in enumerate(entries)
+          if all(sharding.mesh.shape[a] == 1 for a in axes(e))
+          and shape[d] % size == 0 and shape[d] >= size]
   if DATA in used or not free:
     return sharding
   entries[max(free, key=lambda d: (shape[d], -d))] = DATA
