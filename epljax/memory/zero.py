@@ -12,7 +12,9 @@
   Without accumulation v1 and v2 compile to the same program.
 - ``"v3"``: parameters sharded too (FSDP). Each is all-gathered at each use; a matmul keeps
   only the shard for its backward pass and gathers it again there, and its gradient is
-  reduce-scattered.
+  reduce-scattered. Where that moves more bytes than the other operand (an embedding or an
+  LM head of a large vocabulary, a few rows per device), the use is routed otherwise
+  (``routes.py``).
 
 Hybrid sharding (``zero.shard_size``, HSDP; MaxText's ``ici_fsdp`` x ``dcn_data``, PyTorch's
 ``HYBRID_SHARD``): the mesh's ``data`` axis is one group of replicas and ``replica`` runs across
