@@ -24,7 +24,8 @@ the compute dtype (``X``: of the batch rows in one ``data`` group), ``N`` the de
 - any other use of a weight: ``GATHER``, ``2 W + W / N`` for a matmul (``W + W / N`` inside a
   rematerialized layer, whose recomputed gather serves the backward: ``uses.py``).
 
-Only parameters used once (casts aside), at the top level of the forward pass, are routed.
+Only parameters used once (views aside: casts, a transpose), at the top level of the forward
+pass, are routed; ``SHARDED`` only where the weight is read through casts alone.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from collections.abc import Mapping
 
 from jax.extend import core as jcore
 
-from epljax.memory.amp import LOW
+from epljax.memory.amp import LOW, SHAPE_ONLY
 from epljax.mesh import DATA, REPLICA
 from epljax.sharding import dims as D
 from epljax.sharding.program import REMAT
@@ -46,34 +47,38 @@ def choose(program, refs: Mapping, split_dim, mesh, low=None) -> dict[int, str]:
   """Route per parameter leaf index (``GATHER`` when absent) for the top-level ``program``
   whose inputs ``refs`` maps to parameters; ``split_dim(ref)``: the dimension ZeRO splits over
   ``data`` (None: not split); ``low``: the compute dtype of matmuls (None: as traced)."""
-  origin = {k: r for k, r in refs.items() if not r.sliced}   # parameters and casts of them
+  # Program key -> (parameter, read through casts alone), for parameters and their views.
+  origin = {k: (r, True) for k, r in refs.items() if not r.sliced}
   uses: dict[int, list] = {}
   last = None
   for step in program.steps:
-    read = [(j, origin[k]) for j, k in enumerate(step.inputs)
+    read = [(j, *origin[k]) for j, k in enumerate(step.inputs)
             if not isinstance(k, jcore.Literal) and k in origin]
     if not read:
       continue
     if step.primitive in LOW or step.primitive in ("gather", "scan") or step.primitive in REMAT:
       last = step    # (a bias or a norm scale read after it gathers next to nothing)
-    if step.primitive == "convert_element_type":
-      origin[step.outputs[0]] = read[0][1]
+    if step.primitive in SHAPE_ONLY and len(read) == 1 and len(step.outputs) == 1:
+      _, ref, casts = read[0]   # a view: a kernel stored (out, in) and transposed, a cast
+      origin[step.outputs[0]] = (ref, casts and step.primitive == "convert_element_type")
       continue
-    for j, ref in read:
-      uses.setdefault(ref.index, []).append((step, j, ref))
+    for j, ref, casts in read:
+      uses.setdefault(ref.index, []).append((step, j, ref, casts))
   groups = dict(mesh.shape).get(REPLICA, 1)
   size = mesh.shape[DATA]
   routes = {}
   for index, found in uses.items():
     if len(found) != 1:
       continue
-    step, j, ref = found[0]
+    step, j, ref, casts = found[0]
     dim = split_dim(ref)
     if dim is None:
       continue
+    # A weight left sharded is used in its stored dimensions: read through casts alone.
     if step.primitive == "dot_general" and len(step.inputs) == 2:
-      route = _matmul_route(step, j, dim, size, groups, low, last=step is last)
-    elif step.primitive == "gather" and j == 0:
+      route = _matmul_route(step, j, dim if casts else None, size, groups, low,
+                            last=step is last)
+    elif step.primitive == "gather" and j == 0 and casts:
       route = _lookup_route(step, dim, size, groups)
     else:
       route = GATHER
@@ -93,7 +98,7 @@ def _matmul_route(step, j, dim, size, groups, low, last: bool) -> str:
   if not last:
     return GATHER
   _, _, free = D.dot_dims(step.eqn)
-  if dim in free[j] and (_nbytes(step.in_aval(1 - j), low) / groups
+  if dim is not None and dim in free[j] and (_nbytes(step.in_aval(1 - j), low) / groups
                          < _nbytes(step.in_aval(j), low)):
     return SHARDED
   return KEEP
