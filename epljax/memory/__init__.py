@@ -13,7 +13,9 @@ returns those the configuration asks for, in the order they wrap the step.
 - ``uses.py``: the one forward rewrite of parameter uses that offload, ZeRO and mixed
   precision share, also inside ``scan`` bodies (one layer's weights at a time), reading where
   each parameter lives from ``BuildContext.shardings``. All of them re-run a traced function
-  step by step with the shared walker's evaluation (``sharding.program.run_steps``).
+  step by step with the shared walker's evaluation (``sharding.program.run_steps``);
+  ``routes.py`` chooses, per ZeRO v3 use of a vocabulary-sized weight, whether the weight or
+  the other operand moves.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from epljax.features import BuildContext, Feature, ForwardFn
 from epljax.memory import amp as amp_lib
+from epljax.memory import routes
 from epljax.memory.offload import HOST
 from epljax.memory.recompute import refetch
 from epljax.memory.zero import device_layout, is_sharding
@@ -73,8 +74,13 @@ class ParamUses(Feature):
         self._warn_once()
       program, flat = trace_steps(fn, params, args, in_device_memory=stream)
       refs = {k: _Param(i) for i, k in enumerate(program.param_keys)}
+      chosen = {}
+      if whole and explicit and zero.gather and not stream:
+        chosen = routes.choose(program, refs, zero.dim, ctx.mesh,
+                               self.policy.low if self.policy is not None else None)
+      self._active["routes"] = chosen
       return _Run(program, flat, refs, self.policy, platform, ctx.mesh,
-                  zero if whole else None, explicit and whole, stream)()
+                  zero if whole else None, explicit and whole, stream, routes=chosen)()
 
     return rewritten
 
@@ -92,7 +98,9 @@ class ParamUses(Feature):
     if active.get("stream") and active["stages"] == 1:   # stages: see Offload.describe
       parts.append("copied from host memory")
     if zero is not None and zero.gather:
-      parts.append("all-gathered")
+      left = sum(r == routes.SHARDED for r in active.get("routes", {}).values())
+      parts.append("all-gathered" + (f" (but {left} used sharded: moving the other operand "
+                                     "is cheaper)" if left else ""))
     if self.policy is not None:
       parts.append(f"cast to {self.policy.low.name} in each matmul")
     if zero is not None:
@@ -167,6 +175,7 @@ class _Run:
   explicit: bool      # weight gradients reduce-scattered by an explicit psum_scatter
   stream: bool        # parameters in host memory, copied in at each use
   recomputed: bool = False   # inside a ``checkpoint`` body that saves nothing of its own
+  routes: dict = dataclasses.field(default_factory=dict)   # leaf index -> ``routes`` choice
 
   @property
   def _rows(self) -> tuple[str, ...]:
@@ -215,7 +224,7 @@ class _Run:
                                      and _saves_no_gathers(step.eqn.params.get("policy")))
     return run_body(step, raw, lambda body, flat: dataclasses.replace(
         self, program=body, flat=flat, refs={body.inputs[j]: r for j, r in refs.items()},
-        recomputed=recomputed)())
+        recomputed=recomputed, routes={})())
 
   # -- a parameter at one use ------------------------------------------------------------
   def _ref(self, step, j) -> _Param:
@@ -228,9 +237,14 @@ class _Run:
       value = jax.device_put(value, jax.memory.Space.Device)
     if self.zero is not None and (autodiff or self.zero.gather):
       full, sharded = self.zero.layouts(ref)
-      full = full if self.zero.gather else None
-      value = (_reshard_cotangent(full, sharded)(value) if autodiff
-               else jax.lax.with_sharding_constraint(value, full))
+      full = full if self.zero.gather and self.routes.get(ref.index) != routes.SHARDED else None
+      if autodiff:
+        return _reshard_cotangent(full, sharded)(value)
+      if self.routes.get(ref.index) == routes.KEEP:
+        # Sharded first: the gather moves this value (the weight cast to bfloat16); XLA:GPU
+        # gathers a weight kept for the backward in float32 and casts it after, else.
+        value = jax.lax.with_sharding_constraint(value, sharded)
+      value = jax.lax.with_sharding_constraint(value, full)
     return value
 
   def _gradient_back(self, ref, g, reduced: bool, space):
@@ -260,6 +274,10 @@ class _Run:
     and placed again in the backward pass (``recompute.refetch``). A weight read through
     shape-only steps (``views``: a kernel stored ``(out, in)`` and transposed) comes in as
     stored, the steps replayed on its placed value."""
+    sharded = [j for j in range(2) if (direct[j] or views[j]) and self.routes.get(
+        (views[j].param if views[j] else self._ref(step, j)).index) == routes.SHARDED]
+    if sharded:
+      return self._sharded(step, raw, flags, direct, views, sharded[0])
     policy, platform = self.policy, self.platform
     low = policy.low if policy is not None else None
     changes = self._low(step)
@@ -290,7 +308,9 @@ class _Run:
     # this unit's backward: the weight it gathers there is kept for the backward matmuls (one
     # layer's weights, for that layer's backward only) instead of gathered a third time. The
     # step then gathers each weight twice, as a hand FSDP under remat does (bench/scale.py).
-    keep = early and self.recomputed
+    # The last use of the forward pass (``routes.KEEP``) keeps it too.
+    keep = early and (self.recomputed or any(
+        i is not None and self.routes.get(i.index) == routes.KEEP for i in index))
 
     def value(j, v):
       if not direct[j]:
@@ -338,6 +358,16 @@ class _Run:
 
     unit.defvjp(fwd, bwd)
     return [unit(*raw)]
+
+  def _sharded(self, step, raw, flags, direct, views, j):
+    """A matmul whose weight (operand ``j``) stays sharded (``routes.SHARDED``): its output is
+    split over ``data`` where the weight's split dimension lands, so GSPMD gathers the other
+    operand's rows for it, and the weight's gradient comes out split without a reduction."""
+    out = self._bind(step, raw, flags, direct)[0]
+    dim = D.dot_out_dim(step.eqn, j, self.zero.dim(views[j].param if views[j] else
+                                                   self._ref(step, j)))
+    spec = P(*[DATA if d == dim else P.UNCONSTRAINED for d in range(out.ndim)])
+    return [jax.lax.with_sharding_constraint(out, NamedSharding(self.mesh, spec))]
 
   def _scatter_plan(self, step, invals, j):
     """For operand j (a sharded parameter), the dimension of the other operand to split and

@@ -12,7 +12,9 @@
   Without accumulation v1 and v2 compile to the same program.
 - ``"v3"``: parameters sharded too (FSDP). Each is all-gathered at each use; a matmul keeps
   only the shard for its backward pass and gathers it again there, and its gradient is
-  reduce-scattered.
+  reduce-scattered. Where that moves more bytes than the other operand (an embedding or an
+  LM head of a large vocabulary, a few rows per device), the use is routed otherwise
+  (``routes.py``).
 
 Hybrid sharding (``zero.shard_size``, HSDP; MaxText's ``ici_fsdp`` x ``dcn_data``, PyTorch's
 ``HYBRID_SHARD``): the mesh's ``data`` axis is one group of replicas and ``replica`` runs across
@@ -21,10 +23,11 @@ groups hold the same shards, and each gradient shard is all-reduced over ``repli
 (``hybrid_traffic`` gives the step's collectives for a plan search).
 
 A leaf is sharded on its largest dimension that the data axis divides and that no other mesh
-axis uses; leaves with no such dimension stay as they are (``describe`` lists them). This
-file gives the shardings (``StateShardings.params_at_use``: the layout before the split, which
-v3 gathers to at each use; ``grads``: the ZeRO layout), the gradient constraint and the sharded
-update; the per-use part of the forward pass is ``uses.ParamUses``, reading those shardings.
+axis uses (a leaf read outside loops: no other mesh axis of several devices); leaves with no
+such dimension stay as they are (``describe`` lists them). This file gives the shardings
+(``StateShardings.params_at_use``: the layout before the split, which v3 gathers to at each
+use; ``grads``: the ZeRO layout), the gradient constraint and the sharded update; the per-use
+part of the forward pass is ``uses.ParamUses``, reading those shardings.
 """
 
 from __future__ import annotations
@@ -41,17 +44,32 @@ from epljax.features import BuildContext, Feature, GradientFn, StateShardings, U
 from epljax.mesh import DATA, REPLICA
 
 
-def shard_over_data(sharding: NamedSharding, shape, size: int) -> NamedSharding:
-  """``sharding`` with ``data`` added on the largest free dimension ``size`` divides (as it is
-  when ``data`` is used already or no dimension fits)."""
+def shard_over_data(sharding: NamedSharding, shape, size: int,
+                    unit_axes_free: bool = False) -> NamedSharding:
+  """``sharding`` with ``data`` on the largest free dimension ``size`` divides (as it is when
+  ``data`` is used already or no dimension fits). With ``unit_axes_free`` a dimension named only
+  by mesh axes of one device (a model's logical rules naming ``model`` in a data-only mesh)
+  is free too: it splits nothing."""
+  axes = lambda e: () if e is None else e if isinstance(e, tuple) else (e,)  # noqa: E731
   entries = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
-  used = {a for e in entries if e is not None for a in (e if isinstance(e, tuple) else (e,))}
-  free = [d for d, e in enumerate(entries) if e is None and shape[d] % size == 0
-          and shape[d] >= size]
+  used = {a for e in entries for a in axes(e)}
+  free = [d for d, e in enumerate(entries)
+          if (e is None or unit_axes_free and all(sharding.mesh.shape[a] == 1 for a in axes(e)))
+          and shape[d] % size == 0 and shape[d] >= size]
   if DATA in used or not free:
     return sharding
   entries[max(free, key=lambda d: (shape[d], -d))] = DATA
   return NamedSharding(sharding.mesh, P(*entries), memory_kind=sharding.memory_kind)
+
+
+def read_in_loops(capture, leaves: int) -> list[bool]:
+  """Per parameter leaf: whether the traced loss reads it inside a loop (the stacked layers of
+  ``nn.scan``); all True without a capture."""
+  if capture is None:
+    return [True] * leaves
+  program = capture.program
+  return [any(e in ("scan", "while") for node, _ in program.uses_of_input(i)
+              for e in node.enclosing) for i in range(leaves)]
 
 
 def is_sharding(x) -> bool:
@@ -80,7 +98,14 @@ class Zero(Feature):
     self._groups = dict(ctx.mesh.shape).get(REPLICA, 1)
     shapes, self._treedef = jax.tree.flatten(ctx.params_shape)
     full = jax.tree.leaves(shardings.params, is_leaf=is_sharding)
-    self._sharded = [shard_over_data(s, x.shape, size) for s, x in zip(full, shapes)]
+    # A weight read outside loops (an embedding, an LM head) may be split along a dimension
+    # named by a one-device axis (the vocabulary under a model's logical rules), as a hand FSDP
+    # splits it: uses.py can then leave its use sharded (routes.py). The stacked layers of a
+    # loop keep their truly free dimension (the same gathered bytes; on XLA:GPU a layer kernel
+    # split along its minor dimension costs a transposed copy of its stack).
+    looped = read_in_loops(ctx.capture, len(shapes))
+    self._sharded = [shard_over_data(s, x.shape, size, unit_axes_free=not inside)
+                     for s, x, inside in zip(full, shapes, looped)]
     paths = [jax.tree_util.keystr(p, simple=True, separator="/")
              for p, _ in jax.tree_util.tree_flatten_with_path(ctx.params_shape)[0]]
     self._unsharded = [f"{path} {tuple(x.shape)}" for path, x, a, b in
