@@ -72,14 +72,14 @@ def program_facts(built, split: str, amp: bool = False) -> ProgramFacts:
   plan, cap = built.plan, built.capture
   mesh = dict(plan.mesh.shape)
   d, m = _replicas(plan.mesh), mesh.get(MODEL, 1)
-  split_nodes = _split_uses(built, m)
+  again = recomputed(cap.program)
+  split_nodes = _split_uses(built, m, again)
   # Kept for the backward pass: the residuals of the loss's vjp (``residual_bytes``), split
   # like the batch, one micro batch at a time; over model split as the outputs of matmuls and
   # nonlinear functions are (split where a matmul keeps the split dimension).
   split_out = _split_outputs(cap.program, split_nodes, gathered=split not in ("", "all"))
   # Per device: the matmuls reading split weights and the operations on split outputs run on
   # a 1/model share.
-  again = recomputed(cap.program)
   per_node = [(node_flops(n) / (d * (m if n.index in split_nodes or n.index in split_out
                                      else 1)), n) for n in cap.program.nodes]
   flops = sum(f for f, _ in per_node)
@@ -410,17 +410,17 @@ class _SplitUse:
 _WHOLE = _SplitUse(False)
 
 
-def _split_uses(built, m: int) -> dict[int, _SplitUse]:
+def _split_uses(built, m: int, again: set[int]) -> dict[int, _SplitUse]:
   """Nodes reading a parameter split over ``model``. A matmul contracting the split dimension
   (row-parallel; a lookup in a vocabulary-split table likewise) all-reduces its output in the
   forward pass; one keeping it (column-parallel: a classifier split by classes) has a split output,
   and the gradient of its other operand, summed over the split dimension, is all-reduced in
-  the backward pass unless that operand is a program input (the batch)."""
+  the backward pass unless that operand is a program input (the batch). ``again``: the nodes
+  the backward pass runs again (``recomputed``), whose forward all-reduces run twice."""
   if m == 1:
     return {}
   out: dict[int, _SplitUse] = {}
   program = built.capture.program
-  again = recomputed(program)
   for i, leaf in enumerate(built.plan.leaves):
     spec = tuple(leaf.spec)
     split = [dim for dim, a in enumerate(spec) if a is not None and MODEL in jax.tree.leaves(a)]

@@ -224,9 +224,16 @@ def executed_collectives(hlo_text: str, include_trivial: bool = False,
   asked about (a pipeline stage's tick table: ``Pipeline.branch_shares``); a branch left
   out of the shares never runs.
   """
+  return executed_on_each(hlo_text, [taken], include_trivial)[0]
+
+
+def executed_on_each(hlo_text: str, takens: Sequence[Mapping[str, Sequence[float]] | None],
+                     include_trivial: bool = False) -> list[list[Collective]]:
+  """``executed_collectives`` for each of ``takens`` (a pipeline's stages: the branches each
+  device runs), the text read once."""
   bodies, entry, callers, conditionals = _program(hlo_text)
   if entry is None:   # a fragment without computations: every collective once
-    return collectives(hlo_text, include_trivial)
+    return [collectives(hlo_text, include_trivial) for _ in takens]
   own = {name: collectives("\n".join(lines), include_trivial) for name, lines in bodies.items()}
   callees: dict[str, list[tuple[str, int]]] = {}
   for callee, calls in callers.items():
@@ -245,35 +252,38 @@ def executed_collectives(hlo_text: str, include_trivial: bool = False,
                              if cond.caller == name))
     return weights[name]
 
-  share: dict[tuple[str, str], Fraction] = {}   # (conditional's caller, branch) -> its share
-  for cond in conditionals:
-    given = next((list(v) for k, v in (taken or {}).items() if k in cond.op_name), None)
-    if given is None:
-      heaviest = max(cond.branches, key=weight)
-      given = [float(b == heaviest) for b in cond.branches]
-    if len(given) > len(cond.branches):
-      raise ValueError(f"taken gives {len(given)} shares to the conditional '{cond.op_name}' of "
-                       f"{len(cond.branches)} branches")
-    for branch, part in zip(cond.branches, [*given, *[0] * len(cond.branches)]):
-      key = (cond.caller, branch)
-      share[key] = share.get(key, Fraction(0)) + Fraction(part).limit_denominator(1 << 20)
-  runs: dict[str, Fraction] = {entry: Fraction(1)}
+  def count(taken) -> list[Collective]:   # (as ``executed_collectives`` says)
+    share: dict[tuple[str, str], Fraction] = {}   # (conditional's caller, branch) -> its share
+    for cond in conditionals:
+      given = next((list(v) for k, v in (taken or {}).items() if k in cond.op_name), None)
+      if given is None:
+        heaviest = max(cond.branches, key=weight)
+        given = [float(b == heaviest) for b in cond.branches]
+      if len(given) > len(cond.branches):
+        raise ValueError(f"taken gives {len(given)} shares to the conditional "
+                         f"'{cond.op_name}' of {len(cond.branches)} branches")
+      for branch, part in zip(cond.branches, [*given, *[0] * len(cond.branches)]):
+        key = (cond.caller, branch)
+        share[key] = share.get(key, Fraction(0)) + Fraction(part).limit_denominator(1 << 20)
+    runs: dict[str, Fraction] = {entry: Fraction(1)}
 
-  def times_run(name: str) -> Fraction:
-    if name not in runs:
-      runs[name] = Fraction(0)   # guards against a cycle (none in valid HLO)
-      runs[name] = sum((times_run(c) * (share.get((c, name), 0) if how == "branch" else t)
-                        for c, t, how in callers.get(name, ())), Fraction(0))
-    return runs[name]
+    def times_run(name: str) -> Fraction:
+      if name not in runs:
+        runs[name] = Fraction(0)   # guards against a cycle (none in valid HLO)
+        runs[name] = sum((times_run(c) * (share.get((c, name), 0) if how == "branch" else t)
+                          for c, t, how in callers.get(name, ())), Fraction(0))
+      return runs[name]
 
-  out: list[Collective] = []
-  for name, found in own.items():
-    n = times_run(name)
-    if n.denominator != 1:
-      raise ValueError(f"computation {name} runs {n} times: the shares in ``taken`` do not "
-                       "divide its conditional's runs")
-    out += found * int(n)
-  return out
+    out: list[Collective] = []
+    for name, found in own.items():
+      n = times_run(name)
+      if n.denominator != 1:
+        raise ValueError(f"computation {name} runs {n} times: the shares in ``taken`` do not "
+                         "divide its conditional's runs")
+      out += found * int(n)
+    return out
+
+  return [count(taken) for taken in takens]
 
 
 def computations_in_branches(hlo_text: str, in_loops: bool = False

@@ -76,8 +76,7 @@ def choose(program, refs: Mapping, split_dim, mesh, low=None) -> dict[int, str]:
       continue
     # A weight left sharded is used in its stored dimensions: read through casts alone.
     if step.primitive == "dot_general" and len(step.inputs) == 2:
-      route = _matmul_route(step, j, dim if casts else None, size, groups, low,
-                            last=step is last)
+      route = _matmul_route(step, j, dim if casts else None, groups, low, last=step is last)
     elif step.primitive == "gather" and j == 0 and casts:
       route = _lookup_route(step, dim, size, groups)
     else:
@@ -91,7 +90,7 @@ def _nbytes(aval, dtype=None) -> int:
   return math.prod(aval.shape) * (dtype or aval.dtype).itemsize
 
 
-def _matmul_route(step, j, dim, size, groups, low, last: bool) -> str:
+def _matmul_route(step, j, dim, groups, low, last: bool) -> str:
   """Only the last matmul of the forward pass is routed: its output, split along the
   weight's dimension, goes to the loss alone (an earlier one's would be resharded for the
   next layer, and its gathered weight held across the rest of the forward pass)."""

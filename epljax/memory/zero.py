@@ -42,6 +42,7 @@ from epljax import step as step_lib
 from epljax.config import ZeroConfig
 from epljax.features import BuildContext, Feature, GradientFn, StateShardings, UpdateFn
 from epljax.mesh import DATA, REPLICA
+from epljax.sharding.program import LOOPS
 
 
 def shard_over_data(sharding: NamedSharding, shape, size: int,
@@ -68,7 +69,7 @@ def read_in_loops(capture, leaves: int) -> list[bool]:
   if capture is None:
     return [True] * leaves
   program = capture.program
-  return [any(e in ("scan", "while") for node, _ in program.uses_of_input(i)
+  return [any(e in LOOPS for node, _ in program.uses_of_input(i)
               for e in node.enclosing) for i in range(leaves)]
 
 

@@ -178,8 +178,8 @@ class Pipeline:
     collectives move the most bytes."""
     if self.loop is None:   # internal invariant: build.py adds the features first
       raise AssertionError("Pipeline.executed_collectives before with_features")
-    per_stage = [hlo.executed_collectives(hlo_text, taken=runtime.branch_shares(
-        self.loop, self.schedule, s)) for s in range(self.schedule.num_stages)]
+    per_stage = hlo.executed_on_each(hlo_text, [runtime.branch_shares(
+        self.loop, self.schedule, s) for s in range(self.schedule.num_stages)])
     return max(per_stage, key=lambda found: sum(c.bytes for c in found))
 
   def with_features(self, features: Sequence[Feature], ctx: BuildContext) -> Pipeline:
