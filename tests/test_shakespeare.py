@@ -1,5 +1,5 @@
 """nanoGPT's baby GPT on tiny Shakespeare (``examples/shakespeare_char.py``): the shared copy of
-the text, the Grain windows, 300 data-parallel iterations against a recorded single-device
+the text, the Grain windows, 100 data-parallel iterations against a recorded single-device
 run of the same model on the same batches, and a resume after ``kill -9`` that repeats the
 uninterrupted run's losses and batches (the Grain iterator saved with the state)."""
 
@@ -19,11 +19,12 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 # Beside the checkout on these machines; a missing file fails the tests (it is always there).
 DATA = os.path.join(ROOT, "..", "shared", "data", "tinyshakespeare.txt")
 
-# `examples/shakespeare_char.py --layout single --steps 300 --eval_interval 0 --eval_iters 20`
-# (plain jax.jit on one device, jax 0.10.2, 2-core CPU VM): the step losses at 1, 51, ..., 251
-# and 300, and the train and val estimates on 20 batches after step 300.
-SINGLE_LOSSES = [4.177191, 2.843349, 2.580949, 2.57925, 2.456938, 2.469963, 2.428052]
-SINGLE_TRAIN, SINGLE_VAL = 2.404453, 2.396789
+# `examples/shakespeare_char.py --layout single --steps 100 --eval_interval 0 --eval_iters 20`
+# (plain jax.jit on one device, jax 0.10.2, 2-core CPU VM): the step losses at 1, 51 and 100,
+# and the train and val estimates on 20 batches after step 100. (100 steps, not 300: the
+# comparison is as exact at a third of the suite's time; 300 reached 2.397.)
+SINGLE_LOSSES = [4.177191, 2.843349, 2.674722]
+SINGLE_TRAIN, SINGLE_VAL = 2.630610, 2.604834
 
 
 def load_example():
@@ -84,19 +85,19 @@ def test_offline_without_data_says_what_to_pass(example, tmp_path, monkeypatch):
 
 
 def test_dp_trains_as_the_recorded_single_device_run(example, text, tmp_path):
-  result = example.train("dp", text, steps=300, eval_interval=0, eval_iters=20,
-                         log_interval=100, logdir=str(tmp_path))
+  result = example.train("dp", text, steps=100, eval_interval=0, eval_iters=20,
+                         log_interval=50, logdir=str(tmp_path))
   losses = result["losses"][::50] + result["losses"][-1:]
   from test_progress import read_scalars
   scalars = read_scalars(tmp_path)                     # the TensorBoard series it wrote
-  assert [step for step, _ in scalars["loss"]] == [100, 200, 300]
+  assert [step for step, _ in scalars["loss"]] == [50, 100]
   np.testing.assert_allclose(scalars["loss"][-1][1], result["losses"][-1], rtol=1e-6)
-  assert scalars["eval/val_loss"] == [(300, pytest.approx(result["val_loss"], rel=1e-6))]
-  # 300 Adam steps; dp differs from single-device jax.jit by 6e-7 here (jax 0.10.2).
+  assert scalars["eval/val_loss"] == [(100, pytest.approx(result["val_loss"], rel=1e-6))]
+  # 100 Adam steps; dp differs from single-device jax.jit by 3e-7 here (jax 0.10.2).
   np.testing.assert_allclose(losses, SINGLE_LOSSES, rtol=1e-5)
   np.testing.assert_allclose([result["train_loss"], result["val_loss"]],
                              [SINGLE_TRAIN, SINGLE_VAL], rtol=1e-5)
-  assert result["val_loss"] < 2.45                                 # from 4.17 at step 0
+  assert result["val_loss"] < 2.65                                 # from 4.17 at step 0
 
 
 # -- the data iterator saved with the state: kill -9, resume, same batches and losses ------------
