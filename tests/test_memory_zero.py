@@ -309,22 +309,27 @@ def test_zero3_gathers_weights_in_the_compute_dtype():
 
 
 class _TinyLM(nn.Module):
-  """An embedding and an LM head of a 256-token vocabulary around one small layer."""
+  """An embedding and an LM head of a 256-token vocabulary around one small layer; with
+  ``tied`` the head reads the embedding table transposed (``Embed.attend``, GPT-2's head)."""
+  tied: bool = False
 
   @nn.compact
   def __call__(self, ids):
-    x = jnp.tanh(nn.Dense(16)(nn.Embed(256, 16)(ids)))
-    return nn.Dense(256, use_bias=False)(x)
+    embed = nn.Embed(256, 16)
+    x = jnp.tanh(nn.Dense(16)(embed(ids)))
+    return embed.attend(x) if self.tied else nn.Dense(256, use_bias=False)(x)
 
 
-def test_zero3_leaves_vocabulary_sized_weights_sharded_where_their_inputs_are_smaller():
+@pytest.mark.parametrize("tied", [False, True])
+def test_zero3_leaves_vocabulary_sized_weights_sharded_where_their_inputs_are_smaller(tied):
   """ZeRO v3 at 8 rows of 4 tokens: the embedding table (256 x 16, split along its 256 rows)
-  and the LM head (16 x 256, split along the vocabulary) are never gathered; the ids, the
-  activations and their gradients move instead (memory/routes.py), and the whole step moves
-  fewer bytes than one gather of the head would. Same numbers as the reference."""
+  and the LM head (16 x 256, split along the vocabulary), or one table serving as both
+  (``tied``: looked up, then read transposed), are never gathered; the ids, the activations and
+  their gradients move instead (memory/routes.py), and the whole step moves fewer bytes than
+  one gather of the head would. Same numbers as the reference."""
   from models.common import lm_fns, token_batch
 
-  init_fn, loss_fn = lm_fns(_TinyLM())
+  init_fn, loss_fn = lm_fns(_TinyLM(tied))
   batch = token_batch(8, 4, 256)
   optimizer = optax.sgd(0.1, momentum=0.9)   # its trace holds the first step's gradients
   history, expected = reference_run(init_fn, loss_fn, optimizer, jax.random.key(0), batch,
@@ -339,7 +344,8 @@ def test_zero3_leaves_vocabulary_sized_weights_sharded_where_their_inputs_are_sm
       assert_trees_close(momentum_grads(trainer, state), history[0][1])
   assert_trees_close(trainer.variables(state), expected)
 
-  assert any("2 used sharded" in f for f in trainer.plan.features), trainer.plan.features
+  left = "1 used sharded" if tied else "2 used sharded"
+  assert any(left in f for f in trainer.plan.features), trainer.plan.features
   found = hlo.executed_collectives(trainer.plan.compiled.as_text())
   gathered = {s for c in found if c.kind == "all-gather" for s in c.shapes}
   assert not gathered & {"f32[256,16]", "f32[16,256]"}, gathered

@@ -360,12 +360,13 @@ class _Run:
     return [unit(*raw)]
 
   def _sharded(self, step, raw, flags, direct, views, j):
-    """A matmul whose weight (operand ``j``) stays sharded (``routes.SHARDED``): its output is
-    split over ``data`` where the weight's split dimension lands, so GSPMD gathers the other
-    operand's rows for it, and the weight's gradient comes out split without a reduction."""
+    """A matmul whose weight (operand ``j``, or a transposed view of it: a tied embedding's
+    table) stays sharded (``routes.SHARDED``): its output is split over ``data`` where the
+    weight's split dimension lands, so GSPMD gathers the other operand's rows for it, and the
+    weight's gradient comes out split without a reduction."""
     out = self._bind(step, raw, flags, direct)[0]
-    dim = D.dot_out_dim(step.eqn, j, self.zero.dim(views[j].param if views[j] else
-                                                   self._ref(step, j)))
+    dim = self.zero.dim(views[j].param if views[j] else self._ref(step, j))
+    dim = D.dot_out_dim(step.eqn, j, routes.view_dim(views[j].steps, dim) if views[j] else dim)
     spec = P(*[DATA if d == dim else P.UNCONSTRAINED for d in range(out.ndim)])
     return [jax.lax.with_sharding_constraint(out, NamedSharding(self.mesh, spec))]
 
