@@ -11,10 +11,9 @@ compiling anything:
 - ``param_shardings``: ``TrainState.params`` is the user's parameter tree, each leaf sharded
   over ``stage`` too, so the optimizer (any optax one) and checkpoints see the user's leaves;
 - ``store`` (``storage.ParamStore``): inside the step, between that tree and the loop's
-  per-stage ``{dtype: (S, size)}`` buffers (``storage.PackedStore``), or ``{slot: (S,
-  *shape)}`` slots when stages are ``epl.split`` (``slots.SlotStore``) (a parameter used by two
-  stages is copied to both, its two gradients summed); ``pack_state`` / ``unpack_state``: the
-  model state, in slots;
+  per-stage ``{dtype: (S, size)}`` buffers, or ``{slot: (S, *shape)}`` slots when stages are
+  ``epl.split`` (``slots.py``) (a parameter used by two stages is copied to both, its two
+  gradients summed); ``pack_state`` / ``unpack_state``: the model state, in slots;
 - ``with_features(features, ctx)``: the same plan with its loop's branches (every feature's
   ``forward`` hook around each stage's forward; traced, not compiled), whose ``gradients()``
   is the ``GradientFn`` of the step (``runtime.py``).
@@ -64,7 +63,7 @@ class Pipeline:
   aux_avals: tuple[Any, ...]
   aux_def: Any
   # Tensor-parallel stages (``split[s]`` > 1: epl.split(k)) keep their parameters whole, in
-  # slots (``slots.SlotStore``), and leave the ``model`` axis to GSPMD inside the loop.
+  # slots (``store.slotted``), and leave the ``model`` axis to GSPMD inside the loop.
   split: tuple[int, ...]
   store: storage.ParamStore
   # Model state (BatchNorm statistics): each leaf kept by the stage that updates it, in slots,
@@ -72,7 +71,8 @@ class Pipeline:
   # are averaged over them (``stats.py``), so they are those of the micro batch, as on one
   # device.
   state_avals: tuple[Any, ...]
-  state_layouts: tuple[slots.SlotLayout, ...]
+  state_layouts: tuple[packing.Layout, ...]
+  state_types: Mapping[str, packing.SlotType]
   balance: tuple[str, ...]       # per stage: estimated FLOPs and parameter bytes
   constraints: tuple[str, ...]   # what became of the model's own sharding constraints
   loop: runtime.Loop | None = None    # the distinct stage functions (``with_features``)
@@ -80,7 +80,7 @@ class Pipeline:
   @property
   def slotted(self) -> bool:
     """Tensor-parallel stages: parameters and residuals in slots, ``model`` left to GSPMD."""
-    return MODEL not in self.store.data_axes
+    return self.store.slotted
 
   @property
   def parts(self) -> Mapping[int, int]:
@@ -125,7 +125,7 @@ class Pipeline:
     if not self.state_avals:
       return {}
     stacked = slots.stack([slots.as_data(x) for x in jax.tree.leaves(model_state)],
-                          [s.state for s in self.stages], self.state_layouts)
+                          [s.state for s in self.stages], self.state_layouts, self.state_types)
     return {k: jax.lax.with_sharding_constraint(v, NamedSharding(self.mesh, P(STAGE)))
             for k, v in stacked.items()}
 
@@ -192,9 +192,9 @@ class Pipeline:
         fn = f.forward(fn, ctx)
       fns.append(fn)
     loop = runtime.make_loop(
-        self.stages, fns, self.all_avals, self.batch_avals, self.store.layouts,
-        self.store.buffers, stash=self.store.stash, state_avals=self.state_avals,
-        state_layouts=self.state_layouts, loop=(self.mesh, self._manual))
+        self.stages, fns, self.all_avals, self.batch_avals, self.store,
+        state_avals=self.state_avals, state_layouts=self.state_layouts,
+        state_types=self.state_types, loop=(self.mesh, self._manual))
     return dataclasses.replace(self, loop=loop)
 
   def gradients(self) -> GradientFn:
@@ -257,22 +257,20 @@ def make_store(stages: Sequence[Stage], avals: Sequence[Any], specs: Sequence[P]
   part_types = {storage.part_key(v - n): packing.SlotType.of(jax.ShapeDtypeStruct(
       (avals[i].shape[0] // len(stages), *avals[i].shape[1:]), avals[i].dtype), tuple(specs[i]))
       for v, i in parts.items()}
-  common = dict(mesh=mesh, avals=tuple(avals), specs=tuple(specs), shardings=shardings,
-                members=members, parts=parts, part_types=part_types, virtual=virtual)
-  if any(k > 1 for k in split):   # the exchanged leaves in shared slots, then each part its own
-    leaf_slots = tuple(slots.assign([[packing.SlotType.of(avals[i], tuple(specs[i]))
-                                      for i in leaves] for leaves in members]))
-    layouts = tuple(slots.SlotLayout(lay.keys + keys, lay.types + tuple(part_types.items()))
-                    for lay, keys in zip(leaf_slots, part_keys))
-    return slots.SlotStore(**common, layouts=layouts, buffers=dict(layouts[0].types),
-                           leaf_slots=leaf_slots)
-  # Where each stage's leaves arrive in its buffer (``storage.exchange``); parts stay put.
   dims = tuple(storage.stage_dim(sh.spec) for sh in shardings)
-  layouts = tuple(storage.exchange_layouts(members, avals, dims, size, part_keys,
-                                           tuple(part_types.items())))
-  return storage.PackedStore(**common, layouts=layouts, buffers={**layouts[0].sizes,
-                                                                 **part_types},
-                             dims=dims, rows=tuple(chunk_rows(size, virtual)))
+  slotted = any(k > 1 for k in split)
+  if slotted:   # the exchanged leaves in shared slots, then each part its own
+    layouts, buffers = packing.assign([[packing.SlotType.of(avals[i], tuple(specs[i]))
+                                        for i in leaves] for leaves in members])
+  else:   # where each stage's leaves arrive in its buffer (``storage.exchange``)
+    layouts = [packing.Layout.of([avals[i] for i in member], size, [dims[i] for i in member])
+               for member in members]
+    buffers = {k: size * w for k, w in packing.padded_sizes(layouts).items()}
+  return storage.ParamStore(
+      mesh=mesh, avals=tuple(avals), specs=tuple(specs), shardings=shardings, members=members,
+      parts=parts, part_types=part_types, virtual=virtual, slotted=slotted,
+      layouts=tuple(lay.whole(keys, part_types) for lay, keys in zip(layouts, part_keys)),
+      buffers={**buffers, **part_types})
 
 
 def _rows_over_stage(spec: P, path: str, aval: Any) -> P:
@@ -348,26 +346,19 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
     warnings.warn(_FEW_MICRO.format(m=config.num_micro_batch, s=layout.num_stages,
                                     bubble=schedule.bubble_fraction), PipelineWarning,
                   stacklevel=3)
-  state_layouts = tuple(slots.assign([
-      [packing.SlotType.of(slots.data_aval(s_leaves[j])) for j in s.state]
-      for s in stages]))
+  state_layouts, state_types = packing.assign([
+      [packing.SlotType.of(slots.data_aval(s_leaves[j])) for j in s.state] for s in stages])
   return Pipeline(
       stages=stages, schedule=schedule, mesh=layout.mesh, batch_axes=batch_axes,
       params_def=p_def, param_paths=tuple(param_paths), batch_avals=tuple(b_leaves),
       aux_avals=tuple(aux_avals), aux_def=found["aux_def"] if has_aux else None,
       split=tuple(split), store=make_store(stages, p_leaves, param_specs, param_paths,
                                            layout.mesh, split, layout.num_virtual_stages),
-      state_avals=tuple(s_leaves), state_layouts=state_layouts,
+      state_avals=tuple(s_leaves), state_layouts=tuple(state_layouts),
+      state_types=state_types,
       balance=tuple(check_balance(global_capture, layout.stage_of, len(stages),
                                   [s.name for s in stages])),
       constraints=tuple(constraints.plan_lines(notes)))
-
-
-def chunk_rows(num_stages: int, num_virtual_stages: int) -> list[int]:
-  """The chunk of each packed row: stage ``s`` holds chunks ``s, s + S, ..., s + (v - 1)S``
-  (the interleaved layout) as its ``v`` consecutive rows, so sharding the rows over ``stage``
-  gives every device its own chunks."""
-  return [s + j * num_stages for s in range(num_stages) for j in range(num_virtual_stages)]
 
 
 _ROWS_TAKEN = """\
