@@ -4,8 +4,8 @@ function.
 ``plan_pipeline`` is called by ``Trainer._build`` when the mesh has more than one stage. It
 traces the loss once more at the shapes one replica sees per micro batch, cuts the stages
 (``partition.py``), averages batch statistics over the replicas (``stats.py``), picks the
-schedule (``schedules.py``), decides where every parameter is stored (``make_store``) and
-returns a frozen ``Pipeline``, which prints (``describe()``, ``stage_info()``) without
+schedule (``schedules.py``), decides where every parameter is stored (``storage.make_store``)
+and returns a frozen ``Pipeline``, which prints (``describe()``, ``stage_info()``) without
 compiling anything:
 
 - ``param_shardings``: ``TrainState.params`` is the user's parameter tree, each leaf sharded
@@ -238,49 +238,6 @@ class Pipeline:
     return describe.text(self)
 
 
-def make_store(stages: Sequence[Stage], avals: Sequence[Any], specs: Sequence[P],
-               paths: Sequence[str], mesh: Mesh, split: Sequence[int],
-               virtual: int) -> storage.ParamStore:
-  """Where each parameter leaf is stored (its spec with ``stage`` added; a stacked leaf read
-  in row chunks: its rows over ``stage``) and how the loop's buffers hold it: packed, or in
-  slots when a stage is tensor-parallel."""
-  size, n = mesh.shape[STAGE], len(avals)
-  parts = dict(sorted({v: i for s in stages for v, i in s.parts}.items()))
-  if list(parts) != list(range(n, n + len(parts))):  # internal invariant
-    raise AssertionError(f"pipeline parts are not numbered after the leaves: {parts}")
-  shardings = tuple(NamedSharding(mesh, _rows_over_stage(spec, paths[i], avals[i])
-                                  if i in parts.values() else
-                                  storage.add_axis(spec, tuple(a.shape), STAGE, size) or spec)
-                    for i, (spec, a) in enumerate(zip(specs, avals)))
-  members = tuple(tuple(i for i in s.params if i not in parts) for s in stages)
-  part_keys = [tuple(storage.part_key(v - n) for v, _ in s.parts) for s in stages]
-  part_types = {storage.part_key(v - n): packing.SlotType.of(jax.ShapeDtypeStruct(
-      (avals[i].shape[0] // len(stages), *avals[i].shape[1:]), avals[i].dtype), tuple(specs[i]))
-      for v, i in parts.items()}
-  dims = tuple(storage.stage_dim(sh.spec) for sh in shardings)
-  slotted = any(k > 1 for k in split)
-  if slotted:   # the exchanged leaves in shared slots, then each part its own
-    layouts, buffers = packing.assign([[packing.SlotType.of(avals[i], tuple(specs[i]))
-                                        for i in leaves] for leaves in members])
-  else:   # where each stage's leaves arrive in its buffer (``storage.exchange``)
-    layouts = [packing.Layout.of([avals[i] for i in member], size, [dims[i] for i in member])
-               for member in members]
-    buffers = {k: size * w for k, w in packing.padded_sizes(layouts).items()}
-  return storage.ParamStore(
-      mesh=mesh, avals=tuple(avals), specs=tuple(specs), shardings=shardings, members=members,
-      parts=parts, part_types=part_types, virtual=virtual, slotted=slotted,
-      layouts=tuple(lay.whole(keys, part_types) for lay, keys in zip(layouts, part_keys)),
-      buffers={**buffers, **part_types})
-
-
-def _rows_over_stage(spec: P, path: str, aval: Any) -> P:
-  """A chunked leaf's stored spec: its rows (layers) over ``stage``, stage ``s`` holding
-  chunk ``s``."""
-  if len(spec) and spec[0] is not None:
-    raise PlanError(_ROWS_TAKEN.format(path=path, spec=spec, shape=tuple(aval.shape)))
-  return P(STAGE, *tuple(spec)[1:])
-
-
 def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, state_shape: Any,
                   param_paths: Sequence[str], state_paths: Sequence[str], micro_shapes: Any,
                   global_capture: Capture, layout: Layout, batch_axes: tuple[str, ...],
@@ -352,20 +309,15 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
       stages=stages, schedule=schedule, mesh=layout.mesh, batch_axes=batch_axes,
       params_def=p_def, param_paths=tuple(param_paths), batch_avals=tuple(b_leaves),
       aux_avals=tuple(aux_avals), aux_def=found["aux_def"] if has_aux else None,
-      split=tuple(split), store=make_store(stages, p_leaves, param_specs, param_paths,
-                                           layout.mesh, split, layout.num_virtual_stages),
+      split=tuple(split), store=storage.make_store(stages, p_leaves, param_specs, param_paths,
+                                                   layout.mesh, split,
+                                                   layout.num_virtual_stages),
       state_avals=tuple(s_leaves), state_layouts=tuple(state_layouts),
       state_types=state_types,
       balance=tuple(check_balance(global_capture, layout.stage_of, len(stages),
                                   [s.name for s in stages])),
       constraints=tuple(constraints.plan_lines(notes)))
 
-
-_ROWS_TAKEN = """\
-Parameter '{path}' (shape {shape}) is a stack of layers each pipeline stage reads its own rows
-of, so it is stored split over stage on its first dimension, but its spec {spec} already splits
-that dimension. Leave the layers axis of scanned layers unsplit (map its logical axis name to
-None, or give the parameter an epl.annotate spec that starts with None)."""
 
 _PERMUTE_IN_STAGE = """\
 The compiled pipeline step has {n} collective(s) ({kinds}: {shapes}) inside a tensor-parallel

@@ -47,7 +47,7 @@ class SlotType:
     return jnp.zeros((*lead, *self.shape), self.dtype)
 
 
-Types = Mapping[str, "int | SlotType"]   # a buffer type: flat {dtype: size}, whole {key: SlotType}
+Types = Mapping[str, int | SlotType]   # a buffer type: flat {dtype: size}, whole {key: SlotType}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""The parameter store (``ParamStore``): the stored parameters (the user's leaves, each also
-sharded over ``stage``) <-> the loop's per-stage buffers.
+"""The parameter store (``ParamStore``, made by ``make_store``): the stored parameters (the
+user's leaves, each also sharded over ``stage``) <-> the loop's per-stage buffers.
 
 A leaf is stored in ``S`` pieces, one per stage device (its shard on the dimension ``stage``
 splits, or a ``1/S`` slice of its flattened values when no dimension divides). The loop needs
@@ -38,9 +38,11 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from epljax.errors import PlanError
 from epljax.mesh import DATA, MODEL, STAGE
 from epljax.pipeline import packing, slots
 from epljax.pipeline.packing import SlotType
+from epljax.pipeline.partition import Stage
 
 
 def axis_size(mesh, entry) -> int:
@@ -164,6 +166,49 @@ class ParamStore:
     consecutive rows)."""
     n = self.mesh.shape[STAGE]
     return [per_chunk[s + j * n] for s in range(n) for j in range(self.virtual)]
+
+
+def make_store(stages: Sequence[Stage], avals: Sequence[Any], specs: Sequence[P],
+               paths: Sequence[str], mesh: Mesh, split: Sequence[int],
+               virtual: int) -> ParamStore:
+  """Where each parameter leaf is stored (its spec with ``stage`` added; a stacked leaf read
+  in row chunks: its rows over ``stage``) and how the loop's buffers hold it: packed, or in
+  slots when a stage is tensor-parallel."""
+  size, n = mesh.shape[STAGE], len(avals)
+  parts = dict(sorted({v: i for s in stages for v, i in s.parts}.items()))
+  if list(parts) != list(range(n, n + len(parts))):  # internal invariant
+    raise AssertionError(f"pipeline parts are not numbered after the leaves: {parts}")
+  shardings = tuple(NamedSharding(mesh, _rows_over_stage(spec, paths[i], avals[i])
+                                  if i in parts.values() else
+                                  add_axis(spec, tuple(a.shape), STAGE, size) or spec)
+                    for i, (spec, a) in enumerate(zip(specs, avals)))
+  members = tuple(tuple(i for i in s.params if i not in parts) for s in stages)
+  part_keys = [tuple(part_key(v - n) for v, _ in s.parts) for s in stages]
+  part_types = {part_key(v - n): SlotType.of(jax.ShapeDtypeStruct(
+      (avals[i].shape[0] // len(stages), *avals[i].shape[1:]), avals[i].dtype), tuple(specs[i]))
+      for v, i in parts.items()}
+  dims = tuple(stage_dim(sh.spec) for sh in shardings)
+  slotted = any(k > 1 for k in split)
+  if slotted:   # the exchanged leaves in shared slots, then each part its own
+    layouts, buffers = packing.assign([[SlotType.of(avals[i], tuple(specs[i]))
+                                        for i in leaves] for leaves in members])
+  else:   # where each stage's leaves arrive in its buffer (``exchange``)
+    layouts = [packing.Layout.of([avals[i] for i in member], size, [dims[i] for i in member])
+               for member in members]
+    buffers = {k: size * w for k, w in packing.padded_sizes(layouts).items()}
+  return ParamStore(
+      mesh=mesh, avals=tuple(avals), specs=tuple(specs), shardings=shardings, members=members,
+      parts=parts, part_types=part_types, virtual=virtual, slotted=slotted,
+      layouts=tuple(lay.whole(keys, part_types) for lay, keys in zip(layouts, part_keys)),
+      buffers={**buffers, **part_types})
+
+
+def _rows_over_stage(spec: P, path: str, aval: Any) -> P:
+  """A chunked leaf's stored spec: its rows (layers) over ``stage``, stage ``s`` holding
+  chunk ``s``."""
+  if len(spec) and spec[0] is not None:
+    raise PlanError(_ROWS_TAKEN.format(path=path, spec=spec, shape=tuple(aval.shape)))
+  return P(STAGE, *tuple(spec)[1:])
 
 
 def part_key(j: int) -> str:
@@ -338,3 +383,10 @@ def _my_piece(local: jax.Array, e: packing.Entry, r: jax.Array, stages: int) -> 
     return flat
   flat = jnp.pad(flat, (0, stages * e.size - flat.shape[0]))
   return lax.dynamic_slice_in_dim(flat, r * e.size, e.size)
+
+
+_ROWS_TAKEN = """\
+Parameter '{path}' (shape {shape}) is a stack of layers each pipeline stage reads its own rows
+of, so it is stored split over stage on its first dimension, but its spec {spec} already splits
+that dimension. Leave the layers axis of scanned layers unsplit (map its logical axis name to
+None, or give the parameter an epl.annotate spec that starts with None)."""
