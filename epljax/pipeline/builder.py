@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -147,29 +149,42 @@ class Pipeline:
     """The mesh axes the loop is written for: its data axes and ``stage``."""
     return frozenset({*self.store.data_axes, STAGE})
 
-  def check_compiled(self, hlo_text: str) -> None:
+  def check_compiled(self, hlo_text: str, platform: str | None = None) -> None:
     """Refuses a compiled step in which GSPMD put a collective inside a stage's branch that
     waits for devices of other stages: with ``model`` left to GSPMD (tensor-parallel stages)
-    only that stage's devices reach it, and the step would hang. A ``collective-permute`` is
-    refused whatever its pairs (XLA:CPU's waits for every device); another collective when one
-    of its groups holds devices of two stages (or cannot be read)."""
+    only that stage's devices reach it, and the step would hang. Another collective is refused
+    when one of its groups holds devices of two stages (or cannot be read); a
+    ``collective-permute`` by what the platform (the mesh's, or ``platform``) runs it with
+    (``_PERMUTE_WAITS``)."""
+    platform = platform or self.mesh.devices.flat[0].platform
     mesh_shape = tuple(self.mesh.devices.shape)
     stage_axis = list(self.mesh.axis_names).index(STAGE)
 
-    def crosses(c: hlo.Collective) -> bool:
-      if c.kind == "collective-permute":
-        return True
-      groups = c.device_groups(self.mesh.size)
-      return groups is None or any(
-          len({np.unravel_index(d, mesh_shape)[stage_axis] for d in g}) > 1 for g in groups)
+    def one_stage(groups: list[list[int]] | None) -> bool:
+      return groups is not None and all(
+          len({np.unravel_index(d, mesh_shape)[stage_axis] for d in g}) == 1 for g in groups)
 
-    stuck = [c for c in hlo.collectives_in_branches(hlo_text, in_loops=True) if crosses(c)]
+    bodies, inside = hlo.computations_in_branches(hlo_text, in_loops=True)
+    stuck = []
+    for line in (line for name in inside for line in bodies[name]):
+      for c in hlo.collectives(line):
+        if c.kind != "collective-permute":
+          waits = not one_stage(c.device_groups(self.mesh.size))
+        else:   # XLA:GPU's clique: the components of its pairs (by that flag), or every device
+          pairs = re.search(r"source_target_pairs=(\{\{[\d,{}]*\}\})", line)
+          waits = not (platform == "gpu" and _GPU_PERMUTE_BY_PAIRS in os.environ.get(
+              "XLA_FLAGS", "") and pairs and one_stage(_components(pairs.group(1))))
+        if waits:
+          stuck.append(c)
     if stuck:
       raise PlanError(_PERMUTE_IN_STAGE.format(
           n=len(stuck), kinds=", ".join(sorted({c.kind for c in stuck})),
           shapes=", ".join(sorted({"+".join(c.shapes) for c in stuck})[:4]),
           splits=", ".join(f"'{s.name}': split({k})" for s, k in zip(self.stages, self.split)
-                           if k > 1)))
+                           if k > 1),
+          why=_PERMUTE_WAITS.get(platform, _PERMUTE_WAITS["other"]).format(platform=platform)
+          if any(c.kind == "collective-permute" for c in stuck) else
+          "a group of each holds devices of two stages"))
 
   def executed_collectives(self, hlo_text: str) -> list[hlo.Collective]:
     """The collectives one device of the busiest stage executes in a step of the compiled
@@ -319,14 +334,39 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
       constraints=tuple(constraints.plan_lines(notes)))
 
 
+def _components(pairs: str) -> list[list[int]]:
+  """A collective-permute's ``source_target_pairs`` text -> the devices it connects, grouped."""
+  group: dict[int, set[int]] = {}
+  for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs):
+    joined = group.get(int(a), {int(a)}) | group.get(int(b), {int(b)})
+    group.update((d, joined) for d in joined)
+  return [sorted(g) for g in {id(g): g for g in group.values()}.values()]
+
+
+_GPU_PERMUTE_BY_PAIRS = "--xla_gpu_collective_permute_connected_components=true"
+
+# What a collective-permute inside one stage's branch waits for, per platform. XLA:CPU: every
+# device of the program. XLA:GPU (read in its runtime, and compiled for H100s: GSPMD's permute
+# stays in the stage's branch as a collective-permute-start, its pairs within each model group):
+# its NCCL clique, by default every device of the program, whose first call ends in a rendezvous
+# of the clique's local devices, so a device of another stage never arrives; with the flag it is
+# the connected components of its pairs, refused only when one spans two stages.
+_PERMUTE_WAITS = {
+    "cpu": "XLA:CPU's collective-permute waits for every device of the program",
+    "gpu": ("XLA:GPU's collective-permute joins a clique of every device at its first call; "
+            f"with XLA_FLAGS={_GPU_PERMUTE_BY_PAIRS} its clique is the devices its pairs "
+            "connect, and one within a stage passes"),
+    "other": "a collective-permute inside a branch is not checked on {platform}: refused",
+}
+
 _PERMUTE_IN_STAGE = """\
 The compiled pipeline step has {n} collective(s) ({kinds}: {shapes}) inside a tensor-parallel
-stage's computation ({splits}) that wait for devices of other stages (any collective-permute
-does, on CPU). GSPMD inserts these to move a model-split activation between devices; inside a
-pipeline stage only that stage's devices run them, so the step would hang waiting for the
-others, and it is not started. Keep each stage's model split on whole
-dimensions the stage's matmuls contract or produce (Megatron's column then row), give the
-stage's parameters explicit specs with epl.annotate, or use epl.replicate stages."""
+stage's computation ({splits}) that wait for devices of other stages ({why}). GSPMD inserts
+these to move a model-split activation between devices; inside a pipeline stage only that
+stage's devices run them, so the step would hang waiting for the others, and it is not
+started. Keep each stage's model split on whole dimensions the stage's matmuls contract or
+produce (Megatron's column then row), give the stage's parameters explicit specs with
+epl.annotate, or use epl.replicate stages."""
 
 _VIRTUAL_WITH = """\
 pipeline.num_virtual_stages={v} interleaves stages whose parameters are packed into flat
