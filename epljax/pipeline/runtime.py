@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +52,9 @@ from epljax.mesh import STAGE
 from epljax.pipeline import packing, slots
 from epljax.pipeline.partition import Stage, same_consts
 from epljax.pipeline.schedules import Schedule
+
+if TYPE_CHECKING:
+  from epljax.pipeline.storage import ParamStore
 
 # Name scopes of the tick loop's two switches (the ``op_name`` of their conditionals).
 FORWARD_SWITCH = "pipeline_forward"
@@ -191,7 +194,7 @@ class Loop:
 
 
 def make_loop(stages: Sequence[Stage], fns: Sequence[StageFn], param_avals, batch_avals,
-              store: Any, *, state_avals: Sequence[Any], state_layouts: Sequence[Any],
+              store: ParamStore, *, state_avals: Sequence[Any], state_layouts: Sequence[Any],
               state_types: packing.Types, loop: tuple[Mesh, frozenset[str]]) -> Loop:
   """One ``Branch`` per distinct stage function, and the branch of every stage. ``store``: the
   parameter store (``storage.ParamStore``: per stage its layout in the parameter buffers,
