@@ -165,17 +165,18 @@ def test_replicate_and_split_1_stages_match_reference():
   assert not trainer.plan.pipeline.slotted
 
 
-def test_a_permute_inside_a_split_stage_is_refused_before_the_step_runs(scopes_run):
+def test_a_permute_inside_a_split_stage_is_refused_before_the_step_runs(scopes_run,
+                                                                         monkeypatch):
   """GSPMD may move a model-split activation with a collective-permute; inside a stage's
-  branch only that stage's devices would reach it (a hang): the compiled step is checked
-  before it first runs."""
+  branch only that stage's devices would reach it (a hang, by what the platform waits for):
+  the compiled step is checked before it first runs."""
   import test_hlo
 
   pipe = scopes_run[0].plan.pipeline
   pipe.check_compiled(scopes_run[0].plan.compiled.as_text())   # the real step passes
   with pytest.raises(PlanError, match=r"(?s)1 collective\(s\) \(collective-permute: f32\[4\]\) "
                      r"inside a\stensor-parallel\sstage's computation \('stage_0': split\(2\), "
-                     r"'stage_1': split\(2\)\).* would hang"):
+                     r"'stage_1': split\(2\)\).*XLA:CPU's.* would hang"):
     pipe.check_compiled(test_hlo.LOOPED)
   # A step-wide conditional (outside the loop: the XLA:CPU skip of a non-finite update) is
   # taken by every device alike.
@@ -189,3 +190,15 @@ def test_a_permute_inside_a_split_stage_is_refused_before_the_step_runs(scopes_r
   across = within.replace("replica_groups=[4,2]<=[8]", "replica_groups=[4,2]<=[2,2,2]T(0,2,1)")
   with pytest.raises(PlanError, match=r"1 collective\(s\) \(all-reduce: f32\[4\]\)"):
     pipe.check_compiled(across)
+  # XLA:GPU (its async form, as compiled for H100s): the permute's clique is every device,
+  # unless XLA_FLAGS makes it the devices its pairs connect; then pairs within a stage pass.
+  gpu = test_hlo.LOOPED.replace("f32[4]{0} collective-permute(", "((f32[4]{0}), f32[4]{0}) "
+                                "collective-permute-start(")
+  with pytest.raises(PlanError, match=r"(?s)collective-permute: f32\[4\].*XLA:GPU's"):
+    pipe.check_compiled(gpu, platform="gpu")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_collective_permute_connected_components=true")
+  pipe.check_compiled(gpu, platform="gpu")
+  with pytest.raises(PlanError, match=r"collective-permute: f32\[4\]"):   # devices 0 and 2
+    pipe.check_compiled(gpu.replace("{{0,1},{1,0}}", "{{0,2},{2,0}}"), platform="gpu")
+  with pytest.raises(PlanError, match="not checked on tpu"):
+    pipe.check_compiled(test_hlo.LOOPED, platform="tpu")

@@ -4,11 +4,12 @@ interleaved over virtual stages), and the ``shard_map`` loop that runs them in o
 - ``partition.py``: the traced loss -> one ``ClosedJaxpr`` per stage;
 - ``schedules.py``: ``PreferForward`` (GPipe) and ``PreferBackward`` (1F1B) as tick tables,
   interleaved with ``pipeline.num_virtual_stages > 1``;
-- ``packing.py``: activations and residuals as flat per-dtype buffers inside the step;
+- ``packing.py``: one ``Layout`` for every buffer the loop carries (parameters, activations,
+  residuals, model state): flat per-dtype buffers, or whole arrays in slots;
 - ``storage.py``: the parameter store (``ParamStore``): the stored leaves (the user's tree)
-  <-> the loop's parameter buffers (tied leaves: copies, summed), packed (``PackedStore``);
-- ``slots.py``: parameters (``SlotStore``) and residuals kept whole (tensor-parallel stages)
-  and model state, one row per stage;
+  <-> the loop's parameter buffers (tied leaves: copies, summed), moved in flat pieces by one
+  ``all_to_all`` per dtype, or whole into slots by ``slots.py`` (tensor-parallel stages), which
+  also keeps the model state, one row per stage;
 - ``roll.py``: a stage's repeated layers as one ``lax.scan`` over stacked weights;
 - ``stats.py``: batch statistics averaged over pipeline replicas (BatchNorm with several);
 - ``runtime.py``: the loop over ticks (``jax.vjp`` per micro batch, ``ppermute`` between stages);

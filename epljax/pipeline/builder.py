@@ -4,17 +4,16 @@ function.
 ``plan_pipeline`` is called by ``Trainer._build`` when the mesh has more than one stage. It
 traces the loss once more at the shapes one replica sees per micro batch, cuts the stages
 (``partition.py``), averages batch statistics over the replicas (``stats.py``), picks the
-schedule (``schedules.py``), decides where every parameter is stored (``make_store``) and
-returns a frozen ``Pipeline``, which prints (``describe()``, ``stage_info()``) without
+schedule (``schedules.py``), decides where every parameter is stored (``storage.make_store``)
+and returns a frozen ``Pipeline``, which prints (``describe()``, ``stage_info()``) without
 compiling anything:
 
 - ``param_shardings``: ``TrainState.params`` is the user's parameter tree, each leaf sharded
   over ``stage`` too, so the optimizer (any optax one) and checkpoints see the user's leaves;
 - ``store`` (``storage.ParamStore``): inside the step, between that tree and the loop's
-  per-stage ``{dtype: (S, size)}`` buffers (``storage.PackedStore``), or ``{slot: (S,
-  *shape)}`` slots when stages are ``epl.split`` (``slots.SlotStore``) (a parameter used by two
-  stages is copied to both, its two gradients summed); ``pack_state`` / ``unpack_state``: the
-  model state, in slots;
+  per-stage ``{dtype: (S, size)}`` buffers, or ``{slot: (S, *shape)}`` slots when stages are
+  ``epl.split`` (``slots.py``) (a parameter used by two stages is copied to both, its two
+  gradients summed); ``pack_state`` / ``unpack_state``: the model state, in slots;
 - ``with_features(features, ctx)``: the same plan with its loop's branches (every feature's
   ``forward`` hook around each stage's forward; traced, not compiled), whose ``gradients()``
   is the ``GradientFn`` of the step (``runtime.py``).
@@ -24,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -64,7 +65,7 @@ class Pipeline:
   aux_avals: tuple[Any, ...]
   aux_def: Any
   # Tensor-parallel stages (``split[s]`` > 1: epl.split(k)) keep their parameters whole, in
-  # slots (``slots.SlotStore``), and leave the ``model`` axis to GSPMD inside the loop.
+  # slots (``store.slotted``), and leave the ``model`` axis to GSPMD inside the loop.
   split: tuple[int, ...]
   store: storage.ParamStore
   # Model state (BatchNorm statistics): each leaf kept by the stage that updates it, in slots,
@@ -72,7 +73,8 @@ class Pipeline:
   # are averaged over them (``stats.py``), so they are those of the micro batch, as on one
   # device.
   state_avals: tuple[Any, ...]
-  state_layouts: tuple[slots.SlotLayout, ...]
+  state_layouts: tuple[packing.Layout, ...]
+  state_types: Mapping[str, packing.SlotType]
   balance: tuple[str, ...]       # per stage: estimated FLOPs and parameter bytes
   constraints: tuple[str, ...]   # what became of the model's own sharding constraints
   loop: runtime.Loop | None = None    # the distinct stage functions (``with_features``)
@@ -80,7 +82,7 @@ class Pipeline:
   @property
   def slotted(self) -> bool:
     """Tensor-parallel stages: parameters and residuals in slots, ``model`` left to GSPMD."""
-    return MODEL not in self.store.data_axes
+    return self.store.slotted
 
   @property
   def parts(self) -> Mapping[int, int]:
@@ -125,7 +127,7 @@ class Pipeline:
     if not self.state_avals:
       return {}
     stacked = slots.stack([slots.as_data(x) for x in jax.tree.leaves(model_state)],
-                          [s.state for s in self.stages], self.state_layouts)
+                          [s.state for s in self.stages], self.state_layouts, self.state_types)
     return {k: jax.lax.with_sharding_constraint(v, NamedSharding(self.mesh, P(STAGE)))
             for k, v in stacked.items()}
 
@@ -147,29 +149,42 @@ class Pipeline:
     """The mesh axes the loop is written for: its data axes and ``stage``."""
     return frozenset({*self.store.data_axes, STAGE})
 
-  def check_compiled(self, hlo_text: str) -> None:
+  def check_compiled(self, hlo_text: str, platform: str | None = None) -> None:
     """Refuses a compiled step in which GSPMD put a collective inside a stage's branch that
     waits for devices of other stages: with ``model`` left to GSPMD (tensor-parallel stages)
-    only that stage's devices reach it, and the step would hang. A ``collective-permute`` is
-    refused whatever its pairs (XLA:CPU's waits for every device); another collective when one
-    of its groups holds devices of two stages (or cannot be read)."""
+    only that stage's devices reach it, and the step would hang. Another collective is refused
+    when one of its groups holds devices of two stages (or cannot be read); a
+    ``collective-permute`` by what the platform (the mesh's, or ``platform``) runs it with
+    (``_PERMUTE_WAITS``)."""
+    platform = platform or self.mesh.devices.flat[0].platform
     mesh_shape = tuple(self.mesh.devices.shape)
     stage_axis = list(self.mesh.axis_names).index(STAGE)
 
-    def crosses(c: hlo.Collective) -> bool:
-      if c.kind == "collective-permute":
-        return True
-      groups = c.device_groups(self.mesh.size)
-      return groups is None or any(
-          len({np.unravel_index(d, mesh_shape)[stage_axis] for d in g}) > 1 for g in groups)
+    def one_stage(groups: list[list[int]] | None) -> bool:
+      return groups is not None and all(
+          len({np.unravel_index(d, mesh_shape)[stage_axis] for d in g}) == 1 for g in groups)
 
-    stuck = [c for c in hlo.collectives_in_branches(hlo_text, in_loops=True) if crosses(c)]
+    bodies, inside = hlo.computations_in_branches(hlo_text, in_loops=True)
+    stuck = []
+    for line in (line for name in inside for line in bodies[name]):
+      for c in hlo.collectives(line):
+        if c.kind != "collective-permute":
+          waits = not one_stage(c.device_groups(self.mesh.size))
+        else:   # XLA:GPU's clique: the components of its pairs (by that flag), or every device
+          pairs = re.search(r"source_target_pairs=(\{\{[\d,{}]*\}\})", line)
+          waits = not (platform == "gpu" and _GPU_PERMUTE_BY_PAIRS in os.environ.get(
+              "XLA_FLAGS", "") and pairs and one_stage(_components(pairs.group(1))))
+        if waits:
+          stuck.append(c)
     if stuck:
       raise PlanError(_PERMUTE_IN_STAGE.format(
           n=len(stuck), kinds=", ".join(sorted({c.kind for c in stuck})),
           shapes=", ".join(sorted({"+".join(c.shapes) for c in stuck})[:4]),
           splits=", ".join(f"'{s.name}': split({k})" for s, k in zip(self.stages, self.split)
-                           if k > 1)))
+                           if k > 1),
+          why=_PERMUTE_WAITS.get(platform, _PERMUTE_WAITS["other"]).format(platform=platform)
+          if any(c.kind == "collective-permute" for c in stuck) else
+          "a group of each holds devices of two stages"))
 
   def executed_collectives(self, hlo_text: str) -> list[hlo.Collective]:
     """The collectives one device of the busiest stage executes in a step of the compiled
@@ -192,9 +207,9 @@ class Pipeline:
         fn = f.forward(fn, ctx)
       fns.append(fn)
     loop = runtime.make_loop(
-        self.stages, fns, self.all_avals, self.batch_avals, self.store.layouts,
-        self.store.buffers, stash=self.store.stash, state_avals=self.state_avals,
-        state_layouts=self.state_layouts, loop=(self.mesh, self._manual))
+        self.stages, fns, self.all_avals, self.batch_avals, self.store,
+        state_avals=self.state_avals, state_layouts=self.state_layouts,
+        state_types=self.state_types, loop=(self.mesh, self._manual))
     return dataclasses.replace(self, loop=loop)
 
   def gradients(self) -> GradientFn:
@@ -236,51 +251,6 @@ class Pipeline:
 
   def text(self) -> str:
     return describe.text(self)
-
-
-def make_store(stages: Sequence[Stage], avals: Sequence[Any], specs: Sequence[P],
-               paths: Sequence[str], mesh: Mesh, split: Sequence[int],
-               virtual: int) -> storage.ParamStore:
-  """Where each parameter leaf is stored (its spec with ``stage`` added; a stacked leaf read
-  in row chunks: its rows over ``stage``) and how the loop's buffers hold it: packed, or in
-  slots when a stage is tensor-parallel."""
-  size, n = mesh.shape[STAGE], len(avals)
-  parts = dict(sorted({v: i for s in stages for v, i in s.parts}.items()))
-  if list(parts) != list(range(n, n + len(parts))):  # internal invariant
-    raise AssertionError(f"pipeline parts are not numbered after the leaves: {parts}")
-  shardings = tuple(NamedSharding(mesh, _rows_over_stage(spec, paths[i], avals[i])
-                                  if i in parts.values() else
-                                  storage.add_axis(spec, tuple(a.shape), STAGE, size) or spec)
-                    for i, (spec, a) in enumerate(zip(specs, avals)))
-  members = tuple(tuple(i for i in s.params if i not in parts) for s in stages)
-  part_keys = [tuple(storage.part_key(v - n) for v, _ in s.parts) for s in stages]
-  part_types = {storage.part_key(v - n): packing.SlotType.of(jax.ShapeDtypeStruct(
-      (avals[i].shape[0] // len(stages), *avals[i].shape[1:]), avals[i].dtype), tuple(specs[i]))
-      for v, i in parts.items()}
-  common = dict(mesh=mesh, avals=tuple(avals), specs=tuple(specs), shardings=shardings,
-                members=members, parts=parts, part_types=part_types, virtual=virtual)
-  if any(k > 1 for k in split):   # the exchanged leaves in shared slots, then each part its own
-    leaf_slots = tuple(slots.assign([[packing.SlotType.of(avals[i], tuple(specs[i]))
-                                      for i in leaves] for leaves in members]))
-    layouts = tuple(slots.SlotLayout(lay.keys + keys, lay.types + tuple(part_types.items()))
-                    for lay, keys in zip(leaf_slots, part_keys))
-    return slots.SlotStore(**common, layouts=layouts, buffers=dict(layouts[0].types),
-                           leaf_slots=leaf_slots)
-  # Where each stage's leaves arrive in its buffer (``storage.exchange``); parts stay put.
-  dims = tuple(storage.stage_dim(sh.spec) for sh in shardings)
-  layouts = tuple(storage.exchange_layouts(members, avals, dims, size, part_keys,
-                                           tuple(part_types.items())))
-  return storage.PackedStore(**common, layouts=layouts, buffers={**layouts[0].sizes,
-                                                                 **part_types},
-                             dims=dims, rows=tuple(chunk_rows(size, virtual)))
-
-
-def _rows_over_stage(spec: P, path: str, aval: Any) -> P:
-  """A chunked leaf's stored spec: its rows (layers) over ``stage``, stage ``s`` holding
-  chunk ``s``."""
-  if len(spec) and spec[0] is not None:
-    raise PlanError(_ROWS_TAKEN.format(path=path, spec=spec, shape=tuple(aval.shape)))
-  return P(STAGE, *tuple(spec)[1:])
 
 
 def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, state_shape: Any,
@@ -348,42 +318,55 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
     warnings.warn(_FEW_MICRO.format(m=config.num_micro_batch, s=layout.num_stages,
                                     bubble=schedule.bubble_fraction), PipelineWarning,
                   stacklevel=3)
-  state_layouts = tuple(slots.assign([
-      [packing.SlotType.of(slots.data_aval(s_leaves[j])) for j in s.state]
-      for s in stages]))
+  state_layouts, state_types = packing.assign([
+      [packing.SlotType.of(slots.data_aval(s_leaves[j])) for j in s.state] for s in stages])
   return Pipeline(
       stages=stages, schedule=schedule, mesh=layout.mesh, batch_axes=batch_axes,
       params_def=p_def, param_paths=tuple(param_paths), batch_avals=tuple(b_leaves),
       aux_avals=tuple(aux_avals), aux_def=found["aux_def"] if has_aux else None,
-      split=tuple(split), store=make_store(stages, p_leaves, param_specs, param_paths,
-                                           layout.mesh, split, layout.num_virtual_stages),
-      state_avals=tuple(s_leaves), state_layouts=state_layouts,
+      split=tuple(split), store=storage.make_store(stages, p_leaves, param_specs, param_paths,
+                                                   layout.mesh, split,
+                                                   layout.num_virtual_stages),
+      state_avals=tuple(s_leaves), state_layouts=tuple(state_layouts),
+      state_types=state_types,
       balance=tuple(check_balance(global_capture, layout.stage_of, len(stages),
                                   [s.name for s in stages])),
       constraints=tuple(constraints.plan_lines(notes)))
 
 
-def chunk_rows(num_stages: int, num_virtual_stages: int) -> list[int]:
-  """The chunk of each packed row: stage ``s`` holds chunks ``s, s + S, ..., s + (v - 1)S``
-  (the interleaved layout) as its ``v`` consecutive rows, so sharding the rows over ``stage``
-  gives every device its own chunks."""
-  return [s + j * num_stages for s in range(num_stages) for j in range(num_virtual_stages)]
+def _components(pairs: str) -> list[list[int]]:
+  """A collective-permute's ``source_target_pairs`` text -> the devices it connects, grouped."""
+  group: dict[int, set[int]] = {}
+  for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs):
+    joined = group.get(int(a), {int(a)}) | group.get(int(b), {int(b)})
+    group.update((d, joined) for d in joined)
+  return [sorted(g) for g in {id(g): g for g in group.values()}.values()]
 
 
-_ROWS_TAKEN = """\
-Parameter '{path}' (shape {shape}) is a stack of layers each pipeline stage reads its own rows
-of, so it is stored split over stage on its first dimension, but its spec {spec} already splits
-that dimension. Leave the layers axis of scanned layers unsplit (map its logical axis name to
-None, or give the parameter an epl.annotate spec that starts with None)."""
+_GPU_PERMUTE_BY_PAIRS = "--xla_gpu_collective_permute_connected_components=true"
+
+# What a collective-permute inside one stage's branch waits for, per platform. XLA:CPU: every
+# device of the program. XLA:GPU (read in its runtime, and compiled for H100s: GSPMD's permute
+# stays in the stage's branch as a collective-permute-start, its pairs within each model group):
+# its NCCL clique, by default every device of the program, whose first call ends in a rendezvous
+# of the clique's local devices, so a device of another stage never arrives; with the flag it is
+# the connected components of its pairs, refused only when one spans two stages.
+_PERMUTE_WAITS = {
+    "cpu": "XLA:CPU's collective-permute waits for every device of the program",
+    "gpu": ("XLA:GPU's collective-permute joins a clique of every device at its first call; "
+            f"with XLA_FLAGS={_GPU_PERMUTE_BY_PAIRS} its clique is the devices its pairs "
+            "connect, and one within a stage passes"),
+    "other": "a collective-permute inside a branch is not checked on {platform}: refused",
+}
 
 _PERMUTE_IN_STAGE = """\
 The compiled pipeline step has {n} collective(s) ({kinds}: {shapes}) inside a tensor-parallel
-stage's computation ({splits}) that wait for devices of other stages (any collective-permute
-does, on CPU). GSPMD inserts these to move a model-split activation between devices; inside a
-pipeline stage only that stage's devices run them, so the step would hang waiting for the
-others, and it is not started. Keep each stage's model split on whole
-dimensions the stage's matmuls contract or produce (Megatron's column then row), give the
-stage's parameters explicit specs with epl.annotate, or use epl.replicate stages."""
+stage's computation ({splits}) that wait for devices of other stages ({why}). GSPMD inserts
+these to move a model-split activation between devices; inside a pipeline stage only that
+stage's devices run them, so the step would hang waiting for the others, and it is not
+started. Keep each stage's model split on whole dimensions the stage's matmuls contract or
+produce (Megatron's column then row), give the stage's parameters explicit specs with
+epl.annotate, or use epl.replicate stages."""
 
 _VIRTUAL_WITH = """\
 pipeline.num_virtual_stages={v} interleaves stages whose parameters are packed into flat

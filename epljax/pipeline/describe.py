@@ -70,11 +70,11 @@ def stage_info(pipe: Pipeline) -> list[StageInfo]:
     kept = 0
     if pipe.loop is not None:
       branch = pipe.loop.branches[pipe.loop.branch_of[stage.index]]
-      kept = packing.nbytes(branch.residuals.layout.sizes)
-      kept += packing.nbytes(branch.incoming.sizes) if branch.needs_inputs else 0
+      kept = branch.residuals.layout.nbytes
+      kept += branch.incoming.nbytes if branch.needs_inputs else 0
     rows.append(StageInfo(stage.index, stage.name, len(stage.params),
                           stage_param_bytes(pipe, stage),
-                          packing.nbytes(packing.Layout.of(stage.incoming).sizes), kept,
+                          packing.Layout.of(stage.incoming).nbytes, kept,
                           f"{stage.rolled.repeats} x {stage.rolled.length} ops"
                           if stage.rolled else "-"))
   return rows

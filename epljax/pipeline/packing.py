@@ -1,12 +1,18 @@
-"""Flat buffers: a list of arrays of any shapes as one 1-D buffer per dtype.
+"""Buffers: a stage's values (parameters, activations, residuals, model state) in one buffer
+type shared by every stage.
 
-Stages differ in their parameters, activations and stashed residuals, but an SPMD program
-needs one type for all of them: each stage's values are packed into ``{dtype: (size,)}``
-buffers padded to the largest stage, so one ``(num_stages, size)`` array sharded over the
-``stage`` axis holds every stage's parameters, and one buffer type crosses every stage
-boundary. Packing is a concatenation (unpacking slices), so a gradient taken with respect to
-the unpacked values is packed again without the ``O(leaves x size)`` cost of differentiating
-through the slices.
+Stages differ in their values, but an SPMD program needs one type for all of them. A
+``Layout`` says where each of a stage's values sits in a dict of buffers, and ``pack`` /
+``unpack`` / ``accumulate`` are its only ways in and out; the buffer type (``types``) is the
+same for every stage:
+
+- flat ``{dtype: size}``: a stage's values of a dtype side by side in one 1-D buffer padded to
+  the largest stage (activations, residuals, packed parameters). Packing is a concatenation and
+  unpacking slices, so a gradient taken with respect to the unpacked values is packed again
+  without the ``O(values x size)`` cost of differentiating through the slices. An exchanged
+  parameter (``storage.py``) is ``pieces`` rows of such a buffer, one piece of it per row;
+- whole ``{key: SlotType}``: a value kept as the array it is, with its ``model`` split, in a
+  *slot* (``assign``: stages share the slots of a type), or a stacked leaf's chunk (a *part*).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class SlotType:
-  """A whole array of a buffer (a slot, ``slots.py``; a stacked leaf's chunk, ``storage.py``)."""
+  """A whole array of a buffer (a slot, or a stacked leaf's chunk, ``storage.py``)."""
   shape: tuple[int, ...]
   dtype: str
   spec: tuple[Any, ...]     # the leaf's PartitionSpec entries (model axis), without ``stage``
@@ -41,53 +47,162 @@ class SlotType:
     return jnp.zeros((*lead, *self.shape), self.dtype)
 
 
+Types = Mapping[str, int | SlotType]   # a buffer type: flat {dtype: size}, whole {key: SlotType}
+
+
 @dataclasses.dataclass(frozen=True)
 class Entry:
+  """Where one value sits: buffer ``key`` whole (``offset`` None), or ``size`` elements of its
+  dtype's flat buffer from ``offset`` (in each of the layout's ``pieces`` rows: the dimension
+  ``dim`` split, or slices of the flat values when None)."""
+  key: str
   dtype: str
   shape: tuple[int, ...]
-  offset: int
-
-  @property
-  def size(self) -> int:
-    return math.prod(self.shape)
+  offset: int | None
+  size: int
+  dim: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """Where each value sits in its dtype's buffer, and the buffer sizes (before padding)."""
+  """A stage's values in a dict of buffers (see the module doc); ``pieces``: rows of its flat
+  buffers, each holding one piece of every flat value."""
   entries: tuple[Entry, ...]
-  sizes: Mapping[str, int]
+  pieces: int = 1
 
   @staticmethod
-  def of(avals: Sequence[Any]) -> Layout:
-    sizes: dict[str, int] = {}
+  def of(avals: Sequence[Any], pieces: int = 1, dims: Sequence[int | None] | None = None
+         ) -> Layout:
+    """Flat: values side by side in their dtypes' buffers, each in ``pieces`` pieces (split on
+    its dimension ``dims[i]``, or slices of its flat values)."""
+    at: dict[str, int] = {}
     entries = []
-    for a in avals:
-      name = dtype_name(a.dtype)
-      entries.append(Entry(name, tuple(a.shape), sizes.get(name, 0)))
-      sizes[name] = sizes.get(name, 0) + math.prod(a.shape)
-    return Layout(tuple(entries), sizes)
+    for a, dim in zip(avals, dims or [None] * len(avals), strict=True):
+      name, size = dtype_name(a.dtype), -(-math.prod(a.shape) // pieces)
+      entries.append(Entry(name, name, tuple(a.shape), at.get(name, 0), size, dim))
+      at[name] = at.get(name, 0) + size
+    return Layout(tuple(entries), pieces)
 
-  def pack(self, values: Sequence[Any], padded: Mapping[str, int], *,
-           skip_missing: bool = False) -> dict[str, jax.Array]:
-    """Values -> ``{dtype: (padded[dtype],)}``; every dtype of ``padded`` is present.
+  def whole(self, keys: Sequence[str], types: Mapping[str, SlotType]) -> Layout:
+    """This layout, then values kept whole in buffers ``keys``."""
+    return dataclasses.replace(self, entries=self.entries + tuple(
+        Entry(k, types[k].dtype, types[k].shape, None, math.prod(types[k].shape)) for k in keys))
 
-    With ``skip_missing`` values whose dtype has no buffer are left out (the integer
+  @property
+  def sizes(self) -> dict[str, int]:
+    """Elements per row of each flat buffer (before padding)."""
+    out: dict[str, int] = {}
+    for e in self.entries:
+      if e.offset is not None:
+        out[e.key] = max(out.get(e.key, 0), e.offset + e.size)
+    return out
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the values."""
+    return sum(math.prod(e.shape) * jnp.dtype(e.dtype).itemsize for e in self.entries)
+
+  def pack(self, values: Sequence[Any], types: Types, *, skip_missing: bool = False
+           ) -> dict[str, jax.Array]:
+    """Values -> every buffer of ``types``: a flat one its values' pieces side by side then
+    zeros, a whole one its value, or zeros where this stage has none.
+
+    With ``skip_missing`` values whose buffer is not in ``types`` are left out (the integer
     activations of a gradient payload, whose cotangents are ``float0``).
     """
-    parts: dict[str, list[jax.Array]] = {name: [] for name in padded}
-    for entry, v in zip(self.entries, values, strict=True):
-      if skip_missing and entry.dtype not in padded:
+    flat: dict[str, list[jax.Array]] = {k: [] for k, t in types.items()
+                                        if not isinstance(t, SlotType)}
+    out = {}
+    for e, v in zip(self.entries, values, strict=True):
+      if skip_missing and e.key not in types:
         continue
-      parts[entry.dtype].append(jnp.ravel(v).astype(entry.dtype))
-    return {name: fill(parts[name], size, name) for name, size in padded.items()}
+      if e.offset is None:
+        out[e.key] = jnp.asarray(v, types[e.key].dtype)
+      else:
+        flat[e.key].append(self._pieces(v, e))
+    for k, parts in flat.items():
+      out[k] = self._fill(parts, types[k], k)
+    return {k: out[k] if k in out else t.zeros() for k, t in types.items()}
 
   def unpack(self, buffers: Mapping[str, jax.Array]) -> list[Any]:
     """Buffers -> values; values of a dtype without a buffer (the integer activations of a
     gradient payload, ``skip_missing``) get ``float0`` zeros, their cotangents."""
-    return [jax.lax.slice(buffers[e.dtype], (e.offset,), (e.offset + e.size,)).reshape(e.shape)
-            if e.dtype in buffers else np.zeros(e.shape, jax.dtypes.float0)
-            for e in self.entries]
+    rows = {k: buffers[k].reshape(self.pieces, -1) for k in self.sizes
+            if k in buffers and self.pieces > 1}
+    out = []
+    for e in self.entries:
+      if e.offset is None:
+        out.append(buffers[e.key])
+      elif e.key not in buffers:
+        out.append(np.zeros(e.shape, jax.dtypes.float0))
+      elif self.pieces == 1:
+        out.append(jax.lax.slice(buffers[e.key], (e.offset,), (e.offset + e.size,)
+                                 ).reshape(e.shape))
+      else:
+        out.append(self._whole(jax.lax.slice_in_dim(rows[e.key], e.offset, e.offset + e.size,
+                                                    axis=1), e))
+    return out
+
+  def accumulate(self, acc: Mapping[str, jax.Array], values: Sequence[Any], types: Types
+                 ) -> dict[str, jax.Array]:
+    """``acc + pack(values, types)``, touching only the buffers this stage fills: its
+    gradients added into the accumulator where the backward makes them (one elementwise pass
+    that XLA:GPU writes into ``acc`` in place, its matmuls accumulating there; no buffer of the
+    stage's gradients of its own)."""
+    flat = {k: t for k, t in types.items() if not isinstance(t, SlotType)}
+    mine = {e.key for e in self.entries if e.offset is None}
+    packed = self.pack(values, {**flat, **{k: types[k] for k in mine}})
+    return {k: acc[k] + packed[k].reshape(acc[k].shape) if k in packed else acc[k] for k in acc}
+
+  def _fill(self, parts: Sequence[jax.Array], size: int, dtype: str) -> jax.Array:
+    if self.pieces == 1:
+      return fill(parts, size, dtype)
+    return fill(parts, size // self.pieces, dtype, (self.pieces,)).reshape(size)
+
+  def _pieces(self, value: Any, e: Entry) -> jax.Array:
+    """A value -> its flat ``(size,)``, or its ``(pieces, size)`` pieces (the transpose of
+    ``_whole``), of its entry's dtype."""
+    n = self.pieces
+    if n == 1:
+      return jnp.ravel(value).astype(e.dtype)
+    value = jnp.asarray(value).astype(e.dtype)
+    if e.dim is None:
+      flat = jnp.ravel(value)
+      return jnp.pad(flat, (0, n * e.size - flat.shape[0])).reshape(n, e.size)
+    d = e.dim
+    split = value.reshape(*e.shape[:d], n, e.shape[d] // n, *e.shape[d + 1:])
+    return jnp.moveaxis(split, d, 0).reshape(n, e.size)
+
+  @staticmethod
+  def _whole(pieces: jax.Array, e: Entry) -> jax.Array:
+    """``(pieces, size)`` -> the value."""
+    n = pieces.shape[0]
+    if e.dim is None:
+      return pieces.reshape(-1)[:math.prod(e.shape)].reshape(e.shape)
+    shards = pieces.reshape(n, *piece_shape(e.shape, e.dim, n))
+    return jnp.moveaxis(shards, 0, e.dim).reshape(e.shape)
+
+
+def assign(stage_leaves: Sequence[Sequence[SlotType]]) -> tuple[list[Layout], dict[str, SlotType]]:
+  """Per stage, its values' types -> its ``Layout`` over shared slots (a value takes the first
+  slot of its type that its stage does not use yet), and the slots' types."""
+  types: dict[str, SlotType] = {}
+  keys_of: list[list[str]] = []
+  for leaves in stage_leaves:
+    keys: list[str] = []
+    for t in leaves:
+      key = next((k for k, u in types.items() if u == t and k not in keys), None)
+      if key is None:
+        key = f"slot{len(types)}"
+        types[key] = t
+      keys.append(key)
+    keys_of.append(keys)
+  return [Layout(()).whole(keys, types) for keys in keys_of], types
+
+
+def piece_shape(shape: tuple[int, ...], dim: int | None, n: int) -> tuple[int, ...]:
+  """One of ``n`` pieces of ``shape`` split on ``dim`` (None: not split)."""
+  return tuple(shape) if dim is None else (*shape[:dim], shape[dim] // n, *shape[dim + 1:])
 
 
 def fill(parts: Sequence[jax.Array], size: int, dtype: str, lead: tuple[int, ...] = ()
@@ -113,13 +228,13 @@ def padded_sizes(layouts: Sequence[Layout], *, inexact_only: bool = False) -> di
   return dict(sorted(out.items()))
 
 
-def zeros(sizes: Mapping[str, int | SlotType], lead: tuple[int, ...] = ()) -> dict[str, jax.Array]:
-  """Zero buffers of packed sizes (``{dtype: size}``) or slot types, ``lead`` in front."""
+def zeros(sizes: Types, lead: tuple[int, ...] = ()) -> dict[str, jax.Array]:
+  """Zero buffers of a buffer type, ``lead`` in front."""
   return {k: t.zeros(lead) if isinstance(t, SlotType) else jnp.zeros((*lead, t), k)
           for k, t in sizes.items()}
 
 
-def nbytes(sizes: Mapping[str, int | SlotType]) -> int:
-  """Bytes of buffers of packed sizes or slot types."""
+def nbytes(sizes: Types) -> int:
+  """Bytes of buffers of a buffer type."""
   return sum(t.nbytes if isinstance(t, SlotType) else t * jnp.dtype(k).itemsize
              for k, t in sizes.items())

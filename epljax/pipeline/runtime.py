@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +53,9 @@ from epljax.pipeline import packing, slots
 from epljax.pipeline.partition import Stage, same_consts
 from epljax.pipeline.schedules import Schedule
 
+if TYPE_CHECKING:
+  from epljax.pipeline.storage import ParamStore
+
 # Name scopes of the tick loop's two switches (the ``op_name`` of their conditionals).
 FORWARD_SWITCH = "pipeline_forward"
 BACKWARD_SWITCH = "pipeline_backward"
@@ -60,103 +63,43 @@ BACKWARD_SWITCH = "pipeline_backward"
 StageFn = Callable[[Sequence[Any], Sequence[Any], Sequence[Any]], tuple[Any, Any, Any]]
 
 
-@dataclasses.dataclass
-class _Residuals:
+@dataclasses.dataclass(frozen=True)
+class Residuals:
   """How to rebuild a stage's ``jax.vjp`` pullback from the stash (found by a trial trace)."""
   treedef: Any
   kinds: tuple[tuple[str, Any], ...]   # per pullback leaf: (param|act|batch|res, index) or static
-  layout: Any                          # the stashed leaves: packing.Layout or slots.SlotLayout
+  layout: packing.Layout               # the stashed leaves
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
 class Branch:
-  """One distinct stage function and the layouts of its buffers."""
+  """One distinct stage function, traced (``trace``): the layouts of its buffers and what its
+  one trace found."""
+  stage: Stage
+  params: packing.Layout      # its layout in the parameter buffers (``storage.ParamStore``)
+  incoming: packing.Layout
+  outgoing: packing.Layout
+  state_avals: tuple[Any, ...]
+  state: packing.Layout       # model state (BatchNorm statistics) in slots, threaded in order
+  loop: tuple[Mesh, frozenset[str]]   # the loop's mesh and manual axes
+  # The trial trace's program (params, acts, batch, state) -> (outs, loss, aux, stash, new
+  # state) and its output tree, replayed by the step's forward.
+  forward: tuple[jcore.ClosedJaxpr, Any]
+  residuals: Residuals
+  loss_dtype: Any             # of the (feature-wrapped) stage's loss output
 
-  def __init__(self, stage: Stage, fn: StageFn, param_layout: Any, state_avals: Sequence[Any],
-               state_layout: Any, loop: tuple[Mesh, frozenset[str]]):
-    self.stage = stage
-    self.loop = loop     # the loop's mesh and manual axes, for trial traces of collectives
-    self.fn = fn
-    # The stage's layout in the parameter buffers (``storage.ParamStore.layouts``).
-    self.params = param_layout
-    self.incoming = packing.Layout.of(stage.incoming)
-    self.outgoing = packing.Layout.of(stage.outgoing)
-    # Model state (BatchNorm statistics) in slots, threaded through the micro batches in order.
-    self.state_avals = [state_avals[j] for j in stage.state]
-    self.state = state_layout
-    self.residuals: _Residuals | None = None
-    self.loss_dtype: Any = jnp.float32   # of the (feature-wrapped) stage's loss output
-    # The trial trace's program (params, acts, batch, state) -> (outs, loss, aux, stash, new
-    # state) and its output tree, replayed by the step's forward (``trace``).
-    self.forward: tuple[jcore.ClosedJaxpr, Any] | None = None
+  @property
+  def signature(self) -> tuple:
+    """Equal for stages that compute the same thing on buffers laid out the same way (with
+    equal constants, ``partition.same_consts``)."""
+    return (str(self.forward[0]), self.params, self.incoming, self.outgoing, self.stage.last,
+            self.state)
 
-  # -- forward: outputs and pullback -------------------------------------------------------
-  def pullback(self, params, acts, batch, state):
-    """Outputs, loss, aux, pullback and the new model state of one forward. The state is not
-    differentiated; a state value the pullback needs is stashed (it changes per micro batch)."""
-    def f(p, a):
-      outs, loss, aux, new_state = self.fn(p, a, batch, tuple(state))
-      loss = jnp.zeros((), jnp.float32) if loss is None else loss
-      return (tuple(outs), loss), (tuple(aux), tuple(new_state))
+  @property
+  def needs_inputs(self) -> bool:
+    return any(kind == "act" for kind, _ in self.residuals.kinds)
 
-    (outs, loss), pull, (aux, new_state) = jax.vjp(f, tuple(params), tuple(acts), has_aux=True)
-    return outs, loss, aux, pull, new_state
-
-  def split(self, pull, params, acts, batch) -> tuple[Any, tuple, list]:
-    """Pullback -> (treedef, kinds, leaves to stash). Inputs are referenced, not stashed."""
-    leaves, treedef = jax.tree.flatten(pull)
-    known = {id(x): ("param", i) for i, x in enumerate(params)}
-    known.update({id(x): ("act", i) for i, x in enumerate(acts)})
-    known.update({id(x): ("batch", i) for i, x in enumerate(batch)})
-    kinds, stash = [], []
-    for leaf in leaves:
-      if id(leaf) in known:
-        kinds.append(known[id(leaf)])
-      elif not hasattr(leaf, "shape"):
-        kinds.append(("static", leaf))
-      else:
-        kinds.append(("res", len(stash)))
-        stash.append(leaf)
-    return treedef, tuple(kinds), stash
-
-  def trace(self, param_avals, batch_avals) -> tuple[tuple, list]:
-    """The stage's one trace (a trial ``jax.vjp``): which pullback leaves must be stashed, and
-    their shapes; its program is the forward the step replays (``forward``). Returns the
-    branch's signature, equal for stages that compute the same thing on buffers laid out the
-    same way, and the program's constants."""
-    found = {}
-
-    def trial(params, acts, batch, state):
-      outs, loss, aux, pull, new_state = self.pullback(params, acts, batch, state)
-      found["treedef"], found["kinds"], stash = self.split(pull, params, acts, batch)
-      return outs, loss, aux, stash, new_state
-
-    # The loop's axes are bound as there (a stage averaging its batch statistics, ``stats.py``,
-    # reduces over them), so the program replays inside the loop as it is.
-    mesh, manual = self.loop
-    closed, shapes = jax.make_jaxpr(trial, axis_env=[(a, mesh.shape[a]) for a in sorted(manual)],
-                                    return_shape=True)(
-        *self._abstract_args(param_avals, batch_avals))
-    _, loss, _, stash, _ = shapes
-    self.forward = (closed, jax.tree.structure(shapes))
-    for leaf in stash:
-      if not jnp.issubdtype(leaf.dtype, np.number) and leaf.dtype != np.bool_:
-        raise PlanError(f"Stage '{self.stage.name}' keeps a value of dtype {leaf.dtype} for its "
-                        "backward pass; pipeline stages can keep numeric and boolean values "
-                        "only. Pass PRNG keys as raw key data (jax.random.key_data).")
-    self.loss_dtype = loss.dtype
-    self.residuals = _Residuals(found["treedef"], found["kinds"], packing.Layout.of(stash))
-    return (str(closed), self.params, self.incoming, self.outgoing, self.stage.last,
-            self.state), closed.consts
-
-  def _abstract_args(self, param_avals, batch_avals):
-    sds = lambda a, *lead: jax.ShapeDtypeStruct((*lead, *a.shape), a.dtype)  # noqa: E731
-    leaves = [param_avals[i] for i in self.stage.params]
-    return ([sds(a) for a in leaves] + [sds(leaves[rows[0]], len(rows))
-                                        for rows in self.stage.stacks],
-            [sds(a) for a in self.stage.incoming], [sds(a) for a in batch_avals],
-            [sds(a) for a in self.state_avals])
-
-  def _bound(self, fn):
+  def bound(self, fn):
     """``fn`` compiled alone (``branch_flops``): a stage averaging its batch statistics
     (``stats.py``) in a ``shard_map`` manual over the loop's axes, as in the loop."""
     if not self.stage.averaged:
@@ -165,9 +108,70 @@ class Branch:
     return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False,
                          axis_names=manual)
 
-  @property
-  def needs_inputs(self) -> bool:
-    return any(kind == "act" for kind, _ in self.residuals.kinds)
+
+def trace(stage: Stage, fn: StageFn, params: packing.Layout, state_avals: Sequence[Any],
+          state: packing.Layout, loop: tuple[Mesh, frozenset[str]], param_avals,
+          batch_avals) -> Branch:
+  """The stage's one trace (a trial ``jax.vjp`` of ``fn``): which pullback leaves must be
+  stashed, and their shapes; its program is the forward the step replays."""
+  found = {}
+
+  def trial(p, acts, batch, old):
+    outs, loss, aux, pull, new_state = _pullback(fn, p, acts, batch, old)
+    found["treedef"], found["kinds"], stash = _split(pull, p, acts, batch)
+    return outs, loss, aux, stash, new_state
+
+  sds = lambda a, *lead: jax.ShapeDtypeStruct((*lead, *a.shape), a.dtype)  # noqa: E731
+  leaves = [param_avals[i] for i in stage.params]
+  state_avals = tuple(state_avals[j] for j in stage.state)
+  args = ([sds(a) for a in leaves] + [sds(leaves[rows[0]], len(rows)) for rows in stage.stacks],
+          [sds(a) for a in stage.incoming], [sds(a) for a in batch_avals],
+          [sds(a) for a in state_avals])
+  # The loop's axes are bound as there (a stage averaging its batch statistics, ``stats.py``,
+  # reduces over them), so the program replays inside the loop as it is.
+  mesh, manual = loop
+  closed, shapes = jax.make_jaxpr(trial, axis_env=[(a, mesh.shape[a]) for a in sorted(manual)],
+                                  return_shape=True)(*args)
+  _, loss, _, stash, _ = shapes
+  for leaf in stash:
+    if not jnp.issubdtype(leaf.dtype, np.number) and leaf.dtype != np.bool_:
+      raise PlanError(f"Stage '{stage.name}' keeps a value of dtype {leaf.dtype} for its "
+                      "backward pass; pipeline stages can keep numeric and boolean values "
+                      "only. Pass PRNG keys as raw key data (jax.random.key_data).")
+  return Branch(stage, params, packing.Layout.of(stage.incoming),
+                packing.Layout.of(stage.outgoing), state_avals, state, loop,
+                (closed, jax.tree.structure(shapes)),
+                Residuals(found["treedef"], found["kinds"], packing.Layout.of(stash)), loss.dtype)
+
+
+def _pullback(fn: StageFn, params, acts, batch, state):
+  """Outputs, loss, aux, pullback and the new model state of one forward. The state is not
+  differentiated; a state value the pullback needs is stashed (it changes per micro batch)."""
+  def f(p, a):
+    outs, loss, aux, new_state = fn(p, a, batch, tuple(state))
+    loss = jnp.zeros((), jnp.float32) if loss is None else loss
+    return (tuple(outs), loss), (tuple(aux), tuple(new_state))
+
+  (outs, loss), pull, (aux, new_state) = jax.vjp(f, tuple(params), tuple(acts), has_aux=True)
+  return outs, loss, aux, pull, new_state
+
+
+def _split(pull, params, acts, batch) -> tuple[Any, tuple, list]:
+  """Pullback -> (treedef, kinds, leaves to stash). Inputs are referenced, not stashed."""
+  leaves, treedef = jax.tree.flatten(pull)
+  known = {id(x): ("param", i) for i, x in enumerate(params)}
+  known.update({id(x): ("act", i) for i, x in enumerate(acts)})
+  known.update({id(x): ("batch", i) for i, x in enumerate(batch)})
+  kinds, stash = [], []
+  for leaf in leaves:
+    if id(leaf) in known:
+      kinds.append(known[id(leaf)])
+    elif not hasattr(leaf, "shape"):
+      kinds.append(("static", leaf))
+    else:
+      kinds.append(("res", len(stash)))
+      stash.append(leaf)
+  return treedef, tuple(kinds), stash
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,40 +194,35 @@ class Loop:
 
 
 def make_loop(stages: Sequence[Stage], fns: Sequence[StageFn], param_avals, batch_avals,
-              param_layouts: Sequence[Any], param_buffers: dict[str, Any], *,
-              stash: Callable[[list[packing.Layout]], tuple[list[Any], dict[str, Any]]],
-              state_avals: Sequence[Any], state_layouts: Sequence[Any],
-              loop: tuple[Mesh, frozenset[str]]) -> Loop:
-  """One ``Branch`` per distinct stage function, and the branch of every stage.
-  ``param_layouts`` / ``param_buffers``: per stage, its layout in the parameter buffers, and
-  their type (``storage.ParamStore``); ``stash``: the branches' residuals -> their layouts in
-  the stash and its type (``ParamStore.stash``); ``state_avals`` / ``state_layouts``: the
-  model state leaves, and per stage
-  its state slots; ``loop``: the mesh and manual axes of ``pipelined_gradients``' loop, for
-  stages with collectives of their own (batch statistics)."""
+              store: ParamStore, *, state_avals: Sequence[Any], state_layouts: Sequence[Any],
+              state_types: packing.Types, loop: tuple[Mesh, frozenset[str]]) -> Loop:
+  """One ``Branch`` per distinct stage function, and the branch of every stage. ``store``: the
+  parameter store (``storage.ParamStore``: per stage its layout in the parameter buffers,
+  their type, and the stash's layouts and type); ``state_avals`` / ``state_layouts`` /
+  ``state_types``: the model state leaves, per stage its state slots, and their types;
+  ``loop``: the mesh and manual axes of ``pipelined_gradients``' loop, for stages with
+  collectives of their own (batch statistics)."""
   branches: list[Branch] = []
   seen: list[tuple[tuple, list]] = []
   branch_of = []
-  for stage, fn, layout, state in zip(stages, fns, param_layouts, state_layouts, strict=True):
-    branch = Branch(stage, fn, layout, state_avals, state, loop)
-    sig, consts = branch.trace(param_avals, batch_avals)
+  for stage, fn, layout, state in zip(stages, fns, store.layouts, state_layouts, strict=True):
+    branch = trace(stage, fn, layout, state_avals, state, loop, param_avals, batch_avals)
+    sig, consts = branch.signature, branch.forward[0].consts
     match = [i for i, (s, c) in enumerate(seen) if s == sig and same_consts(c, consts)]
-    if match:
-      branch_of.append(match[0])
-      continue
-    branches.append(branch)
-    seen.append((sig, consts))
-    branch_of.append(len(branches) - 1)
-  layouts, residuals = stash([b.residuals.layout for b in branches])
-  for b, layout in zip(branches, layouts):
-    b.residuals = dataclasses.replace(b.residuals, layout=layout)
+    if not match:
+      branches.append(branch)
+      seen.append((sig, consts))
+    branch_of.append(match[0] if match else len(branches) - 1)
+  layouts, residuals = store.stash([b.residuals.layout for b in branches])
+  branches = [dataclasses.replace(b, residuals=dataclasses.replace(b.residuals, layout=layout))
+              for b, layout in zip(branches, layouts)]
   edges = [b.incoming for b in branches] + [b.outgoing for b in branches]
   buffers = Buffers(
-      params=dict(param_buffers),
+      params=dict(store.buffers),
       payload=packing.padded_sizes(edges),
       grad_payload=packing.padded_sizes(edges, inexact_only=True),
-      residuals=residuals, keep_inputs=any(b.needs_inputs for b in branches),
-      state=dict(branches[0].state.types))
+      residuals=dict(residuals), keep_inputs=any(b.needs_inputs for b in branches),
+      state=dict(state_types))
   return Loop(tuple(branches), tuple(branch_of), buffers)
 
 
@@ -237,7 +236,8 @@ def _forward_branch(branch: Branch, sizes: Buffers, aux_avals):
     if [(a.shape, a.dtype) for a in args] != [(v.shape, v.dtype) for v in closed.in_avals]:
       raise AssertionError(f"stage '{branch.stage.name}' replays its forward on other inputs")
     outs, loss, aux, stash, new_state = jax.tree.unflatten(tree, jcore.jaxpr_as_fun(closed)(*args))
-    state = {**state, **dict(zip(branch.state.keys, map(slots.as_data, new_state)))}
+    state = {**state, **{e.key: slots.as_data(x) for e, x in zip(branch.state.entries,
+                                                                  new_state)}}
     if not branch.stage.last:
       aux = [jnp.zeros(a.shape, a.dtype) for a in aux_avals]
     return (branch.outgoing.pack(outs, sizes.payload), loss.astype(jnp.float32), list(aux),
@@ -260,7 +260,8 @@ def _backward_branch(branch: Branch, sizes: Buffers):
     pull = jax.tree.unflatten(branch.residuals.treedef, pull_leaves)
     g_outs = branch.outgoing.unpack(grad_out)
     g_params, g_acts = pull((tuple(g_outs), seed.astype(branch.loss_dtype)))
-    return (branch.params.accumulate(acc, branch.stage.leaf_gradients(g_params)),
+    return (branch.params.accumulate(acc, branch.stage.leaf_gradients(g_params),
+                                      sizes.params),
             branch.incoming.pack(g_acts, sizes.grad_payload, skip_missing=True))
 
   return run
@@ -432,9 +433,9 @@ def branch_flops(loop: Loop, aux_avals, batch_avals) -> list[tuple[float, float]
   params, state = bufs(sizes.params), bufs(sizes.state)
   out = []
   for b in loop.branches:
-    fwd = jax.jit(b._bound(_forward_branch(b, sizes, aux_avals))).lower(
+    fwd = jax.jit(b.bound(_forward_branch(b, sizes, aux_avals))).lower(
         params, bufs(sizes.payload), batch, state).compile()
-    bwd = jax.jit(b._bound(_backward_branch(b, sizes))).lower(
+    bwd = jax.jit(b.bound(_backward_branch(b, sizes))).lower(
         params, params, bufs(sizes.payload if sizes.keep_inputs else {}, (2,)),
         bufs(sizes.residuals, (2,)), jax.ShapeDtypeStruct((), jnp.int32), batch,
         bufs(sizes.grad_payload), jax.ShapeDtypeStruct((), jnp.float32)).compile()

@@ -1,5 +1,5 @@
-"""The stored parameters (the user's leaves, each also sharded over ``stage``) and the loop's
-per-stage buffers.
+"""The parameter store (``ParamStore``, made by ``make_store``): the stored parameters (the
+user's leaves, each also sharded over ``stage``) <-> the loop's per-stage buffers.
 
 A leaf is stored in ``S`` pieces, one per stage device (its shard on the dimension ``stage``
 splits, or a ``1/S`` slice of its flattened values when no dimension divides). The loop needs
@@ -7,11 +7,12 @@ each stage's leaves whole on that stage's devices. ``exchange`` moves them there
 ``all_to_all`` per dtype over ``stage``: device ``r`` sends every stage its ``r``-th piece of
 each leaf that stage reads, so every byte moves once and a device never holds more than its own
 stage's parameters. A stage's buffer is its pieces as they arrive, ``(S, slot)`` per dtype
-(piece ``r`` of every leaf in source ``r``'s slot), and ``ExchangeLayout.unpack`` reassembles
-the leaves inside the stage. ``gradients`` is the transpose: one ``all_to_all`` back, and a
-leaf read by several stages (tied embeddings) gets the sum of their gradients. Both are a fixed
-number of collectives and a few static slices per leaf, however deep the model.
-(Tensor-parallel stages keep whole leaves in slots instead: ``slots.py``.)
+(piece ``r`` of every leaf in source ``r``'s slot, a ``packing.Layout`` of ``S`` pieces), and
+its ``unpack`` reassembles the leaves inside the stage. ``exchange_gradients`` is the
+transpose: one ``all_to_all`` back, and a leaf read by several stages (tied embeddings) gets
+the sum of their gradients. Both are a fixed number of collectives and a few static slices per
+leaf, however deep the model.
+(Tensor-parallel stages keep whole leaves in slots instead, ``slotted``: ``slots.py``.)
 
 A stacked leaf whose stage ``s`` reads only its ``s``-th row chunk (scanned layers split per
 stage, ``chunks.py``) is stored split over ``stage`` on its rows, so each stage device already
@@ -37,9 +38,11 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from epljax.errors import PlanError
 from epljax.mesh import DATA, MODEL, STAGE
-from epljax.pipeline import packing
+from epljax.pipeline import packing, slots
 from epljax.pipeline.packing import SlotType
+from epljax.pipeline.partition import Stage
 
 
 def axis_size(mesh, entry) -> int:
@@ -59,23 +62,15 @@ def add_axis(spec: P, shape: tuple[int, ...], axis: str, size: int) -> P | None:
   return P(*entries)
 
 
-@dataclasses.dataclass(frozen=True)
-class Piece:
-  """One leaf of a stage: ``S`` pieces of ``size`` elements, at ``offset`` in every slot."""
-  dtype: str
-  shape: tuple[int, ...]
-  dim: int | None      # the dimension split over ``stage``; None: slices of the flat values
-  offset: int
-  size: int
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class ParamStore:
   """The user's parameter leaves as stored (``shardings``: each also split over ``stage``) <->
   the loop's parameter buffers (``buffers``: their type; ``layouts``: per chunk, where its
-  parameters sit, its exchanged leaves then its parts). Two kinds: ``PackedStore`` (flat
-  per-dtype buffers) and ``slots.SlotStore`` (whole arrays, for tensor-parallel stages); both
-  carry the stacked leaves' chunks (``parts``) beside their buffers (see the module doc)."""
+  parameters sit, its exchanged leaves then its parts, ``packing.Layout``). Exchanged leaves
+  are flat pieces moved by ``exchange`` (one ``all_to_all`` per dtype), or whole arrays in
+  slots moved by ``slots.exchange`` (``slotted``: tensor-parallel stages, which keep their
+  ``model`` split); the stacked leaves' chunks (``parts``) ride beside them (see the module
+  doc)."""
   mesh: Mesh
   avals: tuple[Any, ...]                  # the user's leaves
   specs: tuple[P, ...]                    # their specs without ``stage``
@@ -83,24 +78,54 @@ class ParamStore:
   members: tuple[tuple[int, ...], ...]    # per chunk (in row order), its exchanged leaves
   parts: Mapping[int, int]                # part index (after the leaves) -> its stacked leaf
   part_types: Mapping[str, SlotType]      # part key -> one chunk of its leaf
-  layouts: tuple[Any, ...]                # per chunk: ``unpack(buffers)``, ``pack(values, type)``
-  buffers: Mapping[str, Any]              # {dtype: size} (packed) and {key: SlotType}
+  layouts: tuple[packing.Layout, ...]     # per chunk
+  buffers: packing.Types                  # {dtype: S slot} (packed) or {slot: SlotType}, parts
   virtual: int
+  slotted: bool
 
-  inside = ""   # how the parameters are held inside the step, for the plan
-  data_axes = (DATA, MODEL)   # the loop's data axes (manual, with ``stage``)
+  @property
+  def data_axes(self) -> tuple[str, ...]:
+    """The loop's data axes (manual, with ``stage``); slotted, ``model`` is left to GSPMD."""
+    return (DATA,) if self.slotted else (DATA, MODEL)
+
+  @property
+  def inside(self) -> str:
+    """How the parameters are held inside the step, for the plan."""
+    return ("in slots (whole arrays, split over model) inside the step" if self.slotted else
+            "packed for the largest stage inside the step")
+
+  @property
+  def dims(self) -> tuple[int | None, ...]:
+    """Per leaf, the dimension stored split over ``stage``."""
+    return tuple(stage_dim(sh.spec) for sh in self.shardings)
 
   def pack(self, leaves: Sequence[Any]) -> dict[str, jax.Array]:
-    """The stored leaves -> the loop's ``(S v, ...)`` buffers (traceable)."""
-    return self._pack(leaves, {part_key(v - len(leaves)): interleave(leaves[i], self.virtual,
-                                                                     self.mesh)
-                               for v, i in self.parts.items()})
+    """The stored leaves -> the loop's ``(S v, ...)`` buffers (traceable), sharded as the loop
+    reads them."""
+    parts = {part_key(v - len(leaves)): interleave(leaves[i], self.virtual, self.mesh)
+             for v, i in self.parts.items()}
+    if self.slotted:
+      moved = slots.exchange(leaves, self.layouts, self.members, self.dims, self.buffers,
+                             self.mesh)
+      return {k: lax.with_sharding_constraint(v, NamedSharding(
+          self.mesh, P(STAGE, *self.buffers[k].spec))) for k, v in {**moved, **parts}.items()}
+    stage = NamedSharding(self.mesh, P(STAGE))
+    return {**exchange(leaves, self._by_row(self.layouts), self._by_row(self.members),
+                       self.dims, self._slot_sizes(), self.mesh),
+            **{k: lax.with_sharding_constraint(v, stage) for k, v in parts.items()}}
 
   def gradients_of(self, packed: Mapping[str, jax.Array]) -> list[Any]:
     """The buffers' gradients -> per stored leaf, the sum over the stages that read it (the
     transpose of ``pack``)."""
     keys = {part_key(v - len(self.avals)): i for v, i in self.parts.items()}
-    leaves = self._gradients({k: g for k, g in packed.items() if k not in keys})
+    moved = {k: g for k, g in packed.items() if k not in keys}
+    if self.slotted:
+      leaves = slots.exchange_gradients(moved, self.layouts, self.members, self.dims,
+                                        self.avals, self.mesh)
+    else:
+      leaves = list(exchange_gradients(moved, self._by_row(self.layouts),
+                                       self._by_row(self.members), self.dims,
+                                       self._slot_sizes(), self.avals, self.mesh))
     for k, i in keys.items():
       leaves[i] = deinterleave(packed[k], tuple(self.avals[i].shape), self.mesh)
     return leaves
@@ -116,123 +141,87 @@ class ParamStore:
 
   def bytes_inside(self) -> int:
     """One stage's parameters per device inside the step."""
-    raise NotImplementedError
+    if self.slotted:
+      return sum(t.nbytes // self.split_of(t.spec) for t in self.buffers.values())
+    return packing.nbytes({k: n for k, n in self.buffers.items() if k not in self.part_types}
+                          ) + self.part_bytes()
 
-  def stash(self, layouts: list[packing.Layout]) -> tuple[list[Any], dict[str, Any]]:
-    """The branches' residuals -> their layouts in the stash, and its type: flat buffers
-    padded to the largest."""
-    return layouts, packing.padded_sizes(layouts)
+  def stash(self, layouts: list[packing.Layout]) -> tuple[list[packing.Layout], packing.Types]:
+    """The branches' residuals (flat layouts) -> their layouts in the stash, and its type:
+    flat buffers padded to the largest; slotted, whole residuals in slots, which keep GSPMD's
+    ``model`` split (a flat buffer would gather them), shared by the branches like their
+    parameters."""
+    if not self.slotted:
+      return layouts, packing.padded_sizes(layouts)
+    return packing.assign([[SlotType(e.shape, e.dtype, (None,) * len(e.shape))
+                            for e in lay.entries] for lay in layouts])
 
-  def _pack(self, leaves: Sequence[Any], parts: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """The exchanged leaves' buffers, and ``parts`` beside them, sharded as the loop reads
-    them."""
-    raise NotImplementedError
-
-  def _gradients(self, packed: Mapping[str, jax.Array]) -> list[Any]:
-    raise NotImplementedError
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class PackedStore(ParamStore):
-  """Each chunk's exchanged leaves in ``{dtype: (S v, S slot)}`` buffers, filled by one
-  ``all_to_all`` per dtype (``exchange``); ``dims``: per leaf, the dimension stored split
-  over ``stage``; ``rows``: the chunk of each buffer row (``chunk_rows``)."""
-  dims: tuple[int | None, ...]
-  rows: tuple[int, ...]
-
-  inside = "packed for the largest stage inside the step"
-
-  def _pack(self, leaves: Sequence[Any], parts: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    stage = NamedSharding(self.mesh, P(STAGE))
-    return {**exchange(leaves, self._by_row(self.layouts), self._by_row(self.members),
-                       self.dims, self.mesh),
-            **{k: lax.with_sharding_constraint(v, stage) for k, v in parts.items()}}
-
-  def _gradients(self, packed: Mapping[str, jax.Array]) -> list[Any]:
-    return list(exchange_gradients(packed, self._by_row(self.layouts),
-                                   self._by_row(self.members), self.dims, self.avals, self.mesh))
+  def _slot_sizes(self) -> dict[str, int]:
+    """Flat buffers: per dtype, the slot every stage device sends each stage."""
+    n = self.mesh.shape[STAGE]
+    return {k: t // n for k, t in self.buffers.items() if not isinstance(t, SlotType)}
 
   def _by_row(self, per_chunk: Sequence[Any]) -> list[Any]:
-    return [per_chunk[c] for c in self.rows]
+    """Per chunk -> per buffer row (stage ``s`` holds chunks ``s, s + S, ...`` as its ``v``
+    consecutive rows)."""
+    n = self.mesh.shape[STAGE]
+    return [per_chunk[s + j * n] for s in range(n) for j in range(self.virtual)]
 
-  def bytes_inside(self) -> int:
-    return packing.nbytes({k: n for k, n in self.buffers.items() if k not in self.part_types}
-                           ) + self.part_bytes()
+
+def make_store(stages: Sequence[Stage], avals: Sequence[Any], specs: Sequence[P],
+               paths: Sequence[str], mesh: Mesh, split: Sequence[int],
+               virtual: int) -> ParamStore:
+  """Where each parameter leaf is stored (its spec with ``stage`` added; a stacked leaf read
+  in row chunks: its rows over ``stage``) and how the loop's buffers hold it: packed, or in
+  slots when a stage is tensor-parallel."""
+  size, n = mesh.shape[STAGE], len(avals)
+  parts = dict(sorted({v: i for s in stages for v, i in s.parts}.items()))
+  if list(parts) != list(range(n, n + len(parts))):  # internal invariant
+    raise AssertionError(f"pipeline parts are not numbered after the leaves: {parts}")
+  shardings = tuple(NamedSharding(mesh, _rows_over_stage(spec, paths[i], avals[i])
+                                  if i in parts.values() else
+                                  add_axis(spec, tuple(a.shape), STAGE, size) or spec)
+                    for i, (spec, a) in enumerate(zip(specs, avals)))
+  members = tuple(tuple(i for i in s.params if i not in parts) for s in stages)
+  part_keys = [tuple(part_key(v - n) for v, _ in s.parts) for s in stages]
+  part_types = {part_key(v - n): SlotType.of(jax.ShapeDtypeStruct(
+      (avals[i].shape[0] // len(stages), *avals[i].shape[1:]), avals[i].dtype), tuple(specs[i]))
+      for v, i in parts.items()}
+  dims = tuple(stage_dim(sh.spec) for sh in shardings)
+  slotted = any(k > 1 for k in split)
+  if slotted:   # the exchanged leaves in shared slots, then each part its own
+    layouts, buffers = packing.assign([[SlotType.of(avals[i], tuple(specs[i]))
+                                        for i in leaves] for leaves in members])
+  else:   # where each stage's leaves arrive in its buffer (``exchange``)
+    layouts = [packing.Layout.of([avals[i] for i in member], size, [dims[i] for i in member])
+               for member in members]
+    buffers = {k: size * w for k, w in packing.padded_sizes(layouts).items()}
+  return ParamStore(
+      mesh=mesh, avals=tuple(avals), specs=tuple(specs), shardings=shardings, members=members,
+      parts=parts, part_types=part_types, virtual=virtual, slotted=slotted,
+      layouts=tuple(lay.whole(keys, part_types) for lay, keys in zip(layouts, part_keys)),
+      buffers={**buffers, **part_types})
 
 
-@dataclasses.dataclass(frozen=True)
-class ExchangeLayout:
-  """A stage's exchanged leaves in its buffer ``{dtype: (S * slot,)}`` (see the module doc),
-  then its chunks of stacked leaves (``part_keys``; ``part_types``: every part, the buffer
-  type). A stage layout for the runtime (``ParamStore.layouts``)."""
-  entries: tuple[Piece, ...]
-  stages: int
-  slots: tuple[tuple[str, int], ...]    # (dtype, slot size), the same for every stage
-  part_keys: tuple[str, ...]
-  part_types: tuple[tuple[str, SlotType], ...]
-
-  @property
-  def sizes(self) -> dict[str, int]:
-    return {name: self.stages * slot for name, slot in self.slots}
-
-  def unpack(self, buffers: Mapping[str, jax.Array]) -> list[jax.Array]:
-    rows = {k: buffers[k].reshape(self.stages, slot) for k, slot in self.slots}
-    return [_whole(lax.slice_in_dim(rows[e.dtype], e.offset, e.offset + e.size, axis=1), e)
-            for e in self.entries] + [buffers[k] for k in self.part_keys]
-
-  def pack(self, values: Sequence[Any], padded: Mapping[str, Any]) -> dict[str, jax.Array]:
-    """Whole leaves and parts (the stage's gradients) -> its buffers: the transpose of
-    ``unpack``, zeros in the parts it does not read."""
-    types = dict(self.part_types)
-    n = len(self.entries)
-    parts: dict[str, list[jax.Array]] = {name: [] for name in padded if name not in types}
-    for e, v in zip(self.entries, values[:n], strict=True):
-      parts[e.dtype].append(_pieces(jnp.asarray(v).astype(e.dtype), e, self.stages))
-    out = {name: packing.fill(parts[name], padded[name] // self.stages, name,
-                              (self.stages,)).reshape(padded[name]) for name in parts}
-    out.update((k, t.zeros()) for k, t in types.items())
-    out.update((k, jnp.asarray(v, types[k].dtype)) for k, v in zip(self.part_keys, values[n:],
-                                                                   strict=True))
-    return out
-
-  def accumulate(self, acc: Mapping[str, jax.Array], values: Sequence[Any]
-                 ) -> dict[str, jax.Array]:
-    """``acc + pack(values)``: the stage's gradients added into its accumulator where the
-    backward makes them (one elementwise pass that XLA:GPU writes into ``acc`` in place,
-    its matmuls accumulating there; no buffer of the stage's gradients of its own)."""
-    packed = self.pack(values, {k: v.shape[-1] for k, v in acc.items()})
-    return {k: acc[k] + packed[k].reshape(acc[k].shape) for k in acc}
+def _rows_over_stage(spec: P, path: str, aval: Any) -> P:
+  """A chunked leaf's stored spec: its rows (layers) over ``stage``, stage ``s`` holding
+  chunk ``s``."""
+  if len(spec) and spec[0] is not None:
+    raise PlanError(_ROWS_TAKEN.format(path=path, spec=spec, shape=tuple(aval.shape)))
+  return P(STAGE, *tuple(spec)[1:])
 
 
 def part_key(j: int) -> str:
   return f"part{j}"
 
 
-def exchange_layouts(members: Sequence[Sequence[int]], avals: Sequence[Any],
-                     dims: Sequence[int | None], stages: int,
-                     part_keys: Sequence[tuple[str, ...]],
-                     part_types: tuple[tuple[str, SlotType], ...]) -> list[ExchangeLayout]:
-  """Per stage (its leaf indices ``members``): where each of its leaves' pieces sit; ``dims``:
-  per leaf, the dimension its storage splits over ``stage`` (None: not split)."""
-  # A stage's pieces (one per leaf) side by side in each dtype's slot, the largest stage's size.
-  flat = [packing.Layout.of([jax.ShapeDtypeStruct((-(-math.prod(avals[i].shape) // stages),),
-                                                  avals[i].dtype) for i in member])
-          for member in members]
-  slots = tuple(packing.padded_sizes(flat).items())
-  return [ExchangeLayout(tuple(Piece(e.dtype, tuple(avals[i].shape), dims[i], e.offset, e.size)
-                               for i, e in zip(member, layout.entries)),
-                         stages, slots, tuple(keys), part_types)
-          for member, layout, keys in zip(members, flat, part_keys)]
-
-
-def exchange(leaves: Sequence[Any], rows: Sequence[ExchangeLayout],
+def exchange(leaves: Sequence[Any], rows: Sequence[packing.Layout],
              members: Sequence[Sequence[int]], dims: Sequence[int | None],
-             mesh: Mesh) -> dict[str, jax.Array]:
+             slot: Mapping[str, int], mesh: Mesh) -> dict[str, jax.Array]:
   """The stored leaves -> ``{dtype: (S v, S slot)}`` over ``stage``: row ``R`` is the buffer of
   ``rows[R]`` (the layout of the chunk in row ``R``, whose leaves are ``members[R]``)."""
   n_stages = mesh.shape[STAGE]
   per = len(rows) // n_stages
-  slot = dict(rows[0].slots)
 
   def local(*local_leaves):
     r = lax.axis_index(STAGE)
@@ -247,18 +236,18 @@ def exchange(leaves: Sequence[Any], rows: Sequence[ExchangeLayout],
     got = {k: lax.all_to_all(v, STAGE, 0, 0, tiled=True) for k, v in send.items()}
     return {k: v.transpose(1, 0, 2).reshape(per, n_stages * slot[k]) for k, v in got.items()}
 
-  return jax.shard_map(local, mesh=mesh, in_specs=tuple(map(_spec, dims)),
+  return jax.shard_map(local, mesh=mesh, in_specs=tuple(map(slots.stage_spec, dims)),
                        out_specs=P(STAGE), axis_names=frozenset({STAGE}), check_vma=False)(*leaves)
 
 
-def exchange_gradients(packed: Mapping[str, jax.Array], rows: Sequence[ExchangeLayout],
+def exchange_gradients(packed: Mapping[str, jax.Array], rows: Sequence[packing.Layout],
                        members: Sequence[Sequence[int]], dims: Sequence[int | None],
-                       avals: Sequence[Any], mesh: Mesh) -> list[jax.Array]:
+                       slot: Mapping[str, int], avals: Sequence[Any],
+                       mesh: Mesh) -> list[jax.Array]:
   """The transpose of ``exchange``: per stored leaf, the sum of its stages' gradients, in the
   leaf's stored layout (zeros for a leaf no stage reads)."""
   n_stages = mesh.shape[STAGE]
   per = len(rows) // n_stages
-  slot = dict(rows[0].slots)
 
   def local(bufs):
     back = {k: lax.all_to_all(v.reshape(per, n_stages, slot[k]).transpose(1, 0, 2), STAGE, 0, 0,
@@ -283,14 +272,14 @@ def exchange_gradients(packed: Mapping[str, jax.Array], rows: Sequence[ExchangeL
     out = []
     for i, a in enumerate(avals):
       if sums[i] is None:
-        out.append(jnp.zeros(_local_shape(a.shape, dims[i], n_stages), a.dtype))
+        out.append(jnp.zeros(packing.piece_shape(a.shape, dims[i], n_stages), a.dtype))
       elif dims[i] is None:
         out.append(gathered[i])
       else:
-        out.append(sums[i].reshape(_local_shape(a.shape, dims[i], n_stages)))
+        out.append(sums[i].reshape(packing.piece_shape(a.shape, dims[i], n_stages)))
     return tuple(out)
 
-  specs = tuple(map(_spec, dims))
+  specs = tuple(map(slots.stage_spec, dims))
   return jax.shard_map(local, mesh=mesh, in_specs=(P(STAGE),), out_specs=specs,
                        axis_names=frozenset({STAGE}), check_vma=False)(dict(packed))
 
@@ -387,17 +376,7 @@ def stage_dim(spec: P) -> int | None:
   return None
 
 
-def _spec(dim: int | None) -> P:
-  return P(*([None] * dim), STAGE) if dim is not None else P()
-
-
-def _local_shape(shape: tuple[int, ...], dim: int | None, stages: int) -> tuple[int, ...]:
-  if dim is None:
-    return tuple(shape)
-  return (*shape[:dim], shape[dim] // stages, *shape[dim + 1:])
-
-
-def _my_piece(local: jax.Array, e: Piece, r: jax.Array, stages: int) -> jax.Array:
+def _my_piece(local: jax.Array, e: packing.Entry, r: jax.Array, stages: int) -> jax.Array:
   """Device ``r``'s piece of a leaf: its shard, or its slice of the (padded) flat values."""
   flat = jnp.ravel(local).astype(e.dtype)
   if e.dim is not None:
@@ -406,20 +385,8 @@ def _my_piece(local: jax.Array, e: Piece, r: jax.Array, stages: int) -> jax.Arra
   return lax.dynamic_slice_in_dim(flat, r * e.size, e.size)
 
 
-def _whole(pieces: jax.Array, e: Piece) -> jax.Array:
-  """``(S, size)`` pieces -> the leaf."""
-  stages = pieces.shape[0]
-  if e.dim is None:
-    return pieces.reshape(-1)[:math.prod(e.shape)].reshape(e.shape)
-  shards = pieces.reshape(stages, *_local_shape(e.shape, e.dim, stages))
-  return jnp.moveaxis(shards, 0, e.dim).reshape(e.shape)
-
-
-def _pieces(value: jax.Array, e: Piece, stages: int) -> jax.Array:
-  """The leaf -> its ``(S, size)`` pieces (the transpose of ``_whole``)."""
-  if e.dim is None:
-    flat = jnp.ravel(value)
-    return jnp.pad(flat, (0, stages * e.size - flat.shape[0])).reshape(stages, e.size)
-  d = e.dim
-  split = value.reshape(*e.shape[:d], stages, e.shape[d] // stages, *e.shape[d + 1:])
-  return jnp.moveaxis(split, d, 0).reshape(stages, e.size)
+_ROWS_TAKEN = """\
+Parameter '{path}' (shape {shape}) is a stack of layers each pipeline stage reads its own rows
+of, so it is stored split over stage on its first dimension, but its spec {spec} already splits
+that dimension. Leave the layers axis of scanned layers unsplit (map its logical axis name to
+None, or give the parameter an epl.annotate spec that starts with None)."""
