@@ -24,13 +24,16 @@ and a user's scope, default strategy or ``epl.annotate`` rule are fixed, not sea
    S = 2, 4, ... while ``auto.auto_parallel``'s cut gives S balanced stages) are estimated from
    their pipeline plans, made without compiling (``build.pipeline_plan``,
    ``estimate.stage_cost``: the bubble from the schedule's tick table).
-2. Candidates estimated over ``auto.memory_limit`` are dropped; the others are compiled in the
-   order of their estimated step time, at most ``MAX_COMPILES``. A compiled step over the limit
-   rescales the activation estimate of the rows still to weigh by its measured activations
-   (``_calibrated``). Once one compiled step fits, a row is compiled only if its estimate,
-   scaled by compiled / estimated time of the last compiled row of its kind (pipeline or
-   not, its ZeRO level and model axis), is clearly (``BETTER``) below the
-   fitting step's compiled time. Of the compiled steps within the limit the fastest is chosen,
+2. Candidates estimated over ``auto.memory_limit`` are dropped; the others are compiled, at
+   most ``MAX_COMPILES``, each time the one of lowest pace-scaled estimate: its estimate times
+   compiled / estimated time of the last compiled row of its kind (``_kind``: pipeline or not,
+   its ZeRO level and model axis). A compiled step over the limit rescales the activation
+   estimate of the rows still to weigh by its measured activations (``_calibrated``). Once one
+   compiled step fits, a row is compiled only while it could beat it: its pace-scaled estimate
+   is below that step's compiled time, or above by less than its uncertainty (``TIE`` once its
+   kind was compiled; before, the largest error of any kind's estimate in this search): near-
+   ties take the compiles left, so the choice is the lowest predicted step of all the search
+   could afford to check. Of the compiled steps within the limit the fastest is chosen,
    by costs read from the compiled program (``cost.compiled_cost``; a pipeline's FLOPs and
    bubble from its branches' FLOPs times the schedule's busy slots, ``_pipeline_compute``).
    A row that was only estimated says so.
@@ -79,9 +82,10 @@ ZERO_SHARDS = ("", estimate_lib.HOST_SHARD)
 SEARCHED_KEYS = {"num_micro_batch": "pipeline.num_micro_batch", "zero_level": "zero.level",
                  "gradient_checkpoint": "gradient_checkpoint.type", "offload": "offload.level",
                  "zero_shard": "zero.shard_size"}
-# Once a compiled step fits, another row is compiled only if its estimate is below this share
-# of that step's compiled time (an estimate a few percent lower is within the model's error).
-BETTER = 0.95
+# How far a pace-scaled estimate may be from its compiled step once a row of its kind was
+# compiled (``_uncertainty``): rows estimated within it of the fastest fitting compiled step
+# are near-ties, compiled while compiles remain.
+TIE = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +182,8 @@ def search(fns, config, cluster, rng, batch, builders: Builders) -> Any:
   rows.sort(key=_order)
   if not rows:
     raise PlanError("auto.auto_parallel found no candidate plan: " + "; ".join(notes[1:]))
-  rows, chosen, compiles = _compile_in_order(rows, bases, make, chip, limit)
+  rows, chosen, compiles = _compile_in_order(
+      rows, functools.partial(_compile_row, bases, make, chip), limit)
   if chosen is None:
     raise PlanError(_none_fits(rows, limit, config.auto.memory_limit, compiles))
   index, built = chosen
@@ -271,59 +276,102 @@ def _dominant_module(built) -> str | None:
   return module if total / 2 <= nbytes < total else None
 
 
-def _compile_in_order(rows: list[Candidate], bases: dict, make: Callable, chip, limit: int):
-  """Compiles the rows within the limit in order, at most ``MAX_COMPILES``, while a row's
-  estimate can beat the fastest compiled step that fits (module doc): (rows, (the fastest
+def _compile_in_order(rows: list[Candidate], compile_row: Callable, limit: int):
+  """Compiles rows within the limit (``compile_row``: a row -> its Built and compiled
+  ``StepCost``, as ``_compile_row``), at most ``MAX_COMPILES``: each time the one of lowest
+  pace-scaled estimate (``_scaled``; ties by ``_order``) among those that could still beat the
+  fastest compiled step that fits (``_worth_compiling``; module doc): (rows, (the fastest
   fitting row's index, its Built) or None, compiles)."""
   compiles, best = 0, None
-  # (pipeline or not, ZeRO level, model axis) -> compiled / estimated step time. Unpipelined,
-  # per ZeRO level: the estimate hides the same share of every level's collectives, where the
-  # compiled step hides v3's gathers inside the layers and not v1's and v2's gathers after the
-  # update, so one level's pace says little of another's; and per model axis, whose
-  # all-reduces the estimate hides none of (70B on 64 H100s, ZeRO v3: data=16 x model=4 ran at
-  # 1.22x its estimate, data=8 x model=8 at 0.97x). Pipelines: one (their estimate hides
-  # nothing).
   pace: dict[tuple[bool, str, int], float] = {}
-  for i in range(len(rows)):
-    row = rows[i]   # (rows are recalibrated as compiles go)
-    if row.bytes_per_device > limit:
-      continue
-    if compiles == MAX_COMPILES:
-      rows[i] = dataclasses.replace(row, skipped=f"not compiled: the {MAX_COMPILES} compiles "
-                                    "(MAX_COMPILES) were spent on rows estimated faster")
-      continue
-    kind = ((True, "", 0) if row.stages > 1
-            else (False, row.features["zero_level"], row.mesh_shape.get(MODEL, 1)))
-    scale = pace.get(kind, 1.0)
-    bar = BETTER * rows[best[0]].predicted_step_s if best is not None else math.inf
-    if row.predicted_step_s * scale >= bar:
-      rows[i] = dataclasses.replace(row, skipped=(
-          "not compiled" + (" (pace-scaled: unscaled, its estimate was under the bar)" if
-                            row.predicted_step_s < bar else "")
-          + f": its estimate x {scale:.3g} (compiled / estimated time of the last "
-          + ("compiled pipeline row) is " if kind[0] else "compiled unpipelined row with "
-             + (f"ZeRO {kind[1]}" if kind[1] else "no ZeRO") + f", model={kind[2]}) is ")
-          + f"{_ms(row.predicted_step_s * scale)}, not {BETTER:g} x the fitting compiled "
-          f"{_ms(rows[best[0]].predicted_step_s)}"))
-      continue
-    k, split = (row.mesh_shape[MODEL], row.split) if row.stages > 1 else next(
-        key for key, b in bases.items()
-        if _base_shape(dict(b.plan.mesh.shape)) == _base_shape(row.mesh_shape)
-        and key[1] == row.split)
+  while compiles < MAX_COMPILES:
+    bar = rows[best[0]].predicted_step_s if best is not None else math.inf
+    open_ = [i for i, r in enumerate(rows) if not (r.compiled or r.refused)
+             and r.bytes_per_device <= limit and _worth_compiling(r, pace, bar)]
+    if not open_:
+      break
+    i = min(open_, key=lambda i: (_scaled(rows[i], pace), _order(rows[i])))
+    row = rows[i]
     try:
-      built = make(k, split, row.overrides)
-      step = _compiled_cost(built, row.features, chip)
+      built, step = compile_row(row)
     except PlanError as e:   # a feature this model refuses: the row says why
       rows[i] = dataclasses.replace(row, refused=str(e).splitlines()[0])
       continue
     compiles += 1
-    pace[kind] = step.step_s / row.predicted_step_s
+    pace[_kind(row)] = step.step_s / row.predicted_step_s
     rows[i] = row = _measured(row, step, dict(built.plan.mesh.shape))
     if row.bytes_per_device > limit:
       rows = _calibrated(rows, row)
     elif best is None or row.predicted_step_s < rows[best[0]].predicted_step_s:
       best = (i, built)
+  bar = rows[best[0]].predicted_step_s if best is not None else math.inf
+  rows = [r if r.compiled or r.refused or r.bytes_per_device > limit
+          else dataclasses.replace(r, skipped=_why_not_compiled(r, pace, bar))
+          for r in rows]
   return rows, best, compiles
+
+
+def _kind(row: Candidate) -> tuple[bool, str, int]:
+  """The rows whose estimates err alike: (pipeline or not, ZeRO level, model axis).
+
+  Unpipelined, per ZeRO level: the estimate hides the same share of every level's
+  collectives, where the compiled step hides v3's gathers inside the layers and not v1's and
+  v2's gathers after the update, so one level's pace says little of another's; and per model
+  axis, whose all-reduces the estimate hides none of (70B on 64 H100s, ZeRO v3: data=16 x
+  model=4 ran at 1.22x its estimate, data=8 x model=8 at 0.97x). Pipelines: one kind (their
+  estimate hides nothing)."""
+  if row.stages > 1:
+    return (True, "", 0)
+  return (False, row.features["zero_level"], row.mesh_shape.get(MODEL, 1))
+
+
+def _scaled(row: Candidate, pace: dict) -> float:
+  """``row``'s estimate times its kind's pace: compiled / estimated time of the last compiled
+  row of its kind (1 before one is compiled)."""
+  return row.predicted_step_s * pace.get(_kind(row), 1.0)
+
+
+def _uncertainty(row: Candidate, pace: dict) -> float:
+  """How far ``row``'s pace-scaled estimate may be from its compiled time, as a share: ``TIE``
+  once a row of its kind was compiled; before, as far as any kind's estimate was from its
+  compiled step in this search (at least ``TIE``)."""
+  if _kind(row) in pace:
+    return TIE
+  return max([TIE] + [abs(p - 1) for p in pace.values()])
+
+
+def _worth_compiling(row: Candidate, pace: dict, bar: float) -> bool:
+  """Whether ``row`` could beat ``bar`` (the fastest fitting compiled step; inf before one):
+  its pace-scaled estimate is under it, or over it by less than its uncertainty (a near-tie,
+  which only a compile tells apart)."""
+  return _scaled(row, pace) < bar * (1 + _uncertainty(row, pace))
+
+
+def _why_not_compiled(row: Candidate, pace: dict, bar: float) -> str:
+  """The ``skipped`` text of a row within the limit that was not compiled."""
+  if _worth_compiling(row, pace, bar):
+    return (f"not compiled: the {MAX_COMPILES} compiles (MAX_COMPILES) were spent on rows "
+            "of lower pace-scaled estimates")
+  kind = _kind(row)
+  scale = pace.get(kind, 1.0)
+  by = ("its estimate" if kind not in pace else
+        f"its estimate x {scale:.3g} (compiled / estimated time of the last compiled "
+        + ("pipeline row)" if kind[0] else "unpipelined row with "
+           + (f"ZeRO {kind[1]}" if kind[1] else "no ZeRO") + f", model={kind[2]})"))
+  return (f"not compiled: {by}, {_ms(row.predicted_step_s * scale)}, is over the fitting "
+          f"compiled {_ms(bar)} by more than its uncertainty "
+          f"({_uncertainty(row, pace):.0%})")
+
+
+def _compile_row(bases: dict, make: Callable, chip, row: Candidate):
+  """``row`` built (its overrides on its base's model axis and split) and its compiled
+  ``StepCost``."""
+  k, split = (row.mesh_shape[MODEL], row.split) if row.stages > 1 else next(
+      key for key, b in bases.items()
+      if _base_shape(dict(b.plan.mesh.shape)) == _base_shape(row.mesh_shape)
+      and key[1] == row.split)
+  built = make(k, split, row.overrides)
+  return built, _compiled_cost(built, row.features, chip)
 
 
 def _compiled_cost(built, features: dict[str, Any], chip) -> cost_lib.StepCost:
