@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import epljax as epl
 from epljax import chips
+from epljax import candidates as candidates_lib
 from epljax import cost as cost_lib
 from epljax import search as search_lib
 from epljax.mesh import MODEL
@@ -582,10 +583,10 @@ def test_hsdp_shards_within_a_host_and_all_reduces_across():
 
 
 def test_hsdp_rows_are_weighed_where_the_data_axis_spans_hosts():
-  two_hosts = list(search_lib._feature_grid({}, _stand_in(_hosts_mesh(16, 8))))
+  two_hosts = list(candidates_lib.feature_grid({}, _stand_in(_hosts_mesh(16, 8))))
   hsdp = [f for f in two_hosts if f["zero_shard"] == "host"]
   assert hsdp and {f["zero_level"] for f in hsdp} == {"v1", "v2", "v3"}
-  one_host = list(search_lib._feature_grid({}, _stand_in(_hosts_mesh(8, 8))))
+  one_host = list(candidates_lib.feature_grid({}, _stand_in(_hosts_mesh(8, 8))))
   assert not any(f["zero_shard"] for f in one_host)
 
 
@@ -599,11 +600,13 @@ def test_an_hsdp_row_is_built_on_the_mesh_it_names():
   built = _stand_in(_hosts_mesh(16, 8))
   facts = estimate.ProgramFacts({}, 1e12, 1.0, {})
   base = {"num_micro_batch": 1, "zero_level": "v3", "gradient_checkpoint": "", "offload": ""}
-  fast = search_lib._estimate(built, facts, {**base, "zero_shard": "host"}, chip, 0, "", 0, 0)
-  slow = search_lib._estimate(built, facts, {**base, "zero_shard": ""}, chip, 0, "", 0, 0)
+  fast = candidates_lib.estimate_row(built, facts, {**base, "zero_shard": "host"}, chip, 0, "",
+                                     0, 0)
+  slow = candidates_lib.estimate_row(built, facts, {**base, "zero_shard": ""}, chip, 0, "", 0,
+                                     0)
   assert fast.mesh_shape == {"replica": 2, "data": 8, "stage": 1, "model": 1}
   assert slow.mesh_shape == built.plan.mesh.shape
-  assert search_lib._base_shape(fast.mesh_shape) == built.plan.mesh.shape
+  assert candidates_lib.base_shape(fast.mesh_shape) == built.plan.mesh.shape
   assert fast.overrides == {"pipeline.num_micro_batch": 1, "zero.level": "v3",
                             "gradient_checkpoint.type": "", "offload.level": "",
                             "zero.shard_size": "host"}
