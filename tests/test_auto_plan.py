@@ -133,6 +133,11 @@ def test_a_near_tie_takes_a_compile_left_and_wins(small):
   assert [r.compiled for r in rows] == [True, True, False]
   assert rows[2].skipped == ("not compiled: its estimate, 150 ms, is over the fitting compiled "
                              "97 ms by more than its uncertainty (5%)")
+  # A kind not compiled yet takes the largest error seen (the CPU's nominal chip: 85%) only up
+  # to TIE_LIMIT, the error the time model is held to.
+  pace = {search_lib._kind(rows[0]): 1.85}
+  assert search_lib._uncertainty(rows[2], pace) == search_lib.TIE_LIMIT == 0.25
+  assert search_lib._uncertainty(rows[2], {search_lib._kind(rows[0]): 1.1}) == pytest.approx(0.1)
 
 
 def test_the_plan_prints_the_candidates(small):
