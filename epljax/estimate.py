@@ -321,8 +321,16 @@ def hidden_estimate(comm: dict[tuple[str, str], float], compute_s: float, chip) 
 # (8 convolutions of width 512, 2 stages x 4 replicas, SGD with momentum; compiled bytes less
 # the optimizer state, activations, model state and batch, over the stored parameters) after
 # the pipeline step lost its per-tick packed gradient and the select's copy (2026-11-27); it
-# was 6.05x on XLA:GPU and 5.6x on XLA:CPU before.
+# was 6.05x on XLA:GPU and 5.6x on XLA:CPU before. With data replicas one more
+# (``DATA_SYNC_COPIES``).
 PIPELINE_PARAM_COPIES = 5
+# With data replicas (d > 1), one more copy of the stored parameters: the gradients all-reduced
+# over data beside the accumulator (without ZeRO), or the updated shards gathered (ZeRO v1).
+# Measured 2026-11-27 on Convs as data=2 x stage=4: without ZeRO, 4 micro batches, 14.92 MB
+# compiled on XLA:CPU and 14.96 MB on XLA:GPU (compile-only H100s) against 12.82 MB estimated
+# with 5 copies (a copy: 2.11 MB); ZeRO v1, 8 micro batches, 14.84 MB and 13.82 MB against
+# 11.69 MB; data=4 x stage=2 (a copy: 4.2 MB) 29.59 MB on XLA:CPU against 25.38 MB.
+DATA_SYNC_COPIES = 1
 
 
 def stage_cost(dp, facts: ProgramFacts, pipe, schedule, features: dict[str, Any], chip,
@@ -339,7 +347,8 @@ def stage_cost(dp, facts: ProgramFacts, pipe, schedule, features: dict[str, Any]
   Bytes (fitted to compiled steps, XLA:CPU and XLA:GPU, the zoo's GPT-2 and a conv MLP on 2
   and 4 stages: 0.87-1.0x): the stored parameters and, in the step's temp, four more copies
   of them (the loop's packed parameters, the gradient accumulator, the gradients summed and
-  unpacked: ``PIPELINE_PARAM_COPIES``), the optimizer state in proportion to the parameters
+  unpacked: ``PIPELINE_PARAM_COPIES``; with data replicas one more, ``DATA_SYNC_COPIES``),
+  the optimizer state in proportion to the parameters
   (``dp``'s, unsharded; under ZeRO each stage's is sharded over its ``d`` replicas), and the
   tick loop's stash: the schedule's slots of the largest stage's residuals per micro
   batch, twice (the loop's carry in and out).
@@ -377,7 +386,8 @@ def stage_cost(dp, facts: ProgramFacts, pipe, schedule, features: dict[str, Any]
   boundary = max((sum(program_lib.nbytes(a) for a in st.outgoing) for st in pipe.stages),
                  default=0) * per_micro / d   # (a split stage's output: whole on each)
   add("collective-permute", STAGE, 2 * micro * boundary, s, times=2 * micro)
-  parts = {"parameters": PIPELINE_PARAM_COPIES * params, "optimizer state": opt,
+  copies = PIPELINE_PARAM_COPIES + (DATA_SYNC_COPIES if d > 1 else 0)
+  parts = {"parameters": copies * params, "optimizer state": opt,
            "activations": int(acts),
            "model state and batch": dp.plan.model_state_bytes + batch_bytes // d}
   return cost_lib.StepCost(sum(parts.values()), flops, nbytes, work, comm,
