@@ -7,44 +7,51 @@ A residual MLP (width 256, hidden 1024, 2 blocks per stage) in two ``epl.split(2
 8 devices (data 2 x stage 2 x model 2), 4 micro batches, 1F1B, SGD (1e-3: the timing runs
 about 50 steps), three ways:
 - ``residuals`` (the default): the residuals of each stage's ``jax.vjp`` stashed in slots
-  (whole arrays, one ``(slots + 1, *shape)`` buffer per shape, which GSPMD keeps split over
+  (whole arrays, one ``(slots, *shape)`` buffer per shape, which GSPMD keeps split over
   ``model``);
 - the same with ``gradient_checkpoint.type="auto"`` inside the stages;
 - ``inputs``: the stage inputs kept and the forward run again in the backward (what split
   stages did before; the loop's stash mode for it is gone, so here a bench-only feature,
   ``RecomputeStages``, wraps each stage in ``jax.checkpoint``, as that mode did).
 Compiled train step: FLOPs from ``cost_analysis()``, temporaries from
-``memory_analysis()``, bytes of the collectives executed per step from the HLO (loops counted
-per iteration), the shape of the largest stash buffer, and the step time as a ratio measured
-side by side (alternating, median of pairs).
+``memory_analysis()``, bytes of the collectives one device of the busiest stage executes per
+step from the HLO (loops counted per iteration, the tick loop's switches by the schedule's tick
+table: ``Pipeline.executed_collectives``), the shape of the largest stash buffer, and the step
+time as a ratio measured side by side (alternating, median of pairs).
 
 ``--zoo``: the models of tests/models whose layers two ``epl.split(2)`` stages can name
-(``ZooModel.stage_splits``: Gemma, GPT-2, ViT), 64 rows, 2 micro batches, the same three ways;
-temporaries, FLOPs, stash bytes per slot (the plan's, before the ``model`` split) and
-all-gathers of the compiled step.
+(``ZooModel.stage_splits``: Gemma, GPT-2 and its fused-q/k/v layouts, ViT), 64 rows, 2 micro
+batches, the same three ways; temporaries, FLOPs, stash bytes per slot (the plan's, before the
+``model`` split) and all-gathers of the compiled step.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import re
+import os
 import sys
 
-import flax.linen as nn
-import jax
-import optax
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(__file__))
+# This checkout's epljax, not an installed one (a worktree beside an editable install).
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-import epljax as epl
-from epljax import build as build_lib
-from epljax import hlo
-from epljax.features import Feature
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/tests")
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import optax  # noqa: E402
+
+import epljax as epl  # noqa: E402
 from common import machine, paired_ratio, record, table  # noqa: E402
+from epljax import build as build_lib  # noqa: E402
+from epljax import hlo  # noqa: E402
+from epljax.features import Feature  # noqa: E402
 
-WIDTH, HIDDEN, ROWS, MICRO = 256, 1024, 256, 4
+WIDTH, HIDDEN, ROWS, MICRO, MODEL = 256, 1024, 256, 4, 2
 CASES = [("residuals", False, {}),
          ("residuals, GC auto", False, {"gradient_checkpoint.type": "auto"}),
          ("inputs", True, {})]
@@ -77,7 +84,7 @@ class SplitStages(nn.Module):
   def __call__(self, x):
     h = nn.Dense(WIDTH)(x)
     for i in range(2):
-      with epl.split(2, name=f"stage_{i}"):
+      with epl.split(MODEL, name=f"stage_{i}"):
         for _ in range(2):
           h = h + nn.Dense(WIDTH)(nn.gelu(nn.Dense(HIDDEN)(nn.LayerNorm()(h))))
     return nn.Dense(10)(h)
@@ -97,6 +104,17 @@ def trainer_for(recompute: bool, batch: dict, config: dict):
   return trainer, state
 
 
+def stash_buffer(residuals: dict, text: str) -> str:
+  """The buffer of the plan's largest residual slot as the compiled step holds it on a device:
+  ``(slots, *shape)``, each dimension whole or split over ``model`` (GSPMD's choice)."""
+  if not residuals:
+    return "-"
+  shape = max(residuals.values(), key=lambda t: t.nbytes).shape
+  dims = ",".join(f"(?:{n}|{n // MODEL})" for n in shape)
+  found = re.findall(rf"f32\[\d+,{dims}\]", text)   # and slices of one slot: the largest
+  return max(found, key=lambda s: math.prod(map(int, s[4:-1].split(","))), default="?")
+
+
 def measure(pairs: int) -> str:
   rng = jax.random.key(1)
   batch = {"x": jax.random.normal(rng, (ROWS, 32)),
@@ -106,15 +124,12 @@ def measure(pairs: int) -> str:
     trainer, state = trainer_for(recompute, batch, config)
     compiled = trainer.lower(state, batch).compile()
     text = compiled.as_text()
-    found = hlo.summarize(hlo.executed_collectives(text))
-    # The stash buffers: (2 slots + 1 scratch, rows, features) per device.
-    stash_shapes = sorted(set(re.findall(r"f32\[3,(\d+),(\d+)\]", text)),
-                          key=lambda d: -int(d[0]) * int(d[1]))
+    found = hlo.summarize(trainer.plan.pipeline.executed_collectives(text))
     rows.append([name, f"{compiled.cost_analysis()['flops'] / 1e6:.1f}",
                  f"{compiled.memory_analysis().temp_size_in_bytes / 2**20:.2f}",
                  ", ".join(f"{k} {n} x / {b / 2**20:.2f} MiB" for k, (n, b) in
                            sorted(found.items())),
-                 f"f32[3,{','.join(stash_shapes[0])}]" if stash_shapes else "-"])
+                 stash_buffer(trainer.plan.pipeline.loop.buffers.residuals, text)])
     box = {"state": state, "batch": trainer.shard_batch(batch)}
 
     def step(trainer=trainer, box=box):
