@@ -32,7 +32,7 @@ def features_batch(rows=32, features=16, classes=1024, seed=0):
           "y": rng.integers(0, classes, rows).astype(np.int32)}
 
 
-def train_and_compare(model, batch, aux_weight=None):
+def train_and_compare(model, batch, aux_weight=None, loss=cross_entropy):
   """Trains ``model`` with epljax and on one device; returns the trainer and final state."""
   # SGD, not Adam: Adam turns the rounding noise of exactly-zero gradients (an attention key
   # bias) into full-size updates, which no two summation orders agree on.
@@ -45,8 +45,8 @@ def train_and_compare(model, batch, aux_weight=None):
     out = model.apply(variables, b["x"])
     if aux_weight is not None:
       out, aux = out
-      return cross_entropy(out, b["y"]) + aux_weight * aux
-    return cross_entropy(out, b["y"])
+      return loss(out, b["y"]) + aux_weight * aux
+    return loss(out, b["y"])
 
   trainer = epl.Trainer(init_fn, loss_fn, optimizer)
   state = trainer.init(jax.random.key(0), batch)
@@ -154,11 +154,19 @@ class LargeClassifier(nn.Module):
       return nn.Dense(self.classes, name="fc")(x)
 
 
-@pytest.fixture(scope="module")
-def classifier_hlo():
+def epl_cross_entropy(logits, labels):
+  return epl.nn.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+# optax's loss picks the label's logit with a gather; epljax's with a comparison against the
+# class index, a mask that must not keep the classifier whole (it did from 2026-11-22 to
+# 2026-11-27: the mask was taken for an activation the split would be mixed into).
+@pytest.fixture(scope="module", params=[cross_entropy, epl_cross_entropy],
+                ids=["optax_loss", "epl_nn_loss"])
+def classifier_hlo(request):
   """The compiled step of the split classifier (trained and compared first)."""
   epl.init(COLOCATE)
-  trainer, state = train_and_compare(LargeClassifier(), features_batch())
+  trainer, state = train_and_compare(LargeClassifier(), features_batch(), loss=request.param)
   plan = trainer.plan
   text = trainer.lower(state, features_batch()).compile().as_text()
   return plan, text
@@ -219,6 +227,26 @@ def test_moe_moves_tokens_with_all_to_all_and_never_gathers_an_expert(moe_run):
   assert any(c.kind == "all-to-all" for c in found)
   weights = {"f32[8,16,32]", "f32[8,32,16]"}
   assert not [c for c in found if c.kind == "all-gather" and set(c.shapes) & weights]
+
+
+class ResidualStem(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    with epl.split(8, name="body"):
+      x = x + nn.Dense(16, name="stem")(x)   # its output joins the input's stream
+      return nn.Dense(16, name="head")(x)
+
+
+def test_a_weight_a_split_keeps_whole_says_why_in_the_plan():
+  """A column split whose output would be mixed into an unsplit activation (a stem feeding a
+  residual stream) keeps the weight whole: exact, and the plan's "why" says so and where."""
+  epl.init(COLOCATE)
+  trainer, _ = train_and_compare(ResidualStem(), features_batch(rows=32, classes=16))
+  (stem,) = [leaf for leaf in trainer.plan.leaves if leaf.path == "params/stem/kernel"]
+  assert stem.spec == P() and stem.rule.startswith(
+      "kept whole: split on dimension 1, it is mixed into an unsplit activation at equation "), (
+      stem.rule)
+  assert "kept whole" in str(trainer.plan)
 
 
 class Plain(nn.Module):

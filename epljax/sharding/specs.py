@@ -46,8 +46,8 @@ def variable_specs(capture: Capture, layout: Layout, shapes: Sequence[tuple[int,
       if tg is not None and capture.taskgraphs[tg].strategy == SPLIT and i not in user
       and (capture.input_explicit[i] or not layout.colocated)}
   fixed = {i: d for i, u in user.items() if (d := dim_over(u.spec, MODEL)) is not None}
-  decisions = split_decisions(capture.program, candidates, shapes, capture.input_paths,
-                              layout.devices_per_stage, fixed)
+  decisions, kept = split_decisions(capture.program, candidates, shapes, capture.input_paths,
+                                    layout.devices_per_stage, fixed)
   out = []
   for i, shape in enumerate(shapes):
     if i in user:
@@ -57,7 +57,7 @@ def variable_specs(capture: Capture, layout: Layout, shapes: Sequence[tuple[int,
       rule = d.rule if d.parts == 1 else f"{d.rule}, {d.parts} fused parts"
       out.append(LeafSpec(spec_for(len(shape), d.dim, MODEL), rule, d.parts, d.dim))
     else:
-      out.append(LeafSpec(P()))
+      out.append(LeafSpec(P(), kept.get(i, "")))
   return out
 
 

@@ -44,6 +44,7 @@ from epljax.sharding.program import Node, Program
 COLUMN, ROW, EXPERTS, VOCAB, FOLLOWS = "column", "row", "experts", "vocabulary", "follows"
 _LOOKAHEAD = 4000   # equations followed per candidate dimension before giving up on it
 _MIXED = "it is mixed into an unsplit activation"
+_MASK_DEPTH = 8     # elementwise operations followed back to tell a mask from a residual stream
 
 
 @dataclasses.dataclass
@@ -68,8 +69,10 @@ class Decision:
 
 def split_decisions(program: Program, candidates: Iterable[int], leaf_shapes: Sequence[tuple],
                     leaf_paths: Sequence[str], device_count: int,
-                    fixed: Mapping[int, int] | None = None) -> dict[int, Decision]:
-  """Decides the split dimension of each candidate variable leaf (program input index).
+                    fixed: Mapping[int, int] | None = None
+                    ) -> tuple[dict[int, Decision], dict[int, str]]:
+  """Decides the split dimension of each candidate variable leaf (program input index), and
+  says why a candidate a rule keeps whole stays so (leaf -> reason, for the plan).
 
   ``fixed`` gives leaves whose split dimension the user already chose (their activations
   propagate like decided ones: a user-split first matmul makes the next one a row split).
@@ -84,7 +87,7 @@ def split_decisions(program: Program, candidates: Iterable[int], leaf_shapes: Se
           f"({d.rule}) on dimension {d.dim} of size {size}, which does not divide into "
           f"{device_count} devices. Use a device count that divides {size}, change the "
           "layer's size, or give the parameter an explicit PartitionSpec with epl.annotate.")
-  return state.decisions
+  return state.decisions, {i: why for i, why in state.kept.items() if i not in state.decisions}
 
 
 def operand_splits(program: Program, split: Mapping[int, int], leaf_shapes: Sequence[tuple],
@@ -149,6 +152,7 @@ class _State:
                leaf_paths: Sequence[str], device_count: int):
     self.program = program
     self.decisions: dict[int, Decision] = {}
+    self.kept: dict[int, str] = {}                 # leaf -> why it stays whole in a split
     self.split: dict[object, int] = {}             # value -> split dim
     self.parts: dict[object, int] = {}             # value -> fused parts of its split dim
     self.follow_indices = False                    # a gather's output follows its indices
@@ -300,7 +304,9 @@ class _State:
     fates = {d: self._follow(node, D.dot_out_dim(node.eqn, side, d)) for d in dims}
     if len(dims) == 1:
       fate = fates[dims[0]]
-      if any(r.startswith(_MIXED) for r in fate.bad):
+      mixed = [r for r in fate.bad if r.startswith(_MIXED)]
+      if mixed:
+        self.kept[w.leaf] = f"kept whole: split on dimension {w.dims[dims[0]]}, {mixed[0]}"
         return None
       return dims[0], 1 if fate.bad else fate.parts   # a fusion only when it splits cleanly
     clean = [d for d, f in fates.items() if f.good and not f.bad]
@@ -435,19 +441,29 @@ class _State:
 
   def _unsplit_activation(self, node: Node, pos: int, dim: int) -> bool:
     """Whether operand ``pos`` is data (computed from the batch), whole along ``dim`` and not
-    split there: a residual stream, not a bias, a mask broadcast along ``dim`` or a constant."""
+    split there: a residual stream, not a bias, a constant, or a mask whose values along
+    ``dim`` a broadcast or a constant makes (a label compared with the class index)."""
     shape = D.shape(node.eqn.invars[pos])
-    if len(shape) <= dim or shape[dim] == 1 or self.split_dim(node, pos) is not None:
+    if self.split_dim(node, pos) is not None:
       return False
-    if not any(b in self.data for b in node.inputs[pos]):
+    return self._data_along(node.inputs[pos], shape, dim, _MASK_DEPTH)
+
+  def _data_along(self, bases, shape: tuple[int, ...], dim: int, depth: int) -> bool:
+    """Whether a value of ``shape`` (made of ``bases``) carries data along ``dim``: followed
+    back through broadcasts and elementwise operations, up to ``depth`` of them."""
+    if len(shape) <= dim or shape[dim] == 1 or not any(b in self.data for b in bases):
       return False
-    producer = next((self.program.producer.get(b) for b in node.inputs[pos]
+    producer = next((self.program.producer.get(b) for b in bases
                      if b in self.program.producer), None)
     if producer is not None and producer.primitive == "broadcast_in_dim":
       src = D.shape(producer.eqn.invars[0])
       made = {d for i, d in enumerate(producer.eqn.params["broadcast_dimensions"])
               if src[i] == shape[d]}
       return dim in made
+    if (producer is not None and depth and D.is_elementwise(producer.eqn)
+        and D.shape(producer.eqn.outvars[0]) == shape):
+      return any(self._data_along(producer.inputs[p], D.shape(producer.eqn.invars[p]), dim,
+                                  depth - 1) for p in range(len(producer.eqn.invars)))
     return True
 
   def _gather(self, node: Node) -> None:
