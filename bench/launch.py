@@ -136,7 +136,9 @@ def faults(record: bool) -> None:
 
 
 def main() -> None:
-  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # machine()
+  # (for machine(); an empty XLA_FLAGS counts as unset)
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS")
+                             or "--xla_force_host_platform_device_count=8")
   p = argparse.ArgumentParser()
   p.add_argument("--record", action="store_true")
   p.add_argument("--rounds", type=int, default=3)

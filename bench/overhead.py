@@ -16,7 +16,7 @@ that is the step's time.
 import os
 import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS") or "--xla_force_host_platform_device_count=8"
 sys.path.insert(0, os.path.dirname(__file__))
 # This checkout's epljax, not an installed one (a worktree beside an editable install).
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
