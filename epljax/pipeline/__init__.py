@@ -10,6 +10,8 @@ interleaved over virtual stages), and the ``shard_map`` loop that runs them in o
   <-> the loop's parameter buffers (tied leaves: copies, summed), moved in flat pieces by one
   ``all_to_all`` per dtype, or whole into slots by ``slots.py`` (tensor-parallel stages), which
   also keeps the model state, one row per stage;
+- ``derived.py``: the residuals that are functions of the parameters alone (recomputed by
+  the backward, not stashed);
 - ``roll.py``: a stage's repeated layers as one ``lax.scan`` over stacked weights;
 - ``stats.py``: batch statistics averaged over pipeline replicas (BatchNorm with several);
 - ``runtime.py``: the loop over ticks (``jax.vjp`` per micro batch, ``ppermute`` between stages);

@@ -19,16 +19,17 @@ slots of whole arrays for tensor-parallel stages (``slots.py``: parameters and r
 GSPMD's ``model`` split); an idle slot takes an extra branch that does nothing, so bubble ticks
 cost no compute.
 
-What is stashed: the *residuals* of ``jax.vjp`` (no recomputation; the forward runs once),
-minus the parameters, incoming activations and batch leaves they contain, which are read
-again at backward time instead of being copied per micro batch. The stacked weights of a
-stage's rolled layers (``roll.py``) are parameters in this sense: each tick stacks them from
-the packed buffer before the ``jax.vjp`` (``Stage.with_stacks``) and the backward stacks them
-again, so they are never stashed. With tensor-parallel stages
-every slot holds the largest residual of its shape over the distinct stage functions, so a
-stage whose residuals are all small still carries the others' slots (the plan's ``stash`` line
-gives the bytes). Gradient checkpointing features (their ``forward`` hook) trade recomputation
-for stash memory.
+What is stashed: the *residuals* of ``jax.vjp`` (the forward runs once), minus the
+parameters, incoming activations and batch leaves they contain, which are read again at
+backward time instead of being copied per micro batch, and minus the residuals that are
+functions of the parameters alone (a weight's low-precision cast), which the backward
+recomputes (``derived.py``). The stacked weights of a stage's rolled layers (``roll.py``)
+are parameters in this sense: each tick stacks them from the packed buffer before the
+``jax.vjp`` (``Stage.with_stacks``) and the backward stacks them again, so they are never
+stashed. With tensor-parallel stages every slot holds the largest residual of its shape over
+the distinct stage functions, so a stage whose residuals are all small still carries the
+others' slots (the plan's ``stash`` line gives the bytes). Gradient checkpointing features
+(their ``forward`` hook) trade recomputation for stash memory.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 from epljax.cost import compiled_flops
 from epljax.errors import PlanError
 from epljax.mesh import STAGE
-from epljax.pipeline import packing, slots
+from epljax.pipeline import derived, packing, slots
 from epljax.pipeline.partition import Stage, same_consts
 from epljax.pipeline.schedules import Schedule
 
@@ -67,8 +68,11 @@ StageFn = Callable[[Sequence[Any], Sequence[Any], Sequence[Any]], tuple[Any, Any
 class Residuals:
   """How to rebuild a stage's ``jax.vjp`` pullback from the stash (found by a trial trace)."""
   treedef: Any
-  kinds: tuple[tuple[str, Any], ...]   # per pullback leaf: (param|act|batch|res, index) or static
+  # per pullback leaf: (param|act|batch|res|derived, index) or static
+  kinds: tuple[tuple[str, Any], ...]
   layout: packing.Layout               # the stashed leaves
+  kept: tuple[int, ...]                # which of the forward's stash outputs they are
+  recompute: derived.Derived | None    # the rest, recomputed from the parameters
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -133,6 +137,16 @@ def trace(stage: Stage, fn: StageFn, params: packing.Layout, state_avals: Sequen
   closed, shapes = jax.make_jaxpr(trial, axis_env=[(a, mesh.shape[a]) for a in sorted(manual)],
                                   return_shape=True)(*args)
   _, loss, _, stash, _ = shapes
+  # Functions of the parameters alone are recomputed by the backward, not stashed per micro
+  # batch (``derived.py``).
+  positions = jax.tree.unflatten(jax.tree.structure(shapes),
+                                 range(len(closed.jaxpr.outvars)))[3]
+  fixed, recompute = derived.split(closed, len(args[0]), positions)
+  kept = tuple(k for k in range(len(stash)) if k not in fixed)
+  index = {**{k: ("derived", i) for i, k in enumerate(fixed)},
+           **{k: ("res", i) for i, k in enumerate(kept)}}
+  kinds = tuple(index[v] if kind == "res" else (kind, v) for kind, v in found["kinds"])
+  stash = [stash[k] for k in kept]
   for leaf in stash:
     if not jnp.issubdtype(leaf.dtype, np.number) and leaf.dtype != np.bool_:
       raise PlanError(f"Stage '{stage.name}' keeps a value of dtype {leaf.dtype} for its "
@@ -141,7 +155,8 @@ def trace(stage: Stage, fn: StageFn, params: packing.Layout, state_avals: Sequen
   return Branch(stage, params, packing.Layout.of(stage.incoming),
                 packing.Layout.of(stage.outgoing), state_avals, state, loop,
                 (closed, jax.tree.structure(shapes)),
-                Residuals(found["treedef"], found["kinds"], packing.Layout.of(stash)), loss.dtype)
+                Residuals(found["treedef"], kinds, packing.Layout.of(stash), kept, recompute),
+                loss.dtype)
 
 
 def _pullback(fn: StageFn, params, acts, batch, state):
@@ -241,7 +256,8 @@ def _forward_branch(branch: Branch, sizes: Buffers, aux_avals):
     if not branch.stage.last:
       aux = [jnp.zeros(a.shape, a.dtype) for a in aux_avals]
     return (branch.outgoing.pack(outs, sizes.payload), loss.astype(jnp.float32), list(aux),
-            branch.residuals.layout.pack(stash, sizes.residuals), state)
+            branch.residuals.layout.pack([stash[k] for k in branch.residuals.kept],
+                                         sizes.residuals), state)
 
   return run
 
@@ -254,7 +270,9 @@ def _backward_branch(branch: Branch, sizes: Buffers):
     acts = branch.incoming.unpack(_take(stash_x, slot)) if branch.needs_inputs else [
         jnp.zeros(a.shape, a.dtype) for a in branch.stage.incoming]
     stashed = branch.residuals.layout.unpack(_take(stash_r, slot))
-    source = {"param": leaves, "act": acts, "batch": batch, "res": stashed}
+    recompute = branch.residuals.recompute
+    source = {"param": leaves, "act": acts, "batch": batch, "res": stashed,
+              "derived": recompute(leaves) if recompute else []}
     pull_leaves = [value if kind == "static" else source[kind][value]
                    for kind, value in branch.residuals.kinds]
     pull = jax.tree.unflatten(branch.residuals.treedef, pull_leaves)
