@@ -413,13 +413,15 @@ def baseline_rows(layers: int = 48, devices: list | None = None) -> list[list]:
     total = init_s + step_s
     rows.append([f"GPT {layers}", name, f"{init_s:.1f}", f"{step_s:.1f}", f"{total:.1f}",
                  f"**{total / hand_total:.2f}x**", f"{total / plain_total:.2f}x",
-                 f"{step_s / plain_s:.2f}x", f"{len(compiled.as_text()) / 1e3:.0f}"])
+                 f"{step_s / plain_s:.2f}x", f"{len(compiled.as_text()) / 1e3:.0f}",
+                 kernel_counts(compiled.as_text())[1]])
   rows[-1][2] = f"{plan_s:.1f} + {epl_init:.1f}"
   return rows
 
 
 BASELINE_HEADERS = ["model", "program", "init s", "step s", "total s", "vs hand GPipe",
-                    "vs plain jax.jit", "step vs plain jit's step", "step HLO kchars"]
+                    "vs plain jax.jit", "step vs plain jit's step", "step HLO kchars",
+                    "step's distinct kernels"]
 
 BASELINE_NOTE = (
     "The GPT of --roll (pre-LayerNorm decoder layers of width 64 written as a Python loop, 2 "
@@ -429,7 +431,8 @@ BASELINE_NOTE = (
     "own `model.init` and SGD step on one device, no pipeline. epljax: `auto.auto_parallel` "
     "with roll_layers on (the default); its init column is trace + plan (`Trainer._build`, "
     "nothing compiled) + compiling the parameters' init in their stage shardings; its step is "
-    "the plan's compiled step.")
+    "the plan's compiled step. Distinct kernels: the step's fusions whose computations differ "
+    "(names and metadata aside), what the compiler generates code for (`kernel_counts`).")
 
 
 ROLL_NOTE = (

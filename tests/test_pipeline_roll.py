@@ -8,11 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from jax.extend import core as jcore
 
 import epljax as epl
 from epljax import hlo
-from epljax.pipeline import roll
+from epljax.pipeline import packing, roll
 from epljax.pipeline.roll import Run, roll_repeats
 from helpers import classification_batch, linen_fns
 from pipeline_helpers import Stack, check_matches_reference
@@ -188,3 +189,44 @@ def test_a_stage_left_unrolled_says_why_in_the_plan():
   plan = str(trainer.plan)
   assert "left unrolled: each block reads a float32[16,16] made inside the stage" in plan, plan
   assert all(s.rolled is None for s in trainer.plan.pipeline.stages)
+
+
+def test_a_stages_stacks_sit_side_by_side_at_the_same_offsets_in_every_stage():
+  # storage.placement: each stack's rows one contiguous range (one slice unpacks it, its
+  # gradient goes back as one piece), at the same offsets in every stage of the same layers,
+  # so the stages' branches share their compiled kernels.
+  trainer, _ = _step_text(2, 6, **{"pipeline.roll_layers": True})
+  pipe = trainer.plan.pipeline
+  offsets = []
+  for stage, layout in zip(pipe.stages, pipe.store.layouts):
+    assert len(stage.stacks) > 1
+    assert all(layout.side_by_side(rows, stage.stacks) for rows in stage.stacks)
+    offsets.append([layout.entries[rows[0]].offset for rows in stage.stacks])
+  assert offsets[0] == offsets[1] and offsets[0][0] == 0, offsets
+
+
+@pytest.mark.parametrize("shape, dim", [((5, 3), None), ((5, 8), 1)])
+def test_a_stack_unpacked_and_accumulated_in_one_piece_matches_its_rows(shape, dim):
+  pieces, k = 4, 3
+  avals = [jax.ShapeDtypeStruct(shape, jnp.float32)] * k + [jax.ShapeDtypeStruct((7,), jnp.float32)]
+  layout = packing.Layout.of(avals, pieces, [dim] * k + [None], order=[3, 0, 1, 2])
+  stacks = ((0, 1, 2),)
+  assert layout.side_by_side(stacks[0], stacks)
+  assert not layout.side_by_side((2, 1, 0), ((2, 1, 0),))
+  keys = jax.random.split(jax.random.key(0), 7)
+  values = [jax.random.normal(key, a.shape) for key, a in zip(keys, avals)]
+  types = {"float32": pieces * max(e.offset + e.size for e in layout.entries) + pieces}
+  buffers = layout.pack(values, types)
+  *leaves, stacked = layout.unpack_stacked(buffers, stacks)
+  np.testing.assert_array_equal(stacked, jnp.stack(values[:k]))
+  for got, want in zip(leaves, values):
+    np.testing.assert_array_equal(got, want)
+  # Gradients: the stack's, and leaf 1 also read outside the stack (``direct``); the other
+  # rows' own gradients are zeros, as a rolled program's are.
+  g_stack = jax.random.normal(keys[4], (k, *shape))
+  own = [jnp.zeros(shape), jax.random.normal(keys[5], shape), jnp.zeros(shape),
+         jax.random.normal(keys[6], (7,))]
+  acc = {"float32": jnp.full((types["float32"],), 0.5)}
+  got = layout.accumulate(acc, [*own, g_stack], types, stacks, direct=frozenset({1}))
+  want = layout.accumulate(acc, [o + g for o, g in zip(own, g_stack)] + [own[3]], types)
+  np.testing.assert_allclose(got["float32"], want["float32"], rtol=0, atol=1e-6)

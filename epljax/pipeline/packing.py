@@ -71,17 +71,22 @@ class Layout:
   pieces: int = 1
 
   @staticmethod
-  def of(avals: Sequence[Any], pieces: int = 1, dims: Sequence[int | None] | None = None
-         ) -> Layout:
+  def of(avals: Sequence[Any], pieces: int = 1, dims: Sequence[int | None] | None = None,
+         order: Sequence[int] | None = None) -> Layout:
     """Flat: values side by side in their dtypes' buffers, each in ``pieces`` pieces (split on
-    its dimension ``dims[i]``, or slices of its flat values)."""
+    its dimension ``dims[i]``, or slices of its flat values), placed in ``order`` (default:
+    as given; the entries stay in the values' order)."""
+    dims = dims or [None] * len(avals)
     at: dict[str, int] = {}
-    entries = []
-    for a, dim in zip(avals, dims or [None] * len(avals), strict=True):
+    entries: dict[int, Entry] = {}
+    for i in range(len(avals)) if order is None else order:
+      a = avals[i]
       name, size = dtype_name(a.dtype), -(-math.prod(a.shape) // pieces)
-      entries.append(Entry(name, name, tuple(a.shape), at.get(name, 0), size, dim))
+      entries[i] = Entry(name, name, tuple(a.shape), at.get(name, 0), size, dims[i])
       at[name] = at.get(name, 0) + size
-    return Layout(tuple(entries), pieces)
+    if sorted(entries) != list(range(len(avals))):   # internal invariant
+      raise AssertionError(f"placement order {order} is not a permutation of {len(avals)} values")
+    return Layout(tuple(entries[i] for i in range(len(avals))), pieces)
 
   def whole(self, keys: Sequence[str], types: Mapping[str, SlotType]) -> Layout:
     """This layout, then values kept whole in buffers ``keys``."""
@@ -102,26 +107,31 @@ class Layout:
     """Bytes of the values."""
     return sum(math.prod(e.shape) * jnp.dtype(e.dtype).itemsize for e in self.entries)
 
-  def pack(self, values: Sequence[Any], types: Types, *, skip_missing: bool = False
-           ) -> dict[str, jax.Array]:
+  def pack(self, values: Sequence[Any], types: Types, *, skip_missing: bool = False,
+           stacks: Sequence[tuple[Sequence[int], Any]] = ()) -> dict[str, jax.Array]:
     """Values -> every buffer of ``types``: a flat one its values' pieces side by side then
     zeros, a whole one its value, or zeros where this stage has none.
 
     With ``skip_missing`` values whose buffer is not in ``types`` are left out (the integer
-    activations of a gradient payload, whose cotangents are ``float0``).
+    activations of a gradient payload, whose cotangents are ``float0``). ``stacks``: (rows,
+    stacked value) of values that sit side by side (``side_by_side``), packed as one piece;
+    their own entries in ``values`` are None.
     """
-    flat: dict[str, list[jax.Array]] = {k: [] for k, t in types.items()
-                                        if not isinstance(t, SlotType)}
+    flat: dict[str, list[tuple[int, jax.Array]]] = {k: [] for k, t in types.items()
+                                                    if not isinstance(t, SlotType)}
     out = {}
     for e, v in zip(self.entries, values, strict=True):
-      if skip_missing and e.key not in types:
+      if v is None or (skip_missing and e.key not in types):
         continue
       if e.offset is None:
         out[e.key] = jnp.asarray(v, types[e.key].dtype)
       else:
-        flat[e.key].append(self._pieces(v, e))
+        flat[e.key].append((e.offset, self._pieces(v, e)))
+    for rows, v in stacks:
+      e = self.entries[rows[0]]
+      flat[e.key].append((e.offset, self._stack_pieces(v, e)))
     for k, parts in flat.items():
-      out[k] = self._fill(parts, types[k], k)
+      out[k] = self._fill([p for _, p in sorted(parts, key=lambda x: x[0])], types[k], k)
     return {k: out[k] if k in out else t.zeros() for k, t in types.items()}
 
   def unpack(self, buffers: Mapping[str, jax.Array]) -> list[Any]:
@@ -143,16 +153,80 @@ class Layout:
                                                     axis=1), e))
     return out
 
-  def accumulate(self, acc: Mapping[str, jax.Array], values: Sequence[Any], types: Types
+  def unpack_stacked(self, buffers: Mapping[str, jax.Array],
+                     stacks: Sequence[Sequence[int]]) -> list[Any]:
+    """``unpack``, then each stack (``rows`` of values, a rolled stage's stacked layers): one
+    slice of its buffer where its rows sit side by side (``side_by_side``), else stacked from
+    the values."""
+    values = self.unpack(buffers)
+    return [*values, *(self._unpack_stack(buffers, rows) if self.side_by_side(rows, stacks)
+                       else jnp.stack([values[i] for i in rows]) for rows in stacks)]
+
+  def side_by_side(self, rows: Sequence[int], stacks: Sequence[Sequence[int]]) -> bool:
+    """Whether values ``rows`` sit side by side in that order in one flat buffer, of one shape
+    and split, and in no other stack of ``stacks``: a stack of them is one slice."""
+    first = self.entries[rows[0]]
+    others = {i for other in stacks if other is not rows for i in other}
+    return (first.offset is not None and len(set(rows)) == len(rows)
+            and not others & set(rows)
+            and all(e.key == first.key and e.shape == first.shape and e.dim == first.dim
+                    and e.offset == first.offset + j * first.size
+                    for j, e in enumerate(self.entries[i] for i in rows)))
+
+  def accumulate(self, acc: Mapping[str, jax.Array], values: Sequence[Any], types: Types,
+                 stacks: Sequence[Sequence[int]] = (), direct: frozenset[int] = frozenset()
                  ) -> dict[str, jax.Array]:
     """``acc + pack(values, types)``, touching only the buffers this stage fills: its
     gradients added into the accumulator where the backward makes them (one elementwise pass
     that XLA:GPU writes into ``acc`` in place, its matmuls accumulating there; no buffer of the
-    stage's gradients of its own)."""
+    stage's gradients of its own).
+
+    With ``stacks`` (``unpack_stacked``'s), ``values`` ends with each stack's gradient. One
+    whose rows sit side by side is added as one piece, its rows' own gradients joining it only
+    for the values in ``direct`` (read outside the stack too; the others' are zeros); any other
+    is added to its rows' gradients."""
+    n = len(self.entries)
+    own, whole = list(values[:n]), []
+    for rows, g in zip(stacks, values[n:], strict=True):
+      if self.side_by_side(rows, stacks):
+        for j, i in enumerate(rows):
+          if i in direct:
+            g = g.at[j].add(own[i].astype(g.dtype))
+          own[i] = None
+        whole.append((rows, g))
+      else:
+        for j, i in enumerate(rows):
+          own[i] = own[i] + g[j].astype(own[i].dtype)
     flat = {k: t for k, t in types.items() if not isinstance(t, SlotType)}
     mine = {e.key for e in self.entries if e.offset is None}
-    packed = self.pack(values, {**flat, **{k: types[k] for k in mine}})
+    packed = self.pack(own, {**flat, **{k: types[k] for k in mine}}, stacks=whole)
     return {k: acc[k] + packed[k].reshape(acc[k].shape) if k in packed else acc[k] for k in acc}
+
+  def _unpack_stack(self, buffers: Mapping[str, jax.Array], rows: Sequence[int]) -> jax.Array:
+    """Side-by-side values ``rows`` -> ``(len(rows), *shape)``, from one slice."""
+    e, k = self.entries[rows[0]], len(rows)
+    part = jax.lax.slice_in_dim(buffers[e.key].reshape(self.pieces, -1), e.offset,
+                                e.offset + k * e.size, axis=1)       # (pieces, k size)
+    stacked = part.reshape(self.pieces, k, e.size).transpose(1, 0, 2)
+    if e.dim is None:
+      return stacked.reshape(k, -1)[:, :math.prod(e.shape)].reshape(k, *e.shape)
+    shards = stacked.reshape(k, self.pieces, *piece_shape(e.shape, e.dim, self.pieces))
+    return jnp.moveaxis(shards, 1, e.dim + 1).reshape(k, *e.shape)
+
+  def _stack_pieces(self, value: Any, e: Entry) -> jax.Array:
+    """``(k, *shape)`` -> its rows' pieces side by side, ``(k size,)`` or ``(pieces, k
+    size)`` (the transpose of ``_unpack_stack``)."""
+    n, k = self.pieces, value.shape[0]
+    value = jnp.asarray(value).astype(e.dtype)
+    if e.dim is None:
+      flat = value.reshape(k, -1)
+      rows = jnp.pad(flat, ((0, 0), (0, n * e.size - flat.shape[1]))).reshape(k, n, e.size)
+    else:
+      d = e.dim + 1
+      split = value.reshape(*value.shape[:d], n, e.shape[e.dim] // n, *value.shape[d + 1:])
+      rows = jnp.moveaxis(split, d, 1).reshape(k, n, e.size)
+    rows = rows.transpose(1, 0, 2).reshape(n, k * e.size)
+    return rows.reshape(-1) if n == 1 else rows
 
   def _fill(self, parts: Sequence[jax.Array], size: int, dtype: str) -> jax.Array:
     if self.pieces == 1:

@@ -37,7 +37,6 @@ from jax.extend import source_info_util
 
 from epljax.errors import PlanError
 from epljax.pipeline import chunks
-from epljax.pipeline import roll
 from epljax.pipeline.roll import Run, roll_repeats
 from epljax.sharding import constraints
 from epljax.sharding.capture import Capture
@@ -83,7 +82,8 @@ class Stage:
   state: tuple[int, ...] = ()    # model state leaf indices (BatchNorm statistics) it updates
   rolled: Run | None = None      # its repeated layers, run as one ``lax.scan`` (``roll.py``)
   # The rolled scan's stacked parameters, inputs of ``jaxpr`` after ``params``: per stack, the
-  # position in ``params`` of each block's leaf. ``with_stacks`` makes them.
+  # position in ``params`` of each block's leaf (the loop slices them from its parameter
+  # buffer, ``packing.Layout.unpack_stacked``).
   stacks: tuple[tuple[int, ...], ...] = ()
   unrolled: str = ""             # why repeated layers found here were left unrolled
   # Its chunks of stacked parameters: (index in ``params``, the user's leaf). A part's index is
@@ -95,19 +95,17 @@ class Stage:
   averaged: frozenset[int] = frozenset()
   row_axes: tuple[str, ...] = ()
 
-  def with_stacks(self, leaves: Sequence[Any]) -> list[Any]:
-    """The stage's parameter leaves -> what ``__call__`` takes: the leaves, then the stacks of
-    its rolled layers. Made outside the stage's ``jax.vjp``, so its residuals refer to them
-    rather than keep a stacked copy per micro batch."""
-    return roll.stack(leaves, self.stacks)
-
-  def leaf_gradients(self, grads: Sequence[Any]) -> list[Any]:
-    """Gradients of ``with_stacks``' values -> of the leaves (its transpose)."""
-    return roll.unstack_gradients(grads, self.stacks)
+  def read_directly(self) -> frozenset[int]:
+    """Positions in ``params`` whose leaf the program reads itself, not only as a row of one
+    of its ``stacks``."""
+    jaxpr = self.jaxpr.jaxpr
+    used = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, jcore.Literal)}
+    used |= {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+    return frozenset(p for p, v in enumerate(jaxpr.invars[:len(self.params)]) if v in used)
 
   def __call__(self, params: Sequence[Any], incoming: Sequence[Any], batch: Sequence[Any],
                state: Sequence[Any] = ()):
-    """``params``: ``with_stacks`` of the stage's parameter leaves."""
+    """``params``: the stage's parameter leaves, then its stacks."""
     args = (*params, *state, *incoming, *batch)
     with constraints.explained(f"stage '{self.name}'"):
       outs = (_averaging(self.jaxpr, self.averaged, self.row_axes, args) if self.averaged else

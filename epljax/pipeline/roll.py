@@ -16,8 +16,9 @@ block but the last, leaves the stage unrolled. Only runs that contain a matmul o
 convolution are rolled (a layer), and none with side effects.
 
 The stacks are inputs of the rolled program (``Rolled.stacks`` says which parameters each
-one stacks), made by the caller outside the stage's ``jax.vjp`` (``Stage.with_stacks``, in
-the pipeline's forward and backward of each tick): the scan's pullback then refers to the
+one stacks), made by the caller outside the stage's ``jax.vjp`` (in the pipeline's forward and
+backward of each tick, each stack one slice of the parameter buffer,
+``packing.Layout.unpack_stacked``): the scan's pullback then refers to the
 stacked input itself, which the pipeline makes again at backward time rather than stash, and
 a micro batch keeps no more than the written-out layers kept. A block that
 reads a value made inside the stage per block (a weight cast or reshaped before its layer)
@@ -275,14 +276,3 @@ def _aval(atom: Any) -> Any:
 def stack(leaves: Sequence[Any], stacks: Sequence[Sequence[int]]) -> list[Any]:
   """A rolled program's parameter inputs: ``leaves``, then each stack (``Rolled.stacks``)."""
   return [*leaves, *(jnp.stack([leaves[i] for i in rows]) for rows in stacks)]
-
-
-def unstack_gradients(grads: Sequence[Any], stacks: Sequence[Sequence[int]]) -> list[Any]:
-  """The transpose of ``stack``: each stack's rows added to the gradients of their leaves (a
-  leaf read by several blocks, or also outside the run, gets the sum)."""
-  n = len(grads) - len(stacks)
-  out = list(grads[:n])
-  for rows, g in zip(stacks, grads[n:]):
-    for k, i in enumerate(rows):
-      out[i] = out[i] + g[k].astype(out[i].dtype)
-  return out

@@ -24,12 +24,13 @@ parameters, incoming activations and batch leaves they contain, which are read a
 backward time instead of being copied per micro batch, and minus the residuals that are
 functions of the parameters alone (a weight's low-precision cast), which the backward
 recomputes (``derived.py``). The stacked weights of a stage's rolled layers (``roll.py``)
-are parameters in this sense: each tick stacks them from the packed buffer before the
-``jax.vjp`` (``Stage.with_stacks``) and the backward stacks them again, so they are never
-stashed. With tensor-parallel stages every slot holds the largest residual of its shape over
-the distinct stage functions, so a stage whose residuals are all small still carries the
-others' slots (the plan's ``stash`` line gives the bytes). Gradient checkpointing features
-(their ``forward`` hook) trade recomputation for stash memory.
+are parameters in this sense: each tick slices them from the packed buffer before the
+``jax.vjp`` (``packing.Layout.unpack_stacked``) and the backward slices them again, so they are
+never stashed; their gradients go back into the accumulator as one piece per stack. With
+tensor-parallel stages every slot holds the largest residual of its shape over the distinct
+stage functions, so a stage whose residuals are all small still carries the others' slots (the
+plan's ``stash`` line gives the bytes). Gradient checkpointing features (their ``forward``
+hook) trade recomputation for stash memory.
 """
 
 from __future__ import annotations
@@ -243,7 +244,7 @@ def make_loop(stages: Sequence[Stage], fns: Sequence[StageFn], param_avals, batc
 
 def _forward_branch(branch: Branch, sizes: Buffers, aux_avals):
   def run(params, incoming, batch, state):
-    leaves = branch.stage.with_stacks(branch.params.unpack(params))
+    leaves = branch.params.unpack_stacked(params, branch.stage.stacks)
     acts = branch.incoming.unpack(incoming)
     old = [slots.as_key(x, a) for x, a in zip(branch.state.unpack(state), branch.state_avals)]
     closed, tree = branch.forward   # the trial trace's program, replayed
@@ -266,7 +267,7 @@ def _backward_branch(branch: Branch, sizes: Buffers):
   # The stash comes in whole and is sliced here, where the slices fuse into their consumers,
   # rather than copying a slot out before the switch.
   def run(params, acc, stash_x, stash_r, slot, batch, grad_out, seed):
-    leaves = branch.stage.with_stacks(branch.params.unpack(params))
+    leaves = branch.params.unpack_stacked(params, branch.stage.stacks)
     acts = branch.incoming.unpack(_take(stash_x, slot)) if branch.needs_inputs else [
         jnp.zeros(a.shape, a.dtype) for a in branch.stage.incoming]
     stashed = branch.residuals.layout.unpack(_take(stash_r, slot))
@@ -278,8 +279,8 @@ def _backward_branch(branch: Branch, sizes: Buffers):
     pull = jax.tree.unflatten(branch.residuals.treedef, pull_leaves)
     g_outs = branch.outgoing.unpack(grad_out)
     g_params, g_acts = pull((tuple(g_outs), seed.astype(branch.loss_dtype)))
-    return (branch.params.accumulate(acc, branch.stage.leaf_gradients(g_params),
-                                      sizes.params),
+    return (branch.params.accumulate(acc, g_params, sizes.params, branch.stage.stacks,
+                                      branch.stage.read_directly()),
             branch.incoming.pack(g_acts, sizes.grad_payload, skip_missing=True))
 
   return run

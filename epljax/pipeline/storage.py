@@ -193,14 +193,30 @@ def make_store(stages: Sequence[Stage], avals: Sequence[Any], specs: Sequence[P]
     layouts, buffers = packing.assign([[SlotType.of(avals[i], tuple(specs[i]))
                                         for i in leaves] for leaves in members])
   else:   # where each stage's leaves arrive in its buffer (``exchange``)
-    layouts = [packing.Layout.of([avals[i] for i in member], size, [dims[i] for i in member])
-               for member in members]
+    layouts = [packing.Layout.of([avals[i] for i in member], size, [dims[i] for i in member],
+                                 placement(stage, member))
+               for stage, member in zip(stages, members)]
     buffers = {k: size * w for k, w in packing.padded_sizes(layouts).items()}
   return ParamStore(
       mesh=mesh, avals=tuple(avals), specs=tuple(specs), shardings=shardings, members=members,
       parts=parts, part_types=part_types, virtual=virtual, slotted=slotted,
       layouts=tuple(lay.whole(keys, part_types) for lay, keys in zip(layouts, part_keys)),
       buffers={**buffers, **part_types})
+
+
+def placement(stage: Stage, member: Sequence[int]) -> list[int]:
+  """The order in which a stage's exchanged leaves (``member``) take their places in its
+  buffer: its rolled layers' stacks first, each stack's rows side by side, then the rest.
+
+  Stages of the same layers then place them at the same offsets, whatever else a stage holds
+  (an embedding before its layers, a head after them), so the slices that unpack them are the
+  same in every stage's branch, and a stack's rows are one contiguous range."""
+  where = {leaf: j for j, leaf in enumerate(member)}
+  order = [where[stage.params[p]] for rows in stage.stacks for p in rows
+           if stage.params[p] in where]
+  order = list(dict.fromkeys(order))       # a leaf read by several blocks: its first place
+  placed = set(order)
+  return order + [j for j in range(len(member)) if j not in placed]
 
 
 def _rows_over_stage(spec: P, path: str, aval: Any) -> P:
@@ -229,7 +245,8 @@ def exchange(leaves: Sequence[Any], rows: Sequence[packing.Layout],
     for name in slot:
       parts = []
       for layout, member in zip(rows, members):
-        mine = [_my_piece(local_leaves[i], e, r, n_stages) for i, e in zip(member, layout.entries)
+        mine = [_my_piece(local_leaves[i], e, r, n_stages) for i, e in
+                sorted(zip(member, layout.entries), key=lambda x: x[1].offset)
                 if e.dtype == name]
         parts.append(packing.fill(mine, slot[name], name))
       send[name] = jnp.stack(parts).reshape(n_stages, per, slot[name])
