@@ -203,30 +203,18 @@ class Layout:
     return {k: acc[k] + packed[k].reshape(acc[k].shape) if k in packed else acc[k] for k in acc}
 
   def _unpack_stack(self, buffers: Mapping[str, jax.Array], rows: Sequence[int]) -> jax.Array:
-    """Side-by-side values ``rows`` -> ``(len(rows), *shape)``, from one slice."""
+    """Side-by-side values ``rows`` -> ``(len(rows), *shape)``: one slice, each row then
+    reassembled as ``unpack`` does."""
     e, k = self.entries[rows[0]], len(rows)
     part = jax.lax.slice_in_dim(buffers[e.key].reshape(self.pieces, -1), e.offset,
-                                e.offset + k * e.size, axis=1)       # (pieces, k size)
-    stacked = part.reshape(self.pieces, k, e.size).transpose(1, 0, 2)
-    if e.dim is None:
-      return stacked.reshape(k, -1)[:, :math.prod(e.shape)].reshape(k, *e.shape)
-    shards = stacked.reshape(k, self.pieces, *piece_shape(e.shape, e.dim, self.pieces))
-    return jnp.moveaxis(shards, 1, e.dim + 1).reshape(k, *e.shape)
+                                e.offset + k * e.size, axis=1)
+    return jax.vmap(lambda p: self._whole(p, e), in_axes=1)(part.reshape(self.pieces, k, e.size))
 
   def _stack_pieces(self, value: Any, e: Entry) -> jax.Array:
-    """``(k, *shape)`` -> its rows' pieces side by side, ``(k size,)`` or ``(pieces, k
+    """``(k, *shape)`` -> its rows' ``_pieces`` side by side: ``(k size,)``, or ``(pieces, k
     size)`` (the transpose of ``_unpack_stack``)."""
-    n, k = self.pieces, value.shape[0]
-    value = jnp.asarray(value).astype(e.dtype)
-    if e.dim is None:
-      flat = value.reshape(k, -1)
-      rows = jnp.pad(flat, ((0, 0), (0, n * e.size - flat.shape[1]))).reshape(k, n, e.size)
-    else:
-      d = e.dim + 1
-      split = value.reshape(*value.shape[:d], n, e.shape[e.dim] // n, *value.shape[d + 1:])
-      rows = jnp.moveaxis(split, d, 1).reshape(k, n, e.size)
-    rows = rows.transpose(1, 0, 2).reshape(n, k * e.size)
-    return rows.reshape(-1) if n == 1 else rows
+    pieces = jax.vmap(lambda v: self._pieces(v, e), out_axes=-2)(value)
+    return pieces.reshape(*pieces.shape[:-2], -1)
 
   def _fill(self, parts: Sequence[jax.Array], size: int, dtype: str) -> jax.Array:
     if self.pieces == 1:
