@@ -20,9 +20,10 @@ from typing import Any
 from jax.extend import core as jcore
 from jax.interpreters import partial_eval as pe
 
+from epljax.sharding.program import CALLS, DERIVATIVE_CALLS, scan_counts
+
 # Equations whose body maps its inputs to its outputs one to one, run once.
-_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint",
-                    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+_CALLS = CALLS | DERIVATIVE_CALLS
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -70,10 +71,7 @@ def _scan_outputs(eqn, ins: list[bool]) -> list[bool]:
   """A scan's outputs (carry, then ys): a carry is varying from the first iteration in which
   what it is fed is (a fixed point over the body)."""
   body = eqn.params["jaxpr"].jaxpr
-  if "num_consts" in eqn.params:
-    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
-  else:   # newer jax: the inputs' flat trees (consts, carry, xs)
-    n_consts, n_carry = (len(list(t.vals)) for t in eqn.params["ft_in"].elts[:2])
+  n_consts, n_carry = scan_counts(eqn)
   if len(body.invars) != len(ins) or len(body.outvars) != len(eqn.outvars):
     return [any(ins)] * len(eqn.outvars)
   carry = ins[n_consts:n_consts + n_carry]
