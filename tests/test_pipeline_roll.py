@@ -13,10 +13,15 @@ from jax.extend import core as jcore
 
 import epljax as epl
 from epljax import hlo
-from epljax.pipeline import packing, roll
+from epljax.pipeline import packing
 from epljax.pipeline.roll import Run, roll_repeats
 from helpers import classification_batch, linen_fns
 from pipeline_helpers import Stack, check_matches_reference
+
+
+def _stack(leaves, stacks):
+  """A rolled program's parameter inputs: the leaves, then each stack (``Rolled.stacks``)."""
+  return [*leaves, *(jnp.stack([leaves[i] for i in rows]) for rows in stacks)]
 
 
 def _params(blocks, width=8, seed=0):
@@ -44,7 +49,7 @@ def _rolled_and_plain(fn, params, x):
   n = len(jax.tree.leaves(params))
   rolled = roll_repeats(closed, n)
   leaves, rest = jax.tree.leaves(params), jax.tree.leaves(x)
-  got = jax.jit(jcore.jaxpr_as_fun(rolled.jaxpr))(*roll.stack(leaves, rolled.stacks), *rest)
+  got = jax.jit(jcore.jaxpr_as_fun(rolled.jaxpr))(*_stack(leaves, rolled.stacks), *rest)
   return rolled.jaxpr, rolled.run, got, jax.jit(jcore.jaxpr_as_fun(closed))(*leaves, *rest)
 
 
@@ -60,7 +65,7 @@ def test_layers_written_in_a_loop_become_one_scan_with_the_same_result():
   # And its derivative, which is what the pipeline's stages take.
   stacks = roll_repeats(jax.make_jaxpr(_residual)(_params(5), x), 10).stacks
   g_rolled = jax.grad(lambda p, x: jcore.jaxpr_as_fun(rolled)(
-      *roll.stack(jax.tree.leaves(p), stacks), x)[0])(_params(5), x)
+      *_stack(jax.tree.leaves(p), stacks), x)[0])(_params(5), x)
   g_plain = jax.grad(_residual)(_params(5), x)
   for a, b in zip(jax.tree.leaves(g_rolled), jax.tree.leaves(g_plain)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

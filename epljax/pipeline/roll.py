@@ -271,8 +271,3 @@ def _rolled(closed: jcore.ClosedJaxpr, program: Steps, loop: _Loop,
 def _aval(atom: Any) -> Any:
   """The aval of a step's operand: a Literal, or a key ``(scope, Var)``."""
   return atom.aval if isinstance(atom, jcore.Literal) else atom[1].aval
-
-
-def stack(leaves: Sequence[Any], stacks: Sequence[Sequence[int]]) -> list[Any]:
-  """A rolled program's parameter inputs: ``leaves``, then each stack (``Rolled.stacks``)."""
-  return [*leaves, *(jnp.stack([leaves[i] for i in rows]) for rows in stacks)]
