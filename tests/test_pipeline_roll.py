@@ -222,7 +222,7 @@ def test_a_stack_unpacked_and_accumulated_in_one_piece_matches_its_rows(shape, d
   values = [jax.random.normal(key, a.shape) for key, a in zip(keys, avals)]
   types = {"float32": pieces * max(e.offset + e.size for e in layout.entries) + pieces}
   buffers = layout.pack(values, types)
-  *leaves, stacked = layout.unpack_stacked(buffers, stacks)
+  *leaves, stacked = layout.unpack_stacked(buffers, layout.stacks_of(stacks))
   np.testing.assert_array_equal(stacked, jnp.stack(values[:k]))
   for got, want in zip(leaves, values):
     np.testing.assert_array_equal(got, want)
@@ -232,6 +232,6 @@ def test_a_stack_unpacked_and_accumulated_in_one_piece_matches_its_rows(shape, d
   own = [jnp.zeros(shape), jax.random.normal(keys[5], shape), jnp.zeros(shape),
          jax.random.normal(keys[6], (7,))]
   acc = {"float32": jnp.full((types["float32"],), 0.5)}
-  got = layout.accumulate(acc, [*own, g_stack], types, stacks, direct=frozenset({1}))
+  got = layout.accumulate(acc, [*own, g_stack], types, layout.stacks_of(stacks, frozenset({1})))
   want = layout.accumulate(acc, [o + g for o, g in zip(own, g_stack)] + [own[3]], types)
   np.testing.assert_allclose(got["float32"], want["float32"], rtol=0, atol=1e-6)

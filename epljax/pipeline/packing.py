@@ -47,6 +47,16 @@ class SlotType:
     return jnp.zeros((*lead, *self.shape), self.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class Stacks:
+  """A rolled stage's stacks (``rows`` of its values, one block's leaf per row), decided once
+  for its layout (``Layout.stacks_of``): which sit side by side (``side``: one slice each), and
+  which values the stage's program also reads itself (``direct``)."""
+  rows: tuple[tuple[int, ...], ...] = ()
+  side: tuple[bool, ...] = ()
+  direct: frozenset[int] = frozenset()
+
+
 Types = Mapping[str, int | SlotType]   # a buffer type: flat {dtype: size}, whole {key: SlotType}
 
 
@@ -153,14 +163,19 @@ class Layout:
                                                     axis=1), e))
     return out
 
-  def unpack_stacked(self, buffers: Mapping[str, jax.Array],
-                     stacks: Sequence[Sequence[int]]) -> list[Any]:
-    """``unpack``, then each stack (``rows`` of values, a rolled stage's stacked layers): one
-    slice of its buffer where its rows sit side by side (``side_by_side``), else stacked from
-    the values."""
+  def stacks_of(self, rows: Sequence[Sequence[int]], direct: frozenset[int] = frozenset()
+                ) -> Stacks:
+    """A rolled stage's stacks in this layout (see ``Stacks``)."""
+    return Stacks(tuple(map(tuple, rows)), tuple(self.side_by_side(r, rows) for r in rows),
+                  direct)
+
+  def unpack_stacked(self, buffers: Mapping[str, jax.Array], stacks: Stacks) -> list[Any]:
+    """``unpack``, then each stack (a rolled stage's stacked layers): one slice of its buffer
+    where its rows sit side by side, else stacked from the values."""
     values = self.unpack(buffers)
-    return [*values, *(self._unpack_stack(buffers, rows) if self.side_by_side(rows, stacks)
-                       else jnp.stack([values[i] for i in rows]) for rows in stacks)]
+    return [*values, *(self._unpack_stack(buffers, rows) if side
+                       else jnp.stack([values[i] for i in rows])
+                       for rows, side in zip(stacks.rows, stacks.side))]
 
   def side_by_side(self, rows: Sequence[int], stacks: Sequence[Sequence[int]]) -> bool:
     """Whether values ``rows`` sit side by side in that order in one flat buffer, of one shape
@@ -174,8 +189,7 @@ class Layout:
                     for j, e in enumerate(self.entries[i] for i in rows)))
 
   def accumulate(self, acc: Mapping[str, jax.Array], values: Sequence[Any], types: Types,
-                 stacks: Sequence[Sequence[int]] = (), direct: frozenset[int] = frozenset()
-                 ) -> dict[str, jax.Array]:
+                 stacks: Stacks = Stacks()) -> dict[str, jax.Array]:
     """``acc + pack(values, types)``, touching only the buffers this stage fills: its
     gradients added into the accumulator where the backward makes them (one elementwise pass
     that XLA:GPU writes into ``acc`` in place, its matmuls accumulating there; no buffer of the
@@ -183,14 +197,14 @@ class Layout:
 
     With ``stacks`` (``unpack_stacked``'s), ``values`` ends with each stack's gradient. One
     whose rows sit side by side is added as one piece, its rows' own gradients joining it only
-    for the values in ``direct`` (read outside the stack too; the others' are zeros); any other
-    is added to its rows' gradients."""
+    for the values in ``stacks.direct`` (read outside the stack too; the others' are zeros);
+    any other is added to its rows' gradients."""
     n = len(self.entries)
     own, whole = list(values[:n]), []
-    for rows, g in zip(stacks, values[n:], strict=True):
-      if self.side_by_side(rows, stacks):
+    for rows, side, g in zip(stacks.rows, stacks.side, values[n:], strict=True):
+      if side:
         for j, i in enumerate(rows):
-          if i in direct:
+          if i in stacks.direct:
             g = g.at[j].add(own[i].astype(g.dtype))
           own[i] = None
         whole.append((rows, g))

@@ -92,6 +92,7 @@ class Branch:
   forward: tuple[jcore.ClosedJaxpr, Any]
   residuals: Residuals
   loss_dtype: Any             # of the (feature-wrapped) stage's loss output
+  stacks: packing.Stacks = packing.Stacks()   # its rolled layers' stacks in ``params``
 
   @property
   def signature(self) -> tuple:
@@ -157,7 +158,7 @@ def trace(stage: Stage, fn: StageFn, params: packing.Layout, state_avals: Sequen
                 packing.Layout.of(stage.outgoing), state_avals, state, loop,
                 (closed, jax.tree.structure(shapes)),
                 Residuals(found["treedef"], kinds, packing.Layout.of(stash), kept, recompute),
-                loss.dtype)
+                loss.dtype, params.stacks_of(stage.stacks, stage.read_directly()))
 
 
 def _pullback(fn: StageFn, params, acts, batch, state):
@@ -244,7 +245,7 @@ def make_loop(stages: Sequence[Stage], fns: Sequence[StageFn], param_avals, batc
 
 def _forward_branch(branch: Branch, sizes: Buffers, aux_avals):
   def run(params, incoming, batch, state):
-    leaves = branch.params.unpack_stacked(params, branch.stage.stacks)
+    leaves = branch.params.unpack_stacked(params, branch.stacks)
     acts = branch.incoming.unpack(incoming)
     old = [slots.as_key(x, a) for x, a in zip(branch.state.unpack(state), branch.state_avals)]
     closed, tree = branch.forward   # the trial trace's program, replayed
@@ -267,7 +268,7 @@ def _backward_branch(branch: Branch, sizes: Buffers):
   # The stash comes in whole and is sliced here, where the slices fuse into their consumers,
   # rather than copying a slot out before the switch.
   def run(params, acc, stash_x, stash_r, slot, batch, grad_out, seed):
-    leaves = branch.params.unpack_stacked(params, branch.stage.stacks)
+    leaves = branch.params.unpack_stacked(params, branch.stacks)
     acts = branch.incoming.unpack(_take(stash_x, slot)) if branch.needs_inputs else [
         jnp.zeros(a.shape, a.dtype) for a in branch.stage.incoming]
     stashed = branch.residuals.layout.unpack(_take(stash_r, slot))
@@ -279,8 +280,7 @@ def _backward_branch(branch: Branch, sizes: Buffers):
     pull = jax.tree.unflatten(branch.residuals.treedef, pull_leaves)
     g_outs = branch.outgoing.unpack(grad_out)
     g_params, g_acts = pull((tuple(g_outs), seed.astype(branch.loss_dtype)))
-    return (branch.params.accumulate(acc, g_params, sizes.params, branch.stage.stacks,
-                                      branch.stage.read_directly()),
+    return (branch.params.accumulate(acc, g_params, sizes.params, branch.stacks),
             branch.incoming.pack(g_acts, sizes.grad_payload, skip_missing=True))
 
   return run
