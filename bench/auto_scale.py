@@ -9,7 +9,7 @@
 rematerialized, AdamW) at its 8B and 70B presets on 8, 16 and 64 H100s (8 per host), one row of
 2048 tokens per device, and Llama-2-7B on 16 H100s with 16 rows of 2048 tokens (the issue's
 case). Each search is ``trainer._build`` with ``auto.auto_parallel`` (at most
-``search.MAX_COMPILES`` compiles), timed. Printed per cell: the chosen row, the fastest
+``auto.max_compiles``, 5, compiles), timed. Printed per cell: the chosen row, the fastest
 predicted rows of each kind (FSDP, HSDP, tensor x data with ZeRO v1, tensor x pipeline x data),
 and whether a chosen pipeline across hosts has a bubble over a quarter of its step while an
 unpipelined plan that fits is predicted faster (the issue's bar: must be "no"). On several

@@ -27,16 +27,27 @@ _ARRAY = re.compile(r"\b(?P<dtype>pred|[subf]\d+|bf16|f8e\w+|c64|c128)\[(?P<dims
 _DEVICE_IDS = r"(?:, device_ids=\((?:[^()]|\([^()]*\))*\))?"
 _GROUPS = re.compile(r"replica_groups=(?P<groups>mesh\[.*?\]" + _DEVICE_IDS +
                      r"(?:\s*\{[^}]*\})?|.*?)(?:, [\w_]+=|$)", re.M)
+_PAIRS = re.compile(r"source_target_pairs=(?P<pairs>\{\{[\d,{}]*\}\})")
 _BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
 
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-  """One collective of a compiled program: its kind, result shapes and result bytes."""
+  """One collective of a compiled program: its kind, result shapes and result bytes (and, for a
+  ``collective-permute``, its ``source_target_pairs`` text)."""
   kind: str
   shapes: tuple[str, ...]
   bytes: int
   replica_groups: str
+  source_target_pairs: str = ""
+
+  def connected(self) -> list[list[int]]:
+    """The devices a collective-permute's pairs connect, grouped (its connected components)."""
+    group: dict[int, set[int]] = {}
+    for a, b in re.findall(r"\{(\d+),(\d+)\}", self.source_target_pairs):
+      joined = group.get(int(a), {int(a)}) | group.get(int(b), {int(b)})
+      group.update((d, joined) for d in joined)
+    return [sorted(g) for g in {id(g): g for g in group.values()}.values()]
 
   @property
   def group_size(self) -> int | None:
@@ -120,10 +131,13 @@ def collectives(hlo_text: str, include_trivial: bool = False) -> list[Collective
   for m in _LINE.finditer(hlo_text):
     arrays = _result_arrays(m["op"], m["type"]) if m["start"] else _ARRAY.findall(m["type"])
     line_end = hlo_text.find("\n", m.end())
-    groups = _GROUPS.search(hlo_text, m.end(), line_end if line_end >= 0 else len(hlo_text))
+    end = line_end if line_end >= 0 else len(hlo_text)
+    groups = _GROUPS.search(hlo_text, m.end(), end)
+    pairs = _PAIRS.search(hlo_text, m.end(), end)
     found.append(Collective(
         m["op"], tuple(f"{d}[{s}]" for d, s in arrays),
-        sum(_nbytes(d, s) for d, s in arrays), groups["groups"] if groups else ""))
+        sum(_nbytes(d, s) for d, s in arrays), groups["groups"] if groups else "",
+        pairs["pairs"] if pairs else ""))
   return [c for c in found if include_trivial or c.group_size != 1]
 
 

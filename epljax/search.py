@@ -8,19 +8,19 @@ True
 
 1. The candidates (``epljax.candidates``: meshes, splits, stages and features) are estimated
    before compiling, from one trace per mesh and one pipeline plan per stage count.
-2. Candidates estimated over ``auto.memory_limit`` are dropped; the others are compiled, at
-   most ``MAX_COMPILES``, each time the one of lowest pace-scaled estimate: its estimate times
-   compiled / estimated time of the last compiled row of its kind (``_kind``: pipeline or not,
-   its ZeRO level and model axis). A compiled step over the limit rescales the activation
+2. Candidates estimated over ``auto.memory_limit`` are dropped; the others are compiled, at most
+   ``auto.max_compiles`` (5), each time the one of lowest pace-scaled estimate: its estimate
+   times compiled / estimated time of the last compiled row of its kind (``_kind``: pipeline or
+   not, its ZeRO level and model axis). A compiled step over the limit rescales the activation
    estimate of the rows still to weigh by its measured activations (``_calibrated``). Once one
    compiled step fits, a row is compiled only while it could beat it: its pace-scaled estimate
    is below that step's compiled time, or above by less than its uncertainty (``TIE`` once its
-   kind was compiled; before, the largest error of any kind's estimate in this search, at
-   most ``TIE_LIMIT``): near-ties take the compiles left, so the choice is the lowest
-   predicted step of all the search could afford to check. Of the compiled steps within the
-   limit the fastest is chosen, by costs read from the compiled program
-   (``cost.compiled_cost``; a pipeline's FLOPs and bubble from its branches' FLOPs times the
-   schedule's busy slots, ``_pipeline_compute``).
+   kind was compiled; before, the largest error of any kind's estimate in this search, at most
+   ``TIE_LIMIT``): near-ties take the compiles left, so the choice is the lowest predicted step
+   of all the search could afford to check. Of the compiled steps within the limit the fastest
+   is chosen, by costs read from the compiled program (``cost.compiled_cost``; a pipeline's
+   FLOPs and bubble from its branches' FLOPs times the schedule's busy slots,
+   ``_pipeline_compute``).
    A row that was only estimated says so.
 3. Every row that lost says why, against the chosen row's predicted step (``_lost``).
 
@@ -43,7 +43,6 @@ from epljax.candidates import Builders, Candidate, Scope  # noqa: F401 (build.py
 from epljax.errors import PlanError, size
 from epljax.mesh import MODEL
 
-MAX_COMPILES = 5
 # How far a pace-scaled estimate may be from its compiled step once a row of its kind was
 # compiled (``_uncertainty``): rows estimated within it of the fastest fitting compiled step
 # are near-ties, compiled while compiles remain.
@@ -63,10 +62,12 @@ def search(fns, config, cluster, rng, batch, builders: Builders) -> Any:
   if not found.rows:
     raise PlanError("auto.auto_parallel found no candidate plan: "
                     + "; ".join(found.notes[1:]))
+  budget = config.auto.max_compiles
   rows, chosen, compiles = _compile_in_order(
-      list(found.rows), functools.partial(_compile_row, found.bases, found.make, chip), limit)
+      list(found.rows), functools.partial(_compile_row, found.bases, found.make, chip), limit,
+      budget)
   if chosen is None:
-    raise PlanError(_none_fits(rows, limit, config.auto.memory_limit, compiles))
+    raise PlanError(_none_fits(rows, limit, config.auto.memory_limit, compiles, budget))
   index, built = chosen
   rows = [_lost(r, rows[index], limit) if j != index else dataclasses.replace(r, chosen=True)
           for j, r in enumerate(rows)]
@@ -82,15 +83,15 @@ def search(fns, config, cluster, rng, batch, builders: Builders) -> Any:
   return built
 
 
-def _compile_in_order(rows: list[Candidate], compile_row: Callable, limit: int):
+def _compile_in_order(rows: list[Candidate], compile_row: Callable, limit: int, budget: int):
   """Compiles rows within the limit (``compile_row``: a row -> its Built and compiled
-  ``StepCost``, as ``_compile_row``), at most ``MAX_COMPILES``: each time the one of lowest
+  ``StepCost``, as ``_compile_row``), at most ``budget``: each time the one of lowest
   pace-scaled estimate (``_scaled``; ties by ``candidates.order``) among those that could
   still beat the fastest compiled step that fits (``_worth_compiling``; module doc): (rows,
   (the fastest fitting row's index, its Built) or None, compiles)."""
   compiles, best = 0, None
   pace: dict[tuple[bool, str, int], float] = {}
-  while compiles < MAX_COMPILES:
+  while compiles < budget:
     bar = rows[best[0]].predicted_step_s if best is not None else math.inf
     open_ = [i for i, r in enumerate(rows) if not (r.compiled or r.refused)
              and r.bytes_per_device <= limit and _worth_compiling(r, pace, bar)]
@@ -112,7 +113,7 @@ def _compile_in_order(rows: list[Candidate], compile_row: Callable, limit: int):
       best = (i, built)
   bar = rows[best[0]].predicted_step_s if best is not None else math.inf
   rows = [r if r.compiled or r.refused or r.bytes_per_device > limit
-          else dataclasses.replace(r, skipped=_why_not_compiled(r, pace, bar))
+          else dataclasses.replace(r, skipped=_why_not_compiled(r, pace, bar, budget))
           for r in rows]
   return rows, best, compiles
 
@@ -153,10 +154,10 @@ def _worth_compiling(row: Candidate, pace: dict, bar: float) -> bool:
   return _scaled(row, pace) < bar * (1 + _uncertainty(row, pace))
 
 
-def _why_not_compiled(row: Candidate, pace: dict, bar: float) -> str:
+def _why_not_compiled(row: Candidate, pace: dict, bar: float, budget: int) -> str:
   """The ``skipped`` text of a row within the limit that was not compiled."""
   if _worth_compiling(row, pace, bar):
-    return (f"not compiled: the {MAX_COMPILES} compiles (MAX_COMPILES) were spent on rows "
+    return (f"not compiled: the {budget} compiles (auto.max_compiles) were spent on rows "
             "of lower pace-scaled estimates")
   kind = _kind(row)
   scale = pace.get(kind, 1.0)
@@ -255,7 +256,8 @@ def _ms(seconds: float) -> str:
   return f"{seconds * 1e3:.3g} ms"
 
 
-def _none_fits(rows: list[Candidate], limit: int, set_limit: int, compiles: int) -> str:
+def _none_fits(rows: list[Candidate], limit: int, set_limit: int, compiles: int,
+               budget: int) -> str:
   small = min([r for r in rows if not r.refused] or rows, key=lambda r: r.bytes_per_device)
   parts = small.estimate.parts
   top = max(parts, key=parts.get)
@@ -265,7 +267,7 @@ def _none_fits(rows: list[Candidate], limit: int, set_limit: int, compiles: int)
   untried = sum(not r.compiled and not r.refused and r.bytes_per_device <= limit for r in rows)
   if untried:   # the compile budget ran out before the estimates did
     where += (f"; the {compiles} compiled candidates were over it, {untried} more estimated "
-              f"within it were not compiled (at most {MAX_COMPILES})")
+              f"within it were not compiled (auto.max_compiles={budget})")
   return (f"No plan fits {size(limit)} per device ({where}). The smallest of {len(rows)} "
           f"candidates, mesh {small.mesh_shape} with {features}, needs "
           f"{size(small.bytes_per_device)} ({'compiled' if small.compiled else 'estimated'}; "

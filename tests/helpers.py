@@ -86,7 +86,7 @@ def reference_run(init_fn, loss_fn, optimizer, rng, batch, steps, *, micro_batch
     variables = jax.jit(init_fn)(rng, first)
   variables = meta.unbox(variables)   # Flax partitioning boxes removed
   params = variables["params"]
-  opt_state = optimizer.init(params)
+  opt_state = jax.jit(optimizer.init)(params)   # (one program, not one per leaf shape)
 
   @jax.jit
   def step(params, opt_state):

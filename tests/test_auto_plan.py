@@ -128,11 +128,19 @@ def test_a_near_tie_takes_a_compile_left_and_wins(small):
     return built, dataclasses.replace(row.estimate, compute_s=step, comm_s={}, host_s=0.0,
                                       bubble_s=0.0, hidden_s=0.0)
 
-  rows, (index, _), compiles = search_lib._compile_in_order(rows, compile_row, 1 << 40)
+  given = list(rows)
+  rows, (index, _), compiles = search_lib._compile_in_order(list(given), compile_row, 1 << 40,
+                                                            5)
   assert compiles == 2 and index == 1 and rows[1].predicted_step_s == pytest.approx(0.097)
   assert [r.compiled for r in rows] == [True, True, False]
   assert rows[2].skipped == ("not compiled: its estimate, 150 ms, is over the fitting compiled "
                              "97 ms by more than its uncertainty (5%)")
+  # auto.max_compiles=1: the lowest estimate alone is compiled, and the near-tie says why not.
+  rows, (index, _), compiles = search_lib._compile_in_order(list(given), compile_row, 1 << 40,
+                                                            1)
+  assert compiles == 1 and index == 0 and [r.compiled for r in rows] == [True, False, False]
+  assert rows[1].skipped == ("not compiled: the 1 compiles (auto.max_compiles) were spent on "
+                             "rows of lower pace-scaled estimates")
   # A kind not compiled yet takes the largest error seen (the CPU's nominal chip: 85%) only up
   # to TIE_LIMIT, the error the time model is held to.
   pace = {search_lib._kind(rows[0]): 1.85}
@@ -617,7 +625,7 @@ def test_an_hsdp_row_is_built_on_the_mesh_it_names():
                             "zero.shard_size": "host"}
   assert fast.predicted_step_s < slow.predicted_step_s
   best = dataclasses.replace(slow, compiled=True, cost=slow.estimate)
-  skipped = dataclasses.replace(fast, skipped="not compiled: the 5 compiles (MAX_COMPILES) "
+  skipped = dataclasses.replace(fast, skipped="not compiled: the 5 compiles (auto.max_compiles) "
                                 "were spent on rows of lower pace-scaled estimates")
   lost = search_lib._lost(skipped, best, 1 << 40)
   assert lost.reason.startswith("not compiled: the 5 compiles")

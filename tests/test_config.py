@@ -38,6 +38,7 @@ EPL_DEFAULTS = {
     "io.drop_last_files": False,
     "auto.auto_parallel": False,
     "auto.memory_limit": 0,                              # beyond EPL
+    "auto.max_compiles": 5,                              # beyond EPL
     "auto.peak_flops": 0.0,                              # beyond EPL
     "auto.efficiency": 0.0,                              # beyond EPL
     "auto.intra_host_bandwidth": 0.0,                    # beyond EPL

@@ -1,4 +1,6 @@
 # ruff: noqa: E501  (HLO lines are long)
+import dataclasses
+
 import pytest
 
 from epljax import hlo
@@ -91,6 +93,10 @@ ENTRY %main (a: f32[4], i: s32[]) -> f32[4] {
 
 def test_collectives_in_branches_are_those_only_some_devices_may_reach():
   assert [c.kind for c in hlo.collectives_in_branches(BRANCHED)] == ["collective-permute"]
+  permute, = hlo.collectives_in_branches(BRANCHED)
+  assert permute.source_target_pairs == "{{0,1},{1,0}}" and permute.connected() == [[0, 1]]
+  joined = dataclasses.replace(permute, source_target_pairs="{{0,1},{2,3},{1,2},{4,5}}")
+  assert sorted(joined.connected()) == [[0, 1, 2, 3], [4, 5]]
   assert [c.kind for c in hlo.executed_collectives(BRANCHED)] == [
       "collective-permute", "all-reduce"]
 

@@ -20,7 +20,7 @@ from epljax.pipeline.auto import StageBalanceWarning
 from epljax.pipeline.chunks import scan_splitter, split_scan
 from epljax.pipeline.storage import interleave_rounds
 from epljax.plan import EVERY_STAGE
-from helpers import classification_batch, cross_entropy
+from helpers import classification_batch, cross_entropy, linen_fns
 from pipeline_helpers import check_matches_reference
 
 WIDTH = 16
@@ -200,11 +200,16 @@ def test_scanned_layers_train_exactly_on_stages_with_any_optimizer(optimizer, co
 
 
 def test_each_stage_reads_its_layers_where_stored_whatever_the_depth():
+  # Compiled only: the scanned layers train exactly on stages in the tests around this one.
   texts = {}
   for layers in (4, 8):
-    trainer, state = _train(layers, optax.sgd(0.1, momentum=0.9))
-    batch = classification_batch(16)
-    texts[layers] = trainer.lower(state, batch).compile().as_text()
+    epl.init({"auto.auto_parallel": True, "pipeline.num_stages": 2,
+              "pipeline.num_micro_batch": 4})
+    trainer = epl.Trainer(*linen_fns(Scanned(layers)), optax.sgd(0.1, momentum=0.9))
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", StageBalanceWarning)
+      warnings.simplefilter("error", PipelineWarning)
+      texts[layers] = trainer.compile(classification_batch(16)).compiled.as_text()
     assert "parts     6 stacked leaves" in str(trainer.plan)
     assert trainer.plan.pipeline.shared == {}
     by_layer = [leaf.path for leaf in trainer.plan.leaves if leaf.taskgraph == EVERY_STAGE]
@@ -234,9 +239,11 @@ def test_scanned_layers_interleave_exactly_with_virtual_stages():
   assert sum(c.bytes for c in collectives if c.kind == "collective-permute") >= stacked // 2
 
 
+# More stages than chunks per stage, more chunks per stage than stages (v=3 > S=2, and not a
+# power of 2: how every chunk moves for any S and v is testinterleave_rounds'), and ZeRO v3.
 @pytest.mark.parametrize("stages, virtual, layers, config", [
-    (4, 2, 8, {}), (2, 4, 8, {}), (2, 3, 12, {}), (2, 2, 8, {"zero.level": "v3"})],
-    ids=["S4v2", "S2v4", "S2v3", "S2v2-zero_v3"])
+    (4, 2, 8, {}), (2, 3, 12, {}), (2, 2, 8, {"zero.level": "v3"})],
+    ids=["S4v2", "S2v3", "S2v2-zero_v3"])
 def test_scanned_layers_interleave_exactly_with_more_stages_or_chunks(stages, virtual, layers,
                                                                       config):
   epl.init({"auto.auto_parallel": True, "pipeline.num_stages": stages,

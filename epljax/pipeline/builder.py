@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -164,18 +163,15 @@ class Pipeline:
       return groups is not None and all(
           len({np.unravel_index(d, mesh_shape)[stage_axis] for d in g}) == 1 for g in groups)
 
-    bodies, inside = hlo.computations_in_branches(hlo_text, in_loops=True)
+    by_pairs = platform == "gpu" and _GPU_PERMUTE_BY_PAIRS in os.environ.get("XLA_FLAGS", "")
     stuck = []
-    for line in (line for name in inside for line in bodies[name]):
-      for c in hlo.collectives(line):
-        if c.kind != "collective-permute":
-          waits = not one_stage(c.device_groups(self.mesh.size))
-        else:   # XLA:GPU's clique: the components of its pairs (by that flag), or every device
-          pairs = re.search(r"source_target_pairs=(\{\{[\d,{}]*\}\})", line)
-          waits = not (platform == "gpu" and _GPU_PERMUTE_BY_PAIRS in os.environ.get(
-              "XLA_FLAGS", "") and pairs and one_stage(_components(pairs.group(1))))
-        if waits:
-          stuck.append(c)
+    for c in hlo.collectives_in_branches(hlo_text, in_loops=True):
+      if c.kind != "collective-permute":
+        waits = not one_stage(c.device_groups(self.mesh.size))
+      else:   # XLA:GPU's clique: the components of its pairs (by that flag), or every device
+        waits = not (by_pairs and c.source_target_pairs and one_stage(c.connected()))
+      if waits:
+        stuck.append(c)
     if stuck:
       raise PlanError(_PERMUTE_IN_STAGE.format(
           n=len(stuck), kinds=", ".join(sorted({c.kind for c in stuck})),
@@ -332,15 +328,6 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
       balance=tuple(check_balance(global_capture, layout.stage_of, len(stages),
                                   [s.name for s in stages])),
       constraints=tuple(constraints.plan_lines(notes)))
-
-
-def _components(pairs: str) -> list[list[int]]:
-  """A collective-permute's ``source_target_pairs`` text -> the devices it connects, grouped."""
-  group: dict[int, set[int]] = {}
-  for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs):
-    joined = group.get(int(a), {int(a)}) | group.get(int(b), {int(b)})
-    group.update((d, joined) for d in joined)
-  return [sorted(g) for g in {id(g): g for g in group.values()}.values()]
 
 
 _GPU_PERMUTE_BY_PAIRS = "--xla_gpu_collective_permute_connected_components=true"

@@ -45,8 +45,8 @@ class Leaf:
 @dataclasses.dataclass(frozen=True)
 class StepCollective(hlo.Collective):
   """A collective of the compiled step (``hlo.Collective``: kind, shapes, bytes, replica
-  groups) with the mesh axes it runs over (``"data"``, ``"data+model"``; ``"?"`` when its
-  groups are not lines of the mesh) and whether a group crosses hosts."""
+  groups, a permute's pairs) with the mesh axes it runs over (``"data"``, ``"data+model"``;
+  ``"?"`` when its groups are not lines of the mesh) and whether a group crosses hosts."""
   axes: str = "?"
   crosses_hosts: bool = False
 
@@ -150,7 +150,8 @@ class Plan:
                else hlo.executed_collectives(text))
       for c in found:
         axes, _, across = cost.collective_axis(c, self.mesh)
-        rows.append(StepCollective(c.kind, c.shapes, c.bytes, c.replica_groups, axes, across))
+        rows.append(StepCollective(c.kind, c.shapes, c.bytes, c.replica_groups,
+                                   c.source_target_pairs, axes=axes, crosses_hosts=across))
       self._collectives = rows
     return self._collectives
 
