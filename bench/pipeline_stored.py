@@ -1,0 +1,131 @@
+"""epljax's pipeline step with its parameters stored as its loop reads them, against today's
+step and the hand-written GPipe: the bytes issue 36's next change would reach.
+
+    python bench/pipeline_stored.py            # XLA:CPU, 8 simulated devices
+    python bench/pipeline_stored.py --gpu      # 8 compile-only H100s (v312 venv, JAX_PLATFORMS=cpu)
+    python bench/pipeline_stored.py --record   # and record the table in bench/RESULTS.md
+
+Today the train state holds every user leaf split over ``stage`` and the step packs them into
+each stage's buffers (``ParamStore.pack``, an ``all_to_all``) for its loop, so a stage's
+parameters are held twice while the loop runs. The prototype here is built from the same plan's
+pieces (``runtime.pipelined_gradients`` over ``Pipeline.loop``, the plan's ``ParamStore``): its
+donated arguments are the loop's buffers and the optimizer state in the user's tree (as stored
+today); after the loop the buffers and their gradients are moved into the user's leaves
+(``ParamStore.gradients_of``, the transpose of ``pack``: a model without tied leaves), AdamW
+updates those, and the new leaves are packed back. Same model, mesh, cut and schedule as
+``pipeline_memory.py`` (GPipe); peak bytes per device from ``memory_analysis()``, compiled from
+shapes. (An ``optimization_barrier`` after the loop changed nothing on either compiler.)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS") or "--xla_force_host_platform_device_count=8"
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import argparse  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import epljax as epl  # noqa: E402
+import pipeline_memory as pm  # noqa: E402
+from epljax import batch as batch_lib  # noqa: E402
+from epljax.pipeline import runtime  # noqa: E402
+from gpu_aot import as_devices  # noqa: E402
+
+CASES = ((8, 512, 8), (4, 1024, 4), (4, 256, 4))   # (layers, width, M), GPipe
+
+
+def stored_bytes(layers: int, width: int, micro: int, devices) -> tuple[pm.Bytes, pm.Bytes]:
+  """(today's epljax step, the stored-as-read prototype), both compiled from shapes."""
+  model = pm.GPT(layers, width)
+  rows = {k: np.zeros(v.shape, v.dtype) for k, v in pm.batch_shapes(micro).items()}
+  with as_devices(devices[:2 * pm.S]):
+    epl.init({"pipeline.num_micro_batch": micro, "pipeline.num_stages": pm.S,
+              "auto.auto_parallel": True, "pipeline.strategy": "PreferForward"})
+    tx = optax.adamw(1e-3)
+    trainer = epl.Trainer(lambda k, b: model.init(k, b["x"]),
+                          lambda v, b: pm.ce(model.apply(v, b["x"]), b["y"]), tx)
+    built = trainer._build(jax.random.key(0), rows)
+    pipe, mesh = built.plan.pipeline, built.plan.mesh
+    store, tree = pipe.store, pipe.params_def
+    if pipe.shared:   # (gradients_of sums a tied leaf's stages: not an unpack then)
+      raise ValueError(f"tied leaves {pipe.shared}: this prototype unpacks untied ones only")
+    run = runtime.pipelined_gradients(pipe.loop, pipe.aux_avals, pipe.schedule, mesh,
+                                      store.data_axes, P(None, pipe.batch_axes),
+                                      manual=pipe._manual)
+    bplan = batch_lib.BatchPlan(built.plan.num_replicas, micro, 1, pipe.batch_axes)
+    leaves = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+              for a, s in zip(store.avals, store.shardings)]
+    opt = jax.eval_shape(tx.init, jax.tree.unflatten(tree, leaves))
+    opt_sh = optax.tree_map_params(tx, lambda _, s: s, opt,
+                                   jax.tree.unflatten(tree, list(store.shardings)),
+                                   transform_non_params=lambda _: NamedSharding(mesh, P()))
+    buffers = jax.eval_shape(lambda *ls: store.pack(list(ls)), *leaves)
+    buffers_sh = jax.tree.map(lambda _: NamedSharding(mesh, P("stage")), buffers)
+
+    def step(buffers, opt, batch):
+      micro_batches = batch_lib.micro_batches(batch, bplan, mesh)
+      loss, _, grads, _ = run(buffers, pipe.pack_state({}), jax.tree.leaves(micro_batches),
+                              jnp.ones((), jnp.float32))
+      grads = jax.tree.unflatten(tree, store.gradients_of(grads))
+      params = jax.tree.unflatten(tree, store.gradients_of(buffers))
+      updates, opt = tx.update(grads, opt, params)
+      return store.pack(jax.tree.leaves(optax.apply_updates(params, updates))), opt, loss
+
+    shaped = lambda t, s: jax.tree.map(  # noqa: E731
+        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), t, s)
+    batch_sh = NamedSharding(mesh, P(pipe.batch_axes))
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sh)
+             for k, v in pm.batch_shapes(micro).items()}
+    jitted = jax.jit(step, out_shardings=(buffers_sh, opt_sh, NamedSharding(mesh, P())),
+                     donate_argnums=(0, 1))
+    compiled = jitted.lower(shaped(buffers, buffers_sh), shaped(opt, opt_sh), batch).compile()
+    return pm.Bytes.of(built.plan.compiled), pm.Bytes.of(compiled)
+
+
+def rows(devices) -> list[list]:
+  out, mib = [], lambda n: f"{n / 2**20:.1f}"  # noqa: E731
+  for layers, width, micro in CASES:
+    hand = pm.hand_bytes(layers, width, micro, devices)
+    today, stored = stored_bytes(layers, width, micro, devices)
+    out.append([f"{layers} layers, width {width}, M={micro}, GPipe", mib(hand.peak),
+                mib(today.peak), f"{today.peak / hand.peak:.2f}x", mib(stored.peak),
+                f"**{stored.peak / hand.peak:.2f}x**", mib(stored.temp)])
+    print(out[-1], flush=True)
+  return out
+
+
+HEADER = ["model, schedule", "hand GPipe MiB", "epljax today MiB", "today / hand",
+          "stored as read MiB", "stored / hand", "stored temp MiB"]
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--gpu", action="store_true", help="8 compile-only H100s")
+  parser.add_argument("--record", action="store_true")
+  args = parser.parse_args(argv)
+  from common import record, table
+  devices = jax.devices()
+  if args.gpu:
+    from gpu_aot import h100s
+    devices = h100s()
+  where = "8 compile-only H100s (XLA:GPU)" if args.gpu else "XLA:CPU, 8 simulated devices"
+  text = table(HEADER, rows(devices))
+  print(f"{where}, peak bytes per device\n{text}")
+  if args.record:
+    about = __doc__.split("\n\n")[2]
+    record(f"Pipeline parameters stored as the loop reads them (prototype), {where}",
+           f"{about}\n\n{text}")
+
+
+if __name__ == "__main__":
+  main()
