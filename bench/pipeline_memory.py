@@ -142,17 +142,36 @@ def hand_bytes(layers: int, width: int, micro: int, devices=None) -> Bytes:
     return optax.apply_updates(p, updates), opt, value
 
   opt_shapes = jax.eval_shape(optimizer.init, shapes)
-  opt_shard = optax.tree_map_params(optimizer, lambda _, s: s, opt_shapes, shard,
-                                    transform_non_params=lambda _: NamedSharding(mesh, P()))
-  abstract = lambda tree, sh: jax.tree.map(  # noqa: E731
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, sh)
-  b_sh = NamedSharding(mesh, P("data"))
-  b = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=b_sh)
-       for k, v in batch_shapes(micro).items()}
-  jitted = jax.jit(step, out_shardings=(shard, opt_shard, NamedSharding(mesh, P())),
-                   donate_argnums=(0, 1))
-  return Bytes.of(jitted.lower(abstract(shapes, shard), abstract(opt_shapes, opt_shard),
-                               b).compile())
+  opt_shard = opt_shardings(optimizer, opt_shapes, shard, mesh)
+  return Bytes.of(step_jit(step, shard, opt_shard, mesh).lower(
+      shaped(shapes, shard), shaped(opt_shapes, opt_shard), batch_args(micro, mesh)).compile())
+
+
+def opt_shardings(optimizer, opt_shapes, param_shardings, mesh):
+  """The optimizer state's shardings: each params-like tree as the parameters', the rest
+  (counts) replicated."""
+  return optax.tree_map_params(optimizer, lambda _, s: s, opt_shapes, param_shardings,
+                               transform_non_params=lambda _: NamedSharding(mesh, P()))
+
+
+def shaped(tree, shardings):
+  """``tree``'s shapes and dtypes as abstract arguments in ``shardings``."""
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree,
+                      shardings)
+
+
+def batch_args(micro: int, mesh, axes=("data",)) -> dict:
+  """The batch as abstract arguments split over ``axes``."""
+  sharding = NamedSharding(mesh, P(axes))
+  return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
+          for k, v in batch_shapes(micro).items()}
+
+
+def step_jit(step, param_shardings, opt_shardings, mesh):
+  """``step(params, opt_state, batch) -> (params, opt_state, loss)`` jitted with its state
+  donated and kept in its shardings."""
+  return jax.jit(step, out_shardings=(param_shardings, opt_shardings, NamedSharding(mesh, P())),
+                 donate_argnums=(0, 1))
 
 
 def stage_param_bytes(layers: int, width: int) -> int:
@@ -180,20 +199,25 @@ HEADER = ["model, schedule", "hand GPipe peak MiB", "epljax peak MiB", "epljax /
           "hand temp / stage param B", "epljax temp / stage param B"]
 
 
-def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def cli(doc: str, argv=None):
+  """The pipeline benches' command line (``--gpu``, ``--record``): (args, devices, where they
+  compile for, in words)."""
+  parser = argparse.ArgumentParser(description=doc.splitlines()[0])
   parser.add_argument("--gpu", action="store_true", help="8 compile-only H100s")
   parser.add_argument("--record", action="store_true")
   args = parser.parse_args(argv)
+  if not args.gpu:
+    return args, jax.devices(), "XLA:CPU, 8 simulated devices"
+  from gpu_aot import h100s
+  return args, h100s(), "8 compile-only H100s (XLA:GPU)"
+
+
+def main(argv=None) -> None:
   from common import record, table
-  devices = None
-  if args.gpu:
-    from gpu_aot import h100s
-    devices = h100s()
+  args, devices, where = cli(__doc__, argv)
   text = table(HEADER, rows(devices))
   print(text)
   if args.record:
-    where = "8 compile-only H100s (XLA:GPU)" if args.gpu else "XLA:CPU, 8 simulated devices"
     record(f"Pipeline bytes per device vs a hand-written GPipe, {where}", text)
 
 

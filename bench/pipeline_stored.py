@@ -26,8 +26,6 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS") or "--xla_force_host_platf
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import argparse  # noqa: E402
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -66,9 +64,7 @@ def stored_bytes(layers: int, width: int, micro: int, devices) -> tuple[pm.Bytes
     leaves = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
               for a, s in zip(store.avals, store.shardings)]
     opt = jax.eval_shape(tx.init, jax.tree.unflatten(tree, leaves))
-    opt_sh = optax.tree_map_params(tx, lambda _, s: s, opt,
-                                   jax.tree.unflatten(tree, list(store.shardings)),
-                                   transform_non_params=lambda _: NamedSharding(mesh, P()))
+    opt_sh = pm.opt_shardings(tx, opt, jax.tree.unflatten(tree, list(store.shardings)), mesh)
     buffers = jax.eval_shape(lambda *ls: store.pack(list(ls)), *leaves)
     buffers_sh = jax.tree.map(lambda _: NamedSharding(mesh, P("stage")), buffers)
 
@@ -81,14 +77,9 @@ def stored_bytes(layers: int, width: int, micro: int, devices) -> tuple[pm.Bytes
       updates, opt = tx.update(grads, opt, params)
       return store.pack(jax.tree.leaves(optax.apply_updates(params, updates))), opt, loss
 
-    shaped = lambda t, s: jax.tree.map(  # noqa: E731
-        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), t, s)
-    batch_sh = NamedSharding(mesh, P(pipe.batch_axes))
-    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sh)
-             for k, v in pm.batch_shapes(micro).items()}
-    jitted = jax.jit(step, out_shardings=(buffers_sh, opt_sh, NamedSharding(mesh, P())),
-                     donate_argnums=(0, 1))
-    compiled = jitted.lower(shaped(buffers, buffers_sh), shaped(opt, opt_sh), batch).compile()
+    compiled = pm.step_jit(step, buffers_sh, opt_sh, mesh).lower(
+        pm.shaped(buffers, buffers_sh), pm.shaped(opt, opt_sh),
+        pm.batch_args(micro, mesh, pipe.batch_axes)).compile()
     return pm.Bytes.of(built.plan.compiled), pm.Bytes.of(compiled)
 
 
@@ -109,16 +100,8 @@ HEADER = ["model, schedule", "hand GPipe MiB", "epljax today MiB", "today / hand
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--gpu", action="store_true", help="8 compile-only H100s")
-  parser.add_argument("--record", action="store_true")
-  args = parser.parse_args(argv)
   from common import record, table
-  devices = jax.devices()
-  if args.gpu:
-    from gpu_aot import h100s
-    devices = h100s()
-  where = "8 compile-only H100s (XLA:GPU)" if args.gpu else "XLA:CPU, 8 simulated devices"
+  args, devices, where = pm.cli(__doc__, argv)
   text = table(HEADER, rows(devices))
   print(f"{where}, peak bytes per device\n{text}")
   if args.record:

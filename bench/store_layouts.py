@@ -35,8 +35,6 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS") or "--xla_force_host_platf
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import argparse  # noqa: E402
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -45,20 +43,19 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import hand_gpipe  # noqa: E402
+from epljax.pipeline.storage import add_axis  # noqa: E402
 from pipeline_memory import (S, SEQ, VOCAB, Bytes, Head, Layer, Stem,  # noqa: E402
-                             batch_shapes, hand_bytes, stacked_shapes)
+                             batch_args, batch_shapes, cli, hand_bytes, opt_shardings, shaped,
+                             stacked_shapes, step_jit)
 
 CASES = ((8, 512, 8), (4, 1024, 4), (4, 256, 4))   # (layers, width, M), GPipe
 VARIANTS = ("a", "b", "c", "c+", "d", "dl")
 
 
 def split_spec(shape) -> P:
-  """``stage`` on the largest dimension divisible by S (the first such, on ties), else none."""
-  dims = [i for i, n in enumerate(shape) if n % S == 0]
-  if not dims:
-    return P()
-  d = max(dims, key=lambda i: (shape[i], -i))
-  return P(*([None] * d), "stage")
+  """``stage`` on the largest dimension divisible by S (the first such, on ties), else none:
+  how epljax stores a leaf over stages (``storage.add_axis``)."""
+  return add_axis(P(), tuple(shape), "stage", S) or P()
 
 
 class Layouts:
@@ -124,8 +121,7 @@ def build(kind: str, layers: int, width: int, micro: int, mesh, optimizer=None):
   shapes, shard = (lay.stacked, lay.stacked_sh) if p_stacked else (lay.tree, lay.tree_sh)
   o_shapes, o_from = (lay.stacked, lay.stacked_sh) if o_stacked else (lay.tree, lay.tree_sh)
   opt_shapes = jax.eval_shape(optimizer.init, o_shapes)
-  opt_shard = optax.tree_map_params(optimizer, lambda _, s: s, opt_shapes, o_from,
-                                    transform_non_params=lambda _: NamedSharding(mesh, P()))
+  opt_shard = opt_shardings(optimizer, opt_shapes, o_from, mesh)
   spec = lambda tree: jax.tree.map(lambda s: s.spec, tree)  # noqa: E731
 
   def local_update(p, opt, grads):
@@ -153,14 +149,8 @@ def build(kind: str, layers: int, width: int, micro: int, mesh, optimizer=None):
     return (lay.to_stacked(new) if p_stacked else new,
             on_params(lay.to_stacked, ot, "layer_0") if o_stacked else ot, value)
 
-  abstract = lambda tree, sh: jax.tree.map(  # noqa: E731
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, sh)
-  b_sh = NamedSharding(mesh, P("data"))
-  b = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=b_sh)
-       for k, v in batch_shapes(micro).items()}
-  jitted = jax.jit(step, out_shardings=(shard, opt_shard, NamedSharding(mesh, P())),
-                   donate_argnums=(0, 1))
-  return jitted, (abstract(shapes, shard), abstract(opt_shapes, opt_shard), b), lay, optimizer
+  args = (shaped(shapes, shard), shaped(opt_shapes, opt_shard), batch_args(micro, mesh))
+  return step_jit(step, shard, opt_shard, mesh), args, lay, optimizer
 
 
 def variant_bytes(kind: str, layers: int, width: int, micro: int, devices) -> Bytes:
@@ -221,20 +211,11 @@ HEADER = ["model (GPipe)", "variant", "peak MiB", "temp MiB", "peak / (a)"]
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--gpu", action="store_true", help="8 compile-only H100s")
-  parser.add_argument("--record", action="store_true")
-  args = parser.parse_args(argv)
   from common import record, table
-  devices = jax.devices()
-  checked = ""
-  if args.gpu:
-    from gpu_aot import h100s
-    devices = h100s()
-  else:
-    checked = (f"One step of every variant (4 layers, width 64, on the CPU devices) gives "
-               f"params within {check():.2g} of (a)'s.")
-  where = "8 compile-only H100s (XLA:GPU)" if args.gpu else "XLA:CPU, 8 simulated devices"
+  args, devices, where = cli(__doc__, argv)
+  checked = "" if args.gpu else (
+      f"One step of every variant (4 layers, width 64, on the CPU devices) gives params within "
+      f"{check():.2g} of (a)'s.")
   text = table(HEADER, rows(devices))
   print(f"{where}, peak and temp in MiB per device\n{text}\n{checked}")
   if args.record:

@@ -133,7 +133,7 @@ def collectives(hlo_text: str, include_trivial: bool = False) -> list[Collective
     line_end = hlo_text.find("\n", m.end())
     end = line_end if line_end >= 0 else len(hlo_text)
     groups = _GROUPS.search(hlo_text, m.end(), end)
-    pairs = _PAIRS.search(hlo_text, m.end(), end)
+    pairs = _PAIRS.search(hlo_text, m.end(), end) if m["op"] == "collective-permute" else None
     found.append(Collective(
         m["op"], tuple(f"{d}[{s}]" for d, s in arrays),
         sum(_nbytes(d, s) for d, s in arrays), groups["groups"] if groups else "",

@@ -149,8 +149,8 @@ class AutoConfig:
       0, "Beyond EPL: bytes per device a searched plan may use (arguments + outputs - aliased "
       "+ temp of the compiled step); 0: the device's own memory.", minimum=0)
   max_compiles: int = key(
-      5, "Beyond EPL: steps the plan search may compile to check its estimates (each one as "
-      "long as the chosen step's own compile); fewer trusts the estimates more.", minimum=1)
+      5, "Beyond EPL: candidate steps the plan search may compile to check its estimates "
+      "(each a full compile of that step); fewer trusts the estimates more.", minimum=1)
   peak_flops: int | float = key(
       0.0, "Beyond EPL: the device's peak FLOP/s for the plan search's cost model; 0: the "
       "chip table's (epljax.chips.SPECS).")

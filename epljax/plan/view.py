@@ -150,8 +150,7 @@ class Plan:
                else hlo.executed_collectives(text))
       for c in found:
         axes, _, across = cost.collective_axis(c, self.mesh)
-        rows.append(StepCollective(c.kind, c.shapes, c.bytes, c.replica_groups,
-                                   c.source_target_pairs, axes=axes, crosses_hosts=across))
+        rows.append(StepCollective(**dataclasses.asdict(c), axes=axes, crosses_hosts=across))
       self._collectives = rows
     return self._collectives
 
