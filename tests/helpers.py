@@ -11,12 +11,34 @@ import flax.linen as nn
 import jax
 import numpy as np
 import optax
+import pytest
 from flax.core import meta
 
 import epljax as epl
 
 TOL = dict(rtol=1e-5, atol=1e-5)       # float32, shallow models
 DEEP_TOL = dict(rtol=1e-4, atol=1e-4)  # float32, deep models
+
+# CI runs the suite on the oldest jax pyproject.toml allows (0.10) and on the newest (0.12).
+# A wide matrix whose cells run the same library code on different models (the zoo's) runs each
+# cell on one of them: the oldest takes half 0, any newer jax half 1. EPLJAX_EVERY_CELL=1 runs
+# every cell.
+JAX_HALF = 0 if jax.__version_info__ < (0, 11) else 1
+EVERY_CELL = os.environ.get("EPLJAX_EVERY_CELL") == "1"
+
+
+def on_one_jax(half: int):
+  """Marks for a matrix cell that runs on one of CI's two jax versions (``JAX_HALF``)."""
+  where = "jax 0.10" if half % 2 == 0 else "jax >= 0.11"
+  return [pytest.mark.skipif(not EVERY_CELL and half % 2 != JAX_HALF,
+                             reason=f"a cell CI runs on {where} only (EPLJAX_EVERY_CELL=1 "
+                                    "runs it here)")]
+
+
+def each_on_one_jax(values, start: int = 0):
+  """``values`` as pytest params, alternating between CI's two jax versions (``on_one_jax``),
+  the first on half ``start``."""
+  return [pytest.param(v, marks=on_one_jax(start + i)) for i, v in enumerate(values)]
 
 
 def assert_trees_close(actual, expected, tol=TOL):

@@ -16,7 +16,7 @@ import pytest
 
 import epljax as epl
 from helpers import (TOL, assert_trees_close, classification_batch, cross_entropy,
-                     kill_9_and_resume, printed, share_compiles)
+                     each_on_one_jax, kill_9_and_resume, printed, share_compiles)
 
 ROWS, STEPS, SAVED = 64, 4, 2
 BATCHES = [classification_batch(ROWS, seed=i) for i in range(STEPS)]
@@ -214,7 +214,8 @@ def test_nnx_model_state_and_rng_resume_exactly(tmp_path):
   assert after == losses[SAVED:]   # dropout masks and batch statistics continue exactly
 
 
-@pytest.mark.parametrize("name", ["gemma", "llama", "gpt2", "vit", "mlp_loop"])
+@pytest.mark.parametrize("name", each_on_one_jax(
+    ["gemma", "llama", "gpt2", "vit", "mlp_loop"]))
 def test_every_zoo_model_restores_from_data_parallel_into_its_megatron_split(name, tmp_path):
   """The zoo's structures (fused einsum kernels, tied embeddings, nn.scan's stacked layers with
   logical axis metadata, a looped stack): a data-parallel checkpoint restores into the model's

@@ -18,7 +18,7 @@ from flax.core import meta
 import epljax as epl
 from epljax import hlo
 from epljax.sharding.fused import FusedLayoutError
-from helpers import TOL, assert_trees_close, momentum_grads, reference_run
+from helpers import TOL, assert_trees_close, each_on_one_jax, momentum_grads, reference_run
 from models import ZOO, common, gpt2_fused
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
@@ -32,7 +32,8 @@ C = gpt2_fused.D_MODEL
 OPTIMIZER = optax.sgd(0.1, momentum=0.9)
 
 
-@pytest.fixture(scope="module", params=MODELS)
+# Each model on one of CI's jax versions here, and on the other in the 3D test.
+@pytest.fixture(scope="module", params=each_on_one_jax(MODELS))
 def split_run(request):
   """A fused-``c_attn`` GPT-2 split over 2 devices (4 replicas) by its one annotate rule
   (``bench/comm.py``'s ``zoo_split``, with SGD's momentum), beside the single-device reference;
@@ -134,7 +135,7 @@ def zoo_batch(zoo):
   return zoo.make_batch(comm.ZOO_ROWS)
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", each_on_one_jax(MODELS, start=1))
 def test_3d_is_exact_against_the_reference(name):
   """2 replicas x 2 pipeline stages x split(2) on 8 devices: the fused kernels held part by
   part inside each tensor-parallel stage, no collective-permute there (which would hang)."""

@@ -11,7 +11,8 @@ import optax
 import pytest
 
 from epljax import hlo
-from helpers import DEEP_TOL, TOL, assert_trees_close, momentum_grads, reference_run
+from helpers import (DEEP_TOL, TOL, assert_trees_close, each_on_one_jax, momentum_grads,
+                     reference_run)
 from models import ZOO
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
@@ -20,7 +21,7 @@ import comm  # noqa: E402
 STEPS = 2
 
 
-@pytest.fixture(scope="module", params=["gemma", "gpt2", "llama"])
+@pytest.fixture(scope="module", params=each_on_one_jax(["gemma", "gpt2", "llama"]))
 def split_run(request):
   """A zoo model split over 2 devices (4 replicas) by its one annotate rule, trained two steps
   beside the single-device reference; its forward and step HLO collectives."""

@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 import epljax as epl
 from epljax import step as epl_step
-from helpers import DEEP_TOL, MLP, TOL, classification_batch, cross_entropy, linen_fns
+from helpers import (DEEP_TOL, MLP, TOL, classification_batch, cross_entropy, each_on_one_jax,
+                     linen_fns)
 
 EXACT = dict(rtol=0, atol=0)
 
@@ -248,7 +249,8 @@ def test_tokens_are_counted_from_the_token_ids_and_eval_gives_aux():
                 tokens_key="tokens")._counts(batch)
 
 
-@pytest.mark.parametrize("name", ["gemma", "llama", "gpt2", "vit", "mlp_loop"])
+@pytest.mark.parametrize("name", each_on_one_jax(
+    ["gemma", "llama", "gpt2", "vit", "mlp_loop"]))
 def test_eval_step_of_every_zoo_model_is_its_single_device_loss(name):
   """eval_step on the zoo's structures (tied embeddings, nn.scan with logical axis names, ...),
   split by the model's one annotate line: the loss of the same variables on one device."""
