@@ -199,12 +199,14 @@ HEADER = ["model, schedule", "hand GPipe peak MiB", "epljax peak MiB", "epljax /
           "hand temp / stage param B", "epljax temp / stage param B"]
 
 
-def cli(doc: str, argv=None):
-  """The pipeline benches' command line (``--gpu``, ``--record``): (args, devices, where they
-  compile for, in words)."""
+def cli(doc: str, argv=None, add=None):
+  """The pipeline benches' command line (``--gpu``, ``--record``, and what ``add(parser)``
+  adds): (args, devices, where they compile for, in words)."""
   parser = argparse.ArgumentParser(description=doc.splitlines()[0])
   parser.add_argument("--gpu", action="store_true", help="8 compile-only H100s")
   parser.add_argument("--record", action="store_true")
+  if add is not None:
+    add(parser)
   args = parser.parse_args(argv)
   if not args.gpu:
     return args, jax.devices(), "XLA:CPU, 8 simulated devices"

@@ -29,8 +29,6 @@ _BASE = os.environ.get("XLA_FLAGS") or "--xla_force_host_platform_device_count=8
 os.environ["XLA_FLAGS"] = f"{_BASE} --xla_dump_to={_DUMP} --xla_dump_hlo_pass_re=NONE"
 sys.path.insert(0, os.path.dirname(__file__))
 
-import argparse  # noqa: E402
-
 import pipeline_memory as pm  # noqa: E402
 
 _PEAK = re.compile(r"^\s+Live ranges at \d+ \(peak\):")
@@ -116,17 +114,13 @@ HEADER = ["program", "made by (op_name)", "buffers", "MiB/device", "x stage para
 
 def main(argv=None) -> None:
   from common import record, table
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--gpu", action="store_true", help="8 compile-only H100s")
-  parser.add_argument("--case", type=int, nargs=3, default=(4, 1024, 4),
-                      metavar=("LAYERS", "WIDTH", "MICRO"))
-  parser.add_argument("--top", type=int, default=8, help="makers listed per program")
-  parser.add_argument("--record", action="store_true")
-  args = parser.parse_args(argv)
-  devices, where = None, "XLA:CPU, 8 simulated devices"
-  if args.gpu:
-    from gpu_aot import h100s
-    devices, where = h100s(), "8 compile-only H100s (XLA:GPU)"
+
+  def add(parser):
+    parser.add_argument("--case", type=int, nargs=3, default=(4, 1024, 4),
+                        metavar=("LAYERS", "WIDTH", "MICRO"))
+    parser.add_argument("--top", type=int, default=8, help="makers listed per program")
+
+  args, devices, where = pm.cli(__doc__, argv, add)
   layers, width, micro = args.case
   text = table(HEADER, rows(tuple(args.case), devices, args.top))
   print(text)
