@@ -6,8 +6,9 @@ model, with under ``epl.split(k)`` either the whole model or only the module hol
 the parameter bytes (``_dominant_module``: EPL's large classifier split by its classes, the rest
 data-parallel), each kept only where the split rules split some parameter; data x stage x model
 where the model cuts into balanced stages (``_stage_rows``);
-``pipeline.num_micro_batch`` (1, 2, 4 where the batch divides), ``zero.level`` (where the data
-axis spans hosts, also ZeRO within each host, replicated across: HSDP, ``zero_shard="host"``),
+``pipeline.num_micro_batch`` (1, 2, 4 where the batch divides), ``zero.level`` (v2 only with
+accumulation: without it v2 compiles to v1's program; where the data axis spans hosts, also
+ZeRO within each host, replicated across: HSDP, ``zero_shard="host"``),
 ``gradient_checkpoint.type`` ("" or "auto") and, off CPU, ``offload.level``; stage rows with
 S, 2S, 4S and 8S micro batches, without ZeRO or with ZeRO v1. A key the user set
 and a user's scope, default strategy or ``epl.annotate`` rule are fixed, not searched.
@@ -321,6 +322,9 @@ def feature_grid(fixed: dict[str, Any], built) -> Iterator[dict[str, Any]]:
     features = dict(zip(choices, values))
     if features["zero_shard"] and not features["zero_level"] and "zero_shard" not in fixed:
       continue   # (HSDP without ZeRO is plain data parallelism, weighed already)
+    if (features["zero_level"] == "v2" and features["num_micro_batch"] == 1
+        and "zero_level" not in fixed):
+      continue   # (without accumulation v2 compiles to v1's program, weighed already)
     yield features
 
 

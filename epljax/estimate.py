@@ -176,7 +176,9 @@ def step_cost(built, facts: ProgramFacts, features: dict[str, Any], chip, batch_
   full_params = params
   if zero:
     opt //= g
-  if zero in ("v2", "v3"):
+  # Without accumulation v1 keeps only its shard of each reduced gradient as v2 does: the two
+  # compile to one program (``memory/zero.py``).
+  if zero in ("v2", "v3") or (zero == "v1" and micro == 1):
     grads //= g
   if zero == "v3":
     params //= g

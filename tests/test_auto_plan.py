@@ -603,6 +603,26 @@ def test_hsdp_rows_are_weighed_where_the_data_axis_spans_hosts():
   assert not any(f["zero_shard"] for f in one_host)
 
 
+def test_without_accumulation_zero_v2_is_weighed_once_as_v1():
+  """Without gradient accumulation ZeRO v1 and v2 compile to one program (``memory/zero.py``:
+  v1 too keeps only its shard of each reduced gradient): the grid weighs it once, as v1 (a
+  user's v2 is kept), and the estimate gives both levels the same bytes and time."""
+  from epljax import estimate
+  built = _stand_in(_hosts_mesh(16, 8))
+  weighed = {(f["zero_level"], f["num_micro_batch"])
+             for f in candidates_lib.feature_grid({}, built)}
+  assert ("v1", 1) in weighed and ("v2", 2) in weighed and ("v2", 1) not in weighed
+  assert ("v2", 1) in {(f["zero_level"], f["num_micro_batch"])
+                       for f in candidates_lib.feature_grid({"zero_level": "v2"}, built)}
+  facts = estimate.ProgramFacts({}, 1e12, 1.0, {})
+  base = {"num_micro_batch": 1, "gradient_checkpoint": "", "offload": "", "zero_shard": ""}
+  v1, v2 = (estimate.step_cost(built, facts, {**base, "zero_level": level}, chips.CHIPS["H100"],
+                               0, 0) for level in ("v1", "v2"))
+  P = built.plan.param_bytes
+  assert v1.parts == v2.parts and v1.parts["parameters"] == P + P // 16
+  assert v1.step_s == v2.step_s
+
+
 def test_an_hsdp_row_is_built_on_the_mesh_it_names():
   """An HSDP row names the mesh its build makes ('replica' over the 2 hosts x 'data' within
   one, as ``plan.mesh.shape`` reads), is built with zero.shard_size='host' on the base of its
