@@ -40,6 +40,7 @@ class StepCost:
   bubble_s: float = 0.0
   parts: dict[str, int] = dataclasses.field(default_factory=dict)  # estimate: what the bytes are
   hidden_s: float = 0.0   # of ``comm_s``, what runs while compute runs (``epljax.overlap``)
+  activations: Activations | None = None   # estimate: what its "activations" part is made of
 
   @property
   def communication_s(self) -> float:
@@ -54,6 +55,26 @@ class StepCost:
   @property
   def step_s(self) -> float:
     return self.compute_s + self.exposed_s + self.host_s + self.bubble_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Activations:
+  """An estimate's activation bytes, ``max(residuals + accumulator, floor)``: the residuals
+  the backward pass keeps (estimated from the traced program), the gradient accumulator under
+  micro batches, and the gradients' sum over data, which the peak holds instead once the
+  residuals are freed. A compiled step rescales the residuals, or where its peak was the
+  floor, the floor (``bytes``'s scales, ``search._calibrated``)."""
+  residuals: float
+  accumulator: int = 0
+  floor: int = 0
+
+  @property
+  def at_floor(self) -> bool:
+    """Whether the estimated peak is the gradients' sum, not the backward pass."""
+    return self.floor > self.residuals + self.accumulator
+
+  def bytes(self, scale: float = 1.0, floor_scale: float = 1.0) -> int:
+    return int(max(self.residuals * scale + self.accumulator, self.floor * floor_scale))
 
 
 def wire_bytes(kind: str, result_bytes: float, group: int) -> float:

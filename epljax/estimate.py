@@ -191,17 +191,15 @@ def step_cost(built, facts: ProgramFacts, features: dict[str, Any], chip, batch_
     opt = 0
   batch_bytes //= max(1, math.prod(mesh[a] for a in plan.batch_axes))
   split_nodes = facts.split_nodes
-  acts = residuals / max(1, math.prod(mesh[a] for a in plan.batch_axes)) * facts.share / micro
+  kept = residuals / max(1, math.prod(mesh[a] for a in plan.batch_axes)) * facts.share / micro
   checkpointed = features["gradient_checkpoint"] == "auto"
   if checkpointed:
-    acts *= _CHECKPOINTED_SHARE
-  if micro > 1:   # the gradient accumulator
-    acts += grads
-  # The peak is either in the backward pass (residuals beside the gradients) or at the
-  # gradients' sum over data (a second buffer: all-reduced, or its shard under ZeRO), after
-  # the residuals are freed.
-  if d > 1:
-    acts = max(acts, full_params // g if zero else grads)
+    kept *= _CHECKPOINTED_SHARE
+  # The peak is either in the backward pass (residuals beside the gradient accumulator, with
+  # micro batches) or at the gradients' sum over data (a second buffer: all-reduced, or its
+  # shard under ZeRO), after the residuals are freed.
+  activations = cost_lib.Activations(kept, grads if micro > 1 else 0,
+                                     (full_params // g if zero else grads) if d > 1 else 0)
   # The backward pass runs the forward again: all of it under checkpointing (the model's own
   # rematerialized layers counted once), else what the model rematerializes.
   flops = (facts.flops * 3 + (facts.flops if checkpointed else facts.recompute)
@@ -236,11 +234,13 @@ def step_cost(built, facts: ProgramFacts, features: dict[str, Any], chip, batch_
   for kind, (count, out_bytes) in facts.leaving.items():   # split outputs met by unsplit code
     add(kind, MODEL, forwards * out_bytes / d, m, times=forwards * count * micro)
   parts = {"parameters": params + grads, "optimizer state": opt,
-           "activations": int(acts), "model state and batch": plan.model_state_bytes + batch_bytes}
+           "activations": activations.bytes(),
+           "model state and batch": plan.model_state_bytes + batch_bytes}
   compute_s = flops / (chip.peak_flops * chip.efficiency)
   return cost_lib.StepCost(sum(parts.values()), flops, nbytes, compute_s, comm,
                            host_s=host / chip.host_bandwidth, parts=parts,
-                           hidden_s=hidden_estimate(comm, compute_s, chip))
+                           hidden_s=hidden_estimate(comm, compute_s, chip),
+                           activations=activations)
 
 
 HOST_SHARD = "host"   # ``zero_shard``: ZeRO within each host, replicated across (HSDP)
@@ -367,7 +367,7 @@ def stage_cost(dp, facts: ProgramFacts, pipe, schedule, features: dict[str, Any]
   zero = features.get("zero_level", "")   # (its optimizer state sharded: _stage_data_sync)
   m = mesh.get(MODEL, 1)
   kept = max((info.kept_bytes for info in pipe.stage_info()), default=0) * per_micro / m
-  acts = 2 * schedule.num_slots * kept
+  activations = cost_lib.Activations(2 * schedule.num_slots * kept)
   busy = ((schedule.forward != IDLE).astype(int) + 2 * (schedule.backward != IDLE)).max(axis=1)
   flops = ((over_model.flops if over_model is not None else facts.flops * 3 + facts.recompute)
            + update * params / (d if zero else 1))
@@ -390,10 +390,11 @@ def stage_cost(dp, facts: ProgramFacts, pipe, schedule, features: dict[str, Any]
   add("collective-permute", STAGE, 2 * micro * boundary, s, times=2 * micro)
   copies = PIPELINE_PARAM_COPIES + (DATA_SYNC_COPIES if d > 1 else 0)
   parts = {"parameters": copies * params, "optimizer state": opt,
-           "activations": int(acts),
+           "activations": activations.bytes(),
            "model state and batch": dp.plan.model_state_bytes + batch_bytes // d}
   return cost_lib.StepCost(sum(parts.values()), flops, nbytes, work, comm,
-                           bubble_s=work * (busy.sum() / (3 * micro) - 1), parts=parts)
+                           bubble_s=work * (busy.sum() / (3 * micro) - 1), parts=parts,
+                           activations=activations)
 
 
 def _stage_data_sync(add, params: int, opt: int, d: int, zero: str) -> int:

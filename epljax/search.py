@@ -11,8 +11,10 @@ True
 2. Candidates estimated over ``auto.memory_limit`` are dropped; the others are compiled, at most
    ``auto.max_compiles`` (5), each time the one of lowest pace-scaled estimate: its estimate
    times compiled / estimated time of the last compiled row of its kind (``_kind``: pipeline or
-   not, its ZeRO level and model axis). A compiled step over the limit rescales the activation
-   estimate of the rows still to weigh by its measured activations (``_calibrated``). Once one
+   not, its ZeRO level and model axis). A compiled step over the limit rescales the estimates
+   of the rows still to weigh in the part it measured: the residuals of its kind (pipeline or
+   not, checkpointing or not), or the gradients' sum where that was its estimated peak
+   (``_calibrated``), each row from its own first estimate. Once one
    compiled step fits, a row is compiled only while it could beat it: its pace-scaled estimate
    is below that step's compiled time, or above by less than its uncertainty (``TIE`` once its
    kind was compiled; before, the largest error of any kind's estimate in this search, at most
@@ -91,6 +93,7 @@ def _compile_in_order(rows: list[Candidate], compile_row: Callable, limit: int, 
   (the fastest fitting row's index, its Built) or None, compiles)."""
   compiles, best = 0, None
   pace: dict[tuple[bool, str, int], float] = {}
+  scales: dict[Any, float] = {}   # (``_calibrated``)
   while compiles < budget:
     bar = rows[best[0]].predicted_step_s if best is not None else math.inf
     open_ = [i for i, r in enumerate(rows) if not (r.compiled or r.refused)
@@ -108,7 +111,7 @@ def _compile_in_order(rows: list[Candidate], compile_row: Callable, limit: int, 
     pace[_kind(row)] = step.step_s / row.predicted_step_s
     rows[i] = row = _measured(row, step, dict(built.plan.mesh.shape))
     if row.bytes_per_device > limit:
-      rows = _calibrated(rows, row)
+      rows = _calibrated(rows, row, scales)
     elif best is None or row.predicted_step_s < rows[best[0]].predicted_step_s:
       best = (i, built)
   bar = rows[best[0]].predicted_step_s if best is not None else math.inf
@@ -187,18 +190,44 @@ def _compiled_cost(built, features: dict[str, Any], chip) -> cost_lib.StepCost:
   return cost_lib.Target(chip, "", None, features["offload"]).step_cost(built.plan)
 
 
-def _calibrated(rows: list[Candidate], measured: Candidate) -> list[Candidate]:
-  """The estimates of the rows not compiled yet, their activations scaled by what the compiled
-  ``measured`` row's activations were against its own estimate (the other parts are exact)."""
-  parts = measured.estimate.parts
-  exact = measured.estimate.bytes_per_device - parts["activations"]
-  if parts["activations"] <= 0 or measured.bytes_per_device <= exact:
+def _residuals_kind(row: Candidate) -> tuple[bool, str]:
+  """What the residual estimate of a row is like with (``_calibrated``): pipeline or not, and
+  its checkpointing, which changes what XLA keeps for the backward pass."""
+  return row.stages > 1, row.features.get("gradient_checkpoint", "")
+
+
+def _calibrated(rows: list[Candidate], measured: Candidate,
+                scales: dict[Any, float]) -> list[Candidate]:
+  """The estimates of the rows not compiled yet, corrected by what the compiled ``measured``
+  row held against its own estimate, in the part its estimated peak was made of
+  (``cost.Activations``; the other parts are exact): its residuals, for the rows of its kind
+  (``_residuals_kind``; a kind none of whose rows was measured takes the last residual scale
+  with or without stages as it is), or the gradients' sum where that was its estimated peak
+  (and, until residuals are measured, the residuals by as much).
+  Every row is rescaled from its own first estimate, so a scale measured on one kind does not
+  multiply another's. ``scales`` holds them through the search (updated here)."""
+  a = measured.estimate.activations
+  exact = measured.estimate.bytes_per_device - measured.estimate.parts["activations"]
+  held = measured.bytes_per_device - exact
+  pipeline = measured.stages > 1
+  if a is None or held <= 0:
     return rows
-  scale = (measured.bytes_per_device - exact) / parts["activations"]
+  if a.at_floor:
+    if a.floor <= 0:
+      return rows
+    scales[(pipeline, "floor")] = held / a.floor
+    # (nothing measured of residuals yet: the rows' whole estimate held off by as much)
+    scales.setdefault(pipeline, held / a.bytes())
+  else:
+    if a.residuals <= 0 or held <= a.accumulator:
+      return rows
+    scales[_residuals_kind(measured)] = scales[pipeline] = (held - a.accumulator) / a.residuals
   out = []
   for r in rows:
-    if not r.compiled and (r.stages > 1) == (measured.stages > 1):   # (like with like)
-      acts = int(r.estimate.parts["activations"] * scale)
+    if not r.compiled and (r.stages > 1) == pipeline and r.estimate.activations is not None:
+      acts = r.estimate.activations.bytes(
+          scales.get(_residuals_kind(r), scales.get(pipeline, 1.0)),
+          scales.get((pipeline, "floor"), 1.0))
       est = dataclasses.replace(r.estimate, parts={**r.estimate.parts, "activations": acts},
                                 bytes_per_device=r.estimate.bytes_per_device
                                 - r.estimate.parts["activations"] + acts)

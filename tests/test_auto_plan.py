@@ -623,6 +623,51 @@ def test_without_accumulation_zero_v2_is_weighed_once_as_v1():
   assert v1.step_s == v2.step_s
 
 
+def _estimated_row(mesh, micro, checkpoint, residuals):
+  """A candidate as ``candidates.estimate_row`` makes it: 1000 exact bytes, and activations of
+  ``residuals`` estimated bytes (a 100-byte gradient accumulator with micro batches, a floor of
+  50: the gradients' sum)."""
+  import dataclasses
+  acts = cost_lib.Activations(residuals, 100 if micro > 1 else 0, 50)
+  est = cost_lib.StepCost(1000 + acts.bytes(), 0.0, {}, 1e-3, {}, activations=acts,
+                          parts={"parameters": 1000, "activations": acts.bytes()})
+  features = {"num_micro_batch": micro, "zero_level": "", "gradient_checkpoint": checkpoint,
+              "offload": "", "zero_shard": ""}
+  row = candidates_lib.Candidate(mesh, features, est.bytes_per_device, 1e-3, 1e-3, 0.0, 0.0,
+                                 compiled=False, estimate=est)
+  return row, lambda compiled: dataclasses.replace(row, bytes_per_device=compiled, compiled=True)
+
+
+def test_a_compiled_step_rescales_the_estimated_residuals_of_its_kind_from_their_estimate():
+  """What a compiled step held against its estimate corrects the rows still to weigh: only
+  their estimated residuals (not the exact accumulator), by the last scale measured on rows of
+  their kind (checkpointing or not; pipeline or not), each time from their own estimate, so
+  that a second compile of another kind does not multiply the first's scale (which put the
+  zoo GPT-2's micro batch 2 on 2 hosts of 4 compile-only H100s at 2.5 times its compiled
+  bytes, over the limit, and chose a slower plan)."""
+  data, stages = {"data": 2, "model": 4}, {"data": 2, "stage": 4}
+  plain_1, plain_1_compiled = _estimated_row(data, 1, "", 1000)
+  auto_1, auto_1_compiled = _estimated_row(data, 1, "auto", 500)
+  plain_2, _ = _estimated_row(data, 2, "", 500)
+  auto_2, _ = _estimated_row(data, 2, "auto", 250)
+  staged, _ = _estimated_row(stages, 4, "", 400)
+  scales = {}
+  rows = [plain_1_compiled(1000 + 2000), auto_1, plain_2, auto_2, staged]   # kept 2x
+  rows = search_lib._calibrated(rows, rows[0], scales)
+  assert [r.estimate.parts["activations"] for r in rows[1:]] == [1000, 1100, 600, 500]
+  rows[1] = auto_1_compiled(1000 + 1500)   # checkpointing kept 3x its estimate
+  rows = search_lib._calibrated(rows, rows[1], scales)
+  assert [r.estimate.parts["activations"] for r in rows[2:]] == [500 * 2 + 100,
+                                                                  250 * 3 + 100, 500]
+  assert [r.bytes_per_device for r in rows[2:]] == [2100, 1850, 1500]   # (staged: as estimated)
+  # A step whose estimated peak was the gradients' sum (the floor, 50 > 10) measures the
+  # floor; the residuals only until a step of residuals is measured.
+  floor, floor_compiled = _estimated_row(data, 1, "", 10)
+  for scales, acts in (({}, 500 * 2 + 100), ({False: 1.5}, 500 * 1.5 + 100)):
+    rows = search_lib._calibrated([floor_compiled(1100), plain_2], floor_compiled(1100), scales)
+    assert rows[1].estimate.parts["activations"] == acts and scales[(False, "floor")] == 2
+
+
 def test_an_hsdp_row_is_built_on_the_mesh_it_names():
   """An HSDP row names the mesh its build makes ('replica' over the 2 hosts x 'data' within
   one, as ``plan.mesh.shape`` reads), is built with zero.shard_size='host' on the base of its
