@@ -93,7 +93,7 @@ def _compile_in_order(rows: list[Candidate], compile_row: Callable, limit: int, 
   (the fastest fitting row's index, its Built) or None, compiles)."""
   compiles, best = 0, None
   pace: dict[tuple[bool, str, int], float] = {}
-  scales: dict[Any, float] = {}   # (``_calibrated``)
+  held = _Held()   # (``_calibrated``)
   while compiles < budget:
     bar = rows[best[0]].predicted_step_s if best is not None else math.inf
     open_ = [i for i, r in enumerate(rows) if not (r.compiled or r.refused)
@@ -111,7 +111,7 @@ def _compile_in_order(rows: list[Candidate], compile_row: Callable, limit: int, 
     pace[_kind(row)] = step.step_s / row.predicted_step_s
     rows[i] = row = _measured(row, step, dict(built.plan.mesh.shape))
     if row.bytes_per_device > limit:
-      rows = _calibrated(rows, row, scales)
+      rows = _calibrated(rows, row, held)
     elif best is None or row.predicted_step_s < rows[best[0]].predicted_step_s:
       best = (i, built)
   bar = rows[best[0]].predicted_step_s if best is not None else math.inf
@@ -196,41 +196,53 @@ def _residuals_kind(row: Candidate) -> tuple[bool, str]:
   return row.stages > 1, row.features.get("gradient_checkpoint", "")
 
 
-def _calibrated(rows: list[Candidate], measured: Candidate,
-                scales: dict[Any, float]) -> list[Candidate]:
+@dataclasses.dataclass
+class _Held:
+  """What the compiled steps over the limit held against their estimates (``_calibrated``):
+  the scale of the residuals per kind (``_residuals_kind``), the last one and the floor's per
+  pipeline or not."""
+  residuals: dict[tuple[bool, str], float] = dataclasses.field(default_factory=dict)
+  last: dict[bool, float] = dataclasses.field(default_factory=dict)
+  floor: dict[bool, float] = dataclasses.field(default_factory=dict)
+
+  def activations(self, row: Candidate) -> int:
+    """``row``'s activation bytes, its first estimate corrected."""
+    pipeline = row.stages > 1
+    return row.estimate.activations.bytes(
+        self.residuals.get(_residuals_kind(row), self.last.get(pipeline, 1.0)),
+        self.floor.get(pipeline, 1.0))
+
+
+def _calibrated(rows: list[Candidate], measured: Candidate, held: _Held) -> list[Candidate]:
   """The estimates of the rows not compiled yet, corrected by what the compiled ``measured``
   row held against its own estimate, in the part its estimated peak was made of
   (``cost.Activations``; the other parts are exact): its residuals, for the rows of its kind
   (``_residuals_kind``; a kind none of whose rows was measured takes the last residual scale
   with or without stages as it is), or the gradients' sum where that was its estimated peak
-  (and, until residuals are measured, the residuals by as much).
-  Every row is rescaled from its own first estimate, so a scale measured on one kind does not
-  multiply another's. ``scales`` holds them through the search (updated here)."""
+  (and, until residuals are measured, the residuals by as much). Every row is rescaled from
+  its own first estimate, so a scale measured on one kind does not multiply another's.
+  ``held`` keeps the scales through the search (updated here)."""
   a = measured.estimate.activations
   exact = measured.estimate.bytes_per_device - measured.estimate.parts["activations"]
-  held = measured.bytes_per_device - exact
+  acts = measured.bytes_per_device - exact
   pipeline = measured.stages > 1
-  if a is None or held <= 0:
+  if a is None or acts <= 0:
     return rows
   if a.at_floor:
-    if a.floor <= 0:
-      return rows
-    scales[(pipeline, "floor")] = held / a.floor
-    # (nothing measured of residuals yet: the rows' whole estimate held off by as much)
-    scales.setdefault(pipeline, held / a.bytes())
+    held.floor[pipeline] = acts / a.floor
+    held.last.setdefault(pipeline, acts / a.floor)
+  elif a.residuals > 0 and acts > a.accumulator:
+    held.residuals[_residuals_kind(measured)] = held.last[pipeline] = (
+        (acts - a.accumulator) / a.residuals)
   else:
-    if a.residuals <= 0 or held <= a.accumulator:
-      return rows
-    scales[_residuals_kind(measured)] = scales[pipeline] = (held - a.accumulator) / a.residuals
+    return rows
   out = []
   for r in rows:
     if not r.compiled and (r.stages > 1) == pipeline and r.estimate.activations is not None:
-      acts = r.estimate.activations.bytes(
-          scales.get(_residuals_kind(r), scales.get(pipeline, 1.0)),
-          scales.get((pipeline, "floor"), 1.0))
-      est = dataclasses.replace(r.estimate, parts={**r.estimate.parts, "activations": acts},
+      new = held.activations(r)
+      est = dataclasses.replace(r.estimate, parts={**r.estimate.parts, "activations": new},
                                 bytes_per_device=r.estimate.bytes_per_device
-                                - r.estimate.parts["activations"] + acts)
+                                - r.estimate.parts["activations"] + new)
       r = dataclasses.replace(r, bytes_per_device=est.bytes_per_device, estimate=est)
     out.append(r)
   return out

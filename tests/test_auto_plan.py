@@ -651,21 +651,22 @@ def test_a_compiled_step_rescales_the_estimated_residuals_of_its_kind_from_their
   plain_2, _ = _estimated_row(data, 2, "", 500)
   auto_2, _ = _estimated_row(data, 2, "auto", 250)
   staged, _ = _estimated_row(stages, 4, "", 400)
-  scales = {}
+  held = search_lib._Held()
   rows = [plain_1_compiled(1000 + 2000), auto_1, plain_2, auto_2, staged]   # kept 2x
-  rows = search_lib._calibrated(rows, rows[0], scales)
+  rows = search_lib._calibrated(rows, rows[0], held)
   assert [r.estimate.parts["activations"] for r in rows[1:]] == [1000, 1100, 600, 500]
   rows[1] = auto_1_compiled(1000 + 1500)   # checkpointing kept 3x its estimate
-  rows = search_lib._calibrated(rows, rows[1], scales)
+  rows = search_lib._calibrated(rows, rows[1], held)
   assert [r.estimate.parts["activations"] for r in rows[2:]] == [500 * 2 + 100,
                                                                   250 * 3 + 100, 500]
   assert [r.bytes_per_device for r in rows[2:]] == [2100, 1850, 1500]   # (staged: as estimated)
   # A step whose estimated peak was the gradients' sum (the floor, 50 > 10) measures the
   # floor; the residuals only until a step of residuals is measured.
   floor, floor_compiled = _estimated_row(data, 1, "", 10)
-  for scales, acts in (({}, 500 * 2 + 100), ({False: 1.5}, 500 * 1.5 + 100)):
-    rows = search_lib._calibrated([floor_compiled(1100), plain_2], floor_compiled(1100), scales)
-    assert rows[1].estimate.parts["activations"] == acts and scales[(False, "floor")] == 2
+  for held, acts in ((search_lib._Held(), 500 * 2 + 100),
+                     (search_lib._Held(last={False: 1.5}), 500 * 1.5 + 100)):
+    rows = search_lib._calibrated([floor_compiled(1100), plain_2], floor_compiled(1100), held)
+    assert rows[1].estimate.parts["activations"] == acts and held.floor[False] == 2
 
 
 def test_an_hsdp_row_is_built_on_the_mesh_it_names():
