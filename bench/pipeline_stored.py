@@ -72,18 +72,23 @@ def stored_bytes(layers: int, width: int, micro: int, devices) -> tuple[pm.Bytes
     buffers = jax.eval_shape(lambda *ls: store.pack(list(ls)), *leaves)
     buffers_sh = jax.tree.map(lambda _: NamedSharding(mesh, P("stage")), buffers)
 
-    def step(buffers, opt, batch):
+    def loop(buffers, batch):   # (loss, the buffers' gradients)
       micro_batches = batch_lib.micro_batches(batch, bplan, mesh)
       loss, _, grads, _ = run(buffers, pipe.pack_state({}), jax.tree.leaves(micro_batches),
                               jnp.ones((), jnp.float32))
+      return loss, grads
+
+    def compiled_step(step, opt, opt_sh):
+      return pm.step_jit(step, buffers_sh, opt_sh, mesh).lower(
+          pm.shaped(buffers, buffers_sh), pm.shaped(opt, opt_sh),
+          pm.batch_args(micro, mesh, pipe.batch_axes)).compile()
+
+    def step(buffers, opt, batch):
+      loss, grads = loop(buffers, batch)
       grads = jax.tree.unflatten(tree, store.gradients_of(grads))
       params = jax.tree.unflatten(tree, store.gradients_of(buffers))
       updates, opt = tx.update(grads, opt, params)
       return store.pack(jax.tree.leaves(optax.apply_updates(params, updates))), opt, loss
-
-    compiled = pm.step_jit(step, buffers_sh, opt_sh, mesh).lower(
-        pm.shaped(buffers, buffers_sh), pm.shaped(opt, opt_sh),
-        pm.batch_args(micro, mesh, pipe.batch_axes)).compile()
 
     # The optimizer on the loop's buffers too: its state is AdamW's of the buffers (an
     # elementwise optimizer gives each element what it gives it in the user's tree).
@@ -92,15 +97,12 @@ def stored_bytes(layers: int, width: int, micro: int, devices) -> tuple[pm.Bytes
         lambda a: NamedSharding(mesh, P("stage") if a.ndim else P()), packed_opt)
 
     def packed_step(buffers, opt, batch):
-      micro_batches = batch_lib.micro_batches(batch, bplan, mesh)
-      loss, _, grads, _ = run(buffers, pipe.pack_state({}), jax.tree.leaves(micro_batches),
-                              jnp.ones((), jnp.float32))
+      loss, grads = loop(buffers, batch)
       updates, opt = tx.update(grads, opt, buffers)
       return optax.apply_updates(buffers, updates), opt, loss
 
-    on_buffers = pm.step_jit(packed_step, buffers_sh, packed_opt_sh, mesh).lower(
-        pm.shaped(buffers, buffers_sh), pm.shaped(packed_opt, packed_opt_sh),
-        pm.batch_args(micro, mesh, pipe.batch_axes)).compile()
+    compiled = compiled_step(step, opt, opt_sh)
+    on_buffers = compiled_step(packed_step, packed_opt, packed_opt_sh)
     return (pm.Bytes.of(built.plan.compiled), pm.Bytes.of(compiled),
             pm.Bytes.of(on_buffers))
 

@@ -275,8 +275,7 @@ def exchange_gradients(packed: Mapping[str, jax.Array], rows: Sequence[packing.L
     sums: list[Any] = [None] * len(avals)
     for (row, i, e), at in zip(pieces, offsets):
       buf = back[e.dtype][row // per, row % per]
-      piece = (lax.slice_in_dim(buf, at, at + e.size) if isinstance(at, int) else
-               lax.dynamic_slice_in_dim(buf, at, e.size))
+      piece = lax.dynamic_slice_in_dim(buf, at, e.size)
       sums[i] = piece if sums[i] is None else sums[i] + piece
     flat = [i for i in range(len(avals)) if sums[i] is not None and dims[i] is None]
     gathered = {}
