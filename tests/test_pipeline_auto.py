@@ -115,3 +115,41 @@ def test_an_unbalanced_stage_plan_says_so():
                     r"have more than 1.5x the mean FLOPs; .*light .* FLOPs \(0.\d\dx mean\)"):
     trainer.init(jax.random.key(0), classification_batch(16))
   assert any(line.startswith("balance   heavy") for line in trainer.plan.pipeline.describe())
+
+
+class Loop(nn.Module):
+  """A stem, ``layers`` equal blocks written as a Python loop, and a head."""
+  layers: int
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(16)(x)
+    for _ in range(self.layers):
+      h = Block(16)(h)
+    return nn.Dense(10)(h)
+
+
+def _blocks_cut_through(layers: int, stages: int) -> list[int]:
+  """The blocks of ``Loop(layers)`` whose parameters the automatic cut puts in two stages
+  (planned, nothing compiled)."""
+  epl.init({**AUTO, "pipeline.num_stages": stages})
+  trainer = epl.Trainer(*linen_fns(Loop(layers)), optax.sgd(0.1))
+  stage_of = {leaf.path: leaf.taskgraph for leaf in
+              trainer._build(jax.random.key(0), classification_batch(16)).plan.leaves}
+  return [i for i in range(layers)
+          if len({s for path, s in stage_of.items() if f"/Block_{i}/" in path}) > 1]
+
+
+def test_deep_repeated_layers_are_cut_between_layers_when_balance_allows(monkeypatch):
+  # 20 blocks on 2 stages: the balanced place is inside block 9; half a block is 5% of a
+  # stage's share, within LAYER_SLACK, so the cut falls between two blocks.
+  from epljax.pipeline import auto
+  assert _blocks_cut_through(20, 2) == []
+  monkeypatch.setattr(auto, "LAYER_SLACK", 0.0)
+  assert _blocks_cut_through(20, 2) == [9]
+
+
+def test_few_layers_per_stage_keep_the_balanced_cut_inside_a_layer():
+  # 7 blocks on 2 stages: the balanced place is in the middle of block 3, half a block (a
+  # seventh of a stage's share) from either boundary: more than LAYER_SLACK.
+  assert _blocks_cut_through(7, 2) == [3]

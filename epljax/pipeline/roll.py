@@ -103,6 +103,41 @@ def roll_repeats(closed: jcore.ClosedJaxpr, num_params: int) -> Rolled:
   return Rolled(closed, why_not=why_not)
 
 
+_MATMULS_PER_BLOCK = 8   # equal matmuls a block may hold (its period is among their distances)
+
+
+def layer_run(eqns: Sequence[jcore.JaxprEqn]) -> Run | None:
+  """The model's repeated layers in ``eqns``: the run of equal blocks (as ``roll_repeats``
+  compares them) that repeats the most equations and whose block holds a matmul or a
+  convolution, or ``None``. Its candidate periods are the distances from a matmul to the next
+  few equal ones (a block may hold several of one shape); per period one pass finds where the
+  equations equal those a period later."""
+  sigs = _signatures(eqns)
+  heavy = [i for i, e in enumerate(eqns) if any_eqn(e, lambda q: q.primitive.name in MATMULS)]
+  seen: dict[int, list[int]] = {}
+  periods = set()
+  for i in heavy:
+    earlier = seen.setdefault(sigs[i], [])
+    periods.update(i - j for j in earlier[-_MATMULS_PER_BLOCK:])
+    earlier.append(i)
+  best: Run | None = None
+  for p in sorted(periods):
+    i = 0
+    while i + p < len(sigs):
+      if sigs[i] != sigs[i + p]:
+        i += 1
+        continue
+      start = i
+      while i + p < len(sigs) and sigs[i] == sigs[i + p]:
+        i += 1
+      run = Run(start, p, (i - start) // p + 1)
+      saved = run.length * (run.repeats - 1)
+      if (run.repeats >= 2 and (best is None or saved > best.length * (best.repeats - 1))
+          and any(start <= j < start + p for j in heavy)):
+        best = run
+  return best
+
+
 _MADE_INSIDE = ("{n} x {p} ops left unrolled: each block reads a {aval} made inside the stage "
                 "(a weight cast or reshaped before its layer), whose stack would be kept per "
                 "in-flight micro batch")
