@@ -129,15 +129,21 @@ class Loop(nn.Module):
     return nn.Dense(10)(h)
 
 
-def _blocks_cut_through(layers: int, stages: int) -> list[int]:
-  """The blocks of ``Loop(layers)`` whose parameters the automatic cut puts in two stages
-  (planned, nothing compiled)."""
+def _cut_through(model: nn.Module, batch: dict, stages: int, layer: str, layers: int,
+                 loss_fn=None) -> list[int]:
+  """The layers ``{layer}_{i}`` of ``model`` whose parameters the automatic cut puts in two
+  stages (planned, nothing compiled)."""
   epl.init({**AUTO, "pipeline.num_stages": stages})
-  trainer = epl.Trainer(*linen_fns(Loop(layers)), optax.sgd(0.1))
+  init_fn, default_loss = linen_fns(model)
+  trainer = epl.Trainer(init_fn, loss_fn or default_loss, optax.sgd(0.1))
   stage_of = {leaf.path: leaf.taskgraph for leaf in
-              trainer._build(jax.random.key(0), classification_batch(16)).plan.leaves}
+              trainer._build(jax.random.key(0), batch).plan.leaves}
   return [i for i in range(layers)
-          if len({s for path, s in stage_of.items() if f"/Block_{i}/" in path}) > 1]
+          if len({s for path, s in stage_of.items() if f"/{layer}_{i}/" in path}) > 1]
+
+
+def _blocks_cut_through(layers: int, stages: int) -> list[int]:
+  return _cut_through(Loop(layers), classification_batch(16), stages, "Block", layers)
 
 
 def test_deep_repeated_layers_are_cut_between_layers_when_balance_allows(monkeypatch):
@@ -153,3 +159,17 @@ def test_few_layers_per_stage_keep_the_balanced_cut_inside_a_layer():
   # 7 blocks on 2 stages: the balanced place is in the middle of block 3, half a block (a
   # seventh of a stage's share) from either boundary: more than LAYER_SLACK.
   assert _blocks_cut_through(7, 2) == [3]
+
+
+def test_the_cuts_move_between_layers_all_together_or_not_at_all():
+  # bench/pipeline_memory.py's GPT of 4 layers (width 256) on 4 stages: the first two cuts could
+  # move between two layers within LAYER_SLACK, the last (before the heavy head) could not;
+  # moving two alone would leave the third stage a layer and the next one's head (a program
+  # of its own), so every cut stays at its balanced place.
+  from test_cost import _bench_on_path
+  _bench_on_path()
+  import pipeline_memory as pm
+  model = pm.GPT(4, 256)
+  batch = {k: np.zeros(v.shape, v.dtype) for k, v in pm.batch_shapes(4).items()}
+  assert _cut_through(model, batch, 4, "Layer", 4,
+                      lambda v, b: pm.ce(model.apply(v, b["x"]), b["y"])) == [1, 2, 3]

@@ -23,8 +23,10 @@ the scans around them) and of parameter bytes
 is a topological order, so activations only ever flow to later stages.
 
 A model whose layers repeat (``roll.layer_run``: a Python loop of equal blocks) is cut
-between two layers where that leaves the stage's FLOPs at most ``LAYER_SLACK`` of a stage's
-share further from equal than the balanced place: as a practitioner cuts, stages of equal
+between two layers when every cut can move there leaving the stage's FLOPs and its parameter
+bytes each at most ``LAYER_SLACK`` of a stage's share further from equal than the balanced
+place (parameters count too: every stage's buffers are padded to the largest), else at the
+balanced places: as a practitioner cuts, stages of equal
 layers are then one program (compiled once, ``runtime.make_loop``), each rolled stage loops
 over whole layers, and only the layer's output crosses the cut. A 48-layer loop GPT on 4
 stages (``bench/pipeline_compile.py --baseline 48``) compiles 3 distinct stage functions
@@ -71,26 +73,38 @@ def auto_stage_cuts(capture: Capture, num_stages: int, not_split: str | None = N
     return out + (abs(params[c] / params[-1] - share) if params[-1] else 0.0)
 
   between_layers = _between_layers(nodes)
-  cuts, start = [], 0
-  for k in range(1, num_stages):
-    left = num_stages - 1 - k   # cuts still to place after this one
-    options = [c for c in legal if c > start]
-    options = options[:len(options) - left] if left else options
-    if not options:
-      raise PlanError(_TOO_FEW.format(stages=num_stages, legal=len(legal)))
-    start = min(options, key=lambda c, k=k: distance(c, k))
-    aligned = [c for c in options if between_layers(c)]
-    if aligned:
-      snapped = min(aligned, key=lambda c, k=k: distance(c, k))
-      off = lambda c, k=k: abs(flops[c] - k * flops[-1] / num_stages)  # noqa: E731
-      if off(snapped) <= max(off(start), LAYER_SLACK * flops[-1] / num_stages):
+
+  def place(snap: bool) -> tuple[int, ...] | None:
+    """The cuts, each at its balanced place or (``snap``) between two layers; ``None`` when
+    a cut inside the layers cannot move between two of them within ``LAYER_SLACK``."""
+    cuts, start = [], 0
+    for k in range(1, num_stages):
+      left = num_stages - 1 - k   # cuts still to place after this one
+      options = [c for c in legal if c > start]
+      options = options[:len(options) - left] if left else options
+      if not options:
+        raise PlanError(_TOO_FEW.format(stages=num_stages, legal=len(legal)))
+      start = min(options, key=lambda c, k=k: distance(c, k))
+      if snap and not between_layers(start):
+        aligned = [c for c in options if between_layers(c)]
+        if not aligned:
+          return None
+        snapped = min(aligned, key=lambda c, k=k: distance(c, k))
+        if not all(abs(run[snapped] - k * run[-1] / num_stages) <= max(
+            abs(run[start] - k * run[-1] / num_stages), LAYER_SLACK * run[-1] / num_stages)
+            for run in (flops, params)):
+          return None
         start = snapped
-    cuts.append(start)
-  return tuple(cuts)
+      cuts.append(start)
+    return tuple(cuts)
+
+  # All cuts between layers or none: one cut left inside a layer would give a stage a layer's
+  # tail and another's head, a program of its own.
+  return place(snap=True) or place(snap=False)
 
 
-# How far (in a stage's share of the FLOPs) a cut may move from its balanced place to fall
-# between two of the model's repeated layers.
+# How far (in a stage's share of the FLOPs, and of the parameter bytes) a cut may move from its
+# balanced place to fall between two of the model's repeated layers.
 LAYER_SLACK = 0.05
 
 
