@@ -29,6 +29,8 @@ import sys
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS") or "--xla_force_host_platform_device_count=8"
 sys.path.insert(0, os.path.dirname(__file__))
+# This checkout's epljax, not an installed one (a worktree beside an editable install).
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
