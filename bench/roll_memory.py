@@ -1,5 +1,5 @@
-"""Rolled pipeline stages' temp against the same stages written out, and what a rolled stage's
-backward would hold if it added its layers' gradients into the accumulator as it made them.
+"""Rolled pipeline stages' temp against the same stages written out, and what one stack's
+backward holds through ``jax.grad`` of its scan and a layer at a time.
 
     python bench/roll_memory.py            # XLA:CPU, 8 simulated devices
     python bench/roll_memory.py --gpu      # 8 compile-only H100s (v312 venv, JAX_PLATFORMS=cpu)
@@ -9,17 +9,20 @@ Pipeline: ``pipeline_compile.py``'s two Python-loop models (the residual MLP of 
 every 8 blocks, and the 48-layer GPT cut by ``auto.auto_parallel``), S=4 stages x 2 replicas,
 M=8, SGD, with ``pipeline.roll_layers`` off and on; temp per device from ``memory_analysis()``
 of the step compiled from shapes. A rolled stage runs its layers as a ``lax.scan`` over stacks
-of their parameters; ``jax.vjp`` transposes it into a scan that writes every layer's gradient
-into a stacked output, which the stage then adds into the loop's accumulator.
+of their parameters, and its backward as a reverse scan of each layer's pullback that reads the
+layer's weights from the parameter buffer and adds its gradient into the accumulator's rows
+(``pipeline/roll.py``, ``vjp``). (Until 2026-11-28 it was ``jax.vjp``'s transpose of the scan,
+which writes every layer's gradient into a stacked output and reads the weights as whole
+stacks: the rolled step's temp was 1.18x-1.27x the written-out one's.)
 
 Alone: one stack of ``n`` layers ``tanh(h @ W_i)`` (width 512, 64 rows, float32) whose
 parameter gradient is added into a donated accumulator of the stack's shape, three ways: the
 layers written out and ``jax.grad`` then added; the layers as a ``lax.scan`` and ``jax.grad``
-then added (a rolled stage today); and a reverse ``lax.scan`` of each layer's ``jax.vjp`` that
-carries the accumulator and adds each layer's gradient into its rows (the forward keeps each
-layer's input; each layer's pullback recomputes its forward). On XLA:CPU each result is
-compared with the rolled stage's (the two scans agree to the bit; the written-out layers
-round differently).
+then added (a rolled stage's backward until 2026-11-28); and a reverse ``lax.scan`` of each
+layer's ``jax.vjp`` that carries the accumulator and adds each layer's gradient into its rows
+(the way ``roll.vjp`` does it; here the forward keeps each layer's input and each layer's
+pullback recomputes its forward). On XLA:CPU each result is compared with the scan's
+``jax.grad`` (the two scans agree to the bit; the written-out layers round differently).
 """
 
 from __future__ import annotations
@@ -105,8 +108,8 @@ def reverse_scan_into(w, x, acc):
 
 
 WAYS = (("layers written out, jax.grad, then added", grad_then_add(_written_out)),
-        ("lax.scan, jax.grad, then added (a rolled stage)", grad_then_add(_scanned)),
-        ("reverse lax.scan carrying the accumulator", reverse_scan_into))
+        ("lax.scan, jax.grad, then added", grad_then_add(_scanned)),
+        ("reverse lax.scan carrying the accumulator (roll.vjp's way)", reverse_scan_into))
 
 
 def alone_rows(device, check: bool) -> list[list]:
@@ -136,7 +139,7 @@ def main(argv=None) -> None:
   first = table(["model (Python loop)", "roll off temp MiB", "roll on temp MiB", "on / off"],
                 pipeline_rows(devices[:2 * pc.S]))
   second = table(["stack's gradient into an accumulator", "stack MiB", "temp MiB",
-                  "temp / stack"] + (["max diff to a rolled stage's"] if check else []),
+                  "temp / stack"] + (["max diff to the scan's jax.grad"] if check else []),
                  alone_rows(devices[0], check))
   body = f"Pipeline step, rolled and written out:\n\n{first}\n\nOne stack, alone:\n\n{second}"
   print(f"{where}\n\n{body}")

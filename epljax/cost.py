@@ -229,13 +229,19 @@ def _body_matmul_flops(text: str) -> float:
   return sum(instruction_matmul_flops(line, types) for line in text.splitlines())
 
 
+_CONV_LABELS = re.compile(r"dim_labels=\w+_(?P<rhs>\w+)->")
+
+
 def instruction_matmul_flops(line: str, types: dict[str, str]) -> float:
-  """FLOPs of one instruction line if it is a matmul (``dot``, a cuBLAS call), else 0;
-  ``types``: the computation's instruction names -> types (an operand's shape)."""
+  """FLOPs of one instruction line if it is a matmul (``dot``, a cuBLAS call) or a
+  ``convolution``, else 0; ``types``: the computation's instruction names -> types (an
+  operand's shape)."""
   m = hlo._INSTRUCTION.match(line)
   if not m:
     return 0.0
   rest = line[m.end():]
+  if m["op"] == "convolution":
+    return _convolution_flops(m, rest, types)
   if m["op"] == "dot":
     dims = _DOT.search(rest)
   elif m["op"] == "custom-call" and _GEMM.search(rest):
@@ -250,6 +256,21 @@ def instruction_matmul_flops(line: str, types: dict[str, str]) -> float:
   shape = [int(d) for d in lhs["dims"].split(",") if d]
   contracted = math.prod(shape[int(d.strip('" '))] for d in dims["dims"].split(",")
                          if d.strip('" '))
+  return 2.0 * math.prod(int(d) for d in out["dims"].split(",") if d) * contracted
+
+
+def _convolution_flops(m: re.Match, rest: str, types: dict[str, str]) -> float:
+  """2 x output elements x what each one contracts: the kernel's elements over its output
+  features (its window times its input features per group)."""
+  operands = [o.strip() for o in m["operands"].split(",")]
+  labels = _CONV_LABELS.search(rest)
+  rhs = (hlo._ARRAY.search(operands[1]) or hlo._ARRAY.search(types.get(operands[1].lstrip("%"), ""))
+         if len(operands) > 1 else None)
+  out = hlo._ARRAY.search(m["type"])
+  if not (out and rhs and labels and "o" in labels["rhs"]):
+    return 0.0
+  kernel = [int(d) for d in rhs["dims"].split(",") if d]
+  contracted = math.prod(kernel) // kernel[labels["rhs"].index("o")]
   return 2.0 * math.prod(int(d) for d in out["dims"].split(",") if d) * contracted
 
 

@@ -318,20 +318,21 @@ def hidden_estimate(comm: dict[tuple[str, str], float], compute_s: float, chip) 
   return min(chip.overlap * data, compute_s)
 
 
-# A pipeline step's bytes per byte of a device's stored parameters: the parameters and four
-# copies in its temp (``stage_cost``). Fitted: 5.10x on XLA:CPU for test_auto_plan's Convs
-# (8 convolutions of width 512, 2 stages x 4 replicas, SGD with momentum; compiled bytes less
-# the optimizer state, activations, model state and batch, over the stored parameters) after
-# the pipeline step lost its per-tick packed gradient and the select's copy (2026-11-27); it
-# was 6.05x on XLA:GPU and 5.6x on XLA:CPU before. With data replicas one more
-# (``DATA_SYNC_COPIES``).
-PIPELINE_PARAM_COPIES = 5
+# A pipeline step's bytes per byte of a device's stored parameters: the parameters and three
+# copies in its temp (``stage_cost``). Fitted 2026-11-28 on test_auto_plan's Convs (8
+# convolutions of width 512, SGD with momentum; compiled bytes less the optimizer state,
+# activations, model state and batch, over the stored parameters), once a rolled stage's
+# backward stopped holding its stacks (``pipeline/roll.py``, ``vjp``): with data replicas
+# 5.03x and 5.08x on XLA:CPU (2 stages x 4 replicas, 4 x 2), written out or rolled alike, and
+# 4.27x and 4.57x on XLA:GPU (compile-only H100s), against 5 estimated. Rolled stages were 6.0x
+# on XLA:CPU before, and the constant was fitted to them (one more), which overestimated
+# written-out stages by 1.16x.
+PIPELINE_PARAM_COPIES = 4
 # With data replicas (d > 1), one more copy of the stored parameters: the gradients all-reduced
 # over data beside the accumulator (without ZeRO), or the updated shards gathered (ZeRO v1).
-# Measured 2026-11-27 on Convs as data=2 x stage=4: without ZeRO, 4 micro batches, 14.92 MB
-# compiled on XLA:CPU and 14.96 MB on XLA:GPU (compile-only H100s) against 12.82 MB estimated
-# with 5 copies (a copy: 2.11 MB); ZeRO v1, 8 micro batches, 14.84 MB and 13.82 MB against
-# 11.69 MB; data=4 x stage=2 (a copy: 4.2 MB) 29.59 MB on XLA:CPU against 25.38 MB.
+# Measured 2026-11-27 on Convs as data=2 x stage=4 (a copy: 2.11 MB), with rolled stages that
+# then held one copy more than today: 14.92 MB compiled without ZeRO on XLA:CPU against 12.82 MB
+# estimated with 5 copies; 12.85 MB on 2026-11-28, with 12.73 MB estimated with 4 + 1.
 DATA_SYNC_COPIES = 1
 
 
@@ -346,10 +347,10 @@ def stage_cost(dp, facts: ProgramFacts, pipe, schedule, features: dict[str, Any]
   bytes per device: a stage's share of the nodes on S times the rows), and the stash is split
   over model. ``update``: as ``step_cost``'s, on the parameters a stage's device stores.
 
-  Bytes (fitted to compiled steps, XLA:CPU and XLA:GPU, the zoo's GPT-2 and a conv MLP on 2
-  and 4 stages: 0.87-1.0x): the stored parameters and, in the step's temp, four more copies
-  of them (the loop's packed parameters, the gradient accumulator, the gradients summed and
-  unpacked: ``PIPELINE_PARAM_COPIES``; with data replicas one more, ``DATA_SYNC_COPIES``),
+  Bytes (fitted to compiled steps of a conv stack on 2 and 4 stages: 0.98-1.0x on XLA:CPU,
+  1.08-1.14x on XLA:GPU): the stored parameters and, in the step's temp, three more copies
+  of them (the loop's packed parameters, the gradient accumulator, the gradients summed:
+  ``PIPELINE_PARAM_COPIES``; with data replicas one more, ``DATA_SYNC_COPIES``),
   the optimizer state in proportion to the parameters
   (``dp``'s, unsharded; under ZeRO each stage's is sharded over its ``d`` replicas), and the
   tick loop's stash: the schedule's slots of the largest stage's residuals per micro

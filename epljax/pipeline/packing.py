@@ -140,8 +140,14 @@ class Layout:
     for rows, v in stacks:
       e = self.entries[rows[0]]
       flat[e.key].append((e.offset, self._stack_pieces(v, e)))
+    lead = (self.pieces,) if self.pieces > 1 else ()
     for k, parts in flat.items():
-      out[k] = self._fill([p for _, p in sorted(parts, key=lambda x: x[0])], types[k], k)
+      placed, at = [], 0
+      for offset, p in sorted(parts, key=lambda x: x[0]):   # values left out: zeros
+        placed += [jnp.zeros((*lead, offset - at), k)] if offset > at else []
+        placed.append(p)
+        at = offset + p.shape[-1]
+      out[k] = self._fill(placed, types[k], k)
     return {k: out[k] if k in out else t.zeros() for k, t in types.items()}
 
   def unpack(self, buffers: Mapping[str, jax.Array]) -> list[Any]:
@@ -187,6 +193,53 @@ class Layout:
             and all(e.key == first.key and e.shape == first.shape and e.dim == first.dim
                     and e.offset == first.offset + j * first.size
                     for j, e in enumerate(self.entries[i] for i in rows)))
+
+  def uniform(self, rows: Sequence[int]) -> bool:
+    """Whether values ``rows`` (a stack's) sit in one flat buffer with one shape and split, so
+    that each is one dynamic slice of it (``row``, ``add_row``)."""
+    first = self.entries[rows[0]]
+    return all(e.offset is not None and (e.key, e.shape, e.dim) == (first.key, first.shape,
+                                                                     first.dim)
+               for e in (self.entries[i] for i in rows))
+
+  def row(self, buffers: Mapping[str, jax.Array], rows: Sequence[int], l: jax.Array) -> jax.Array:
+    """Value ``rows[l]`` (``l`` traced) of ``uniform`` values ``rows``."""
+    e, at = self._row(rows, l)
+    part = jax.lax.dynamic_slice_in_dim(buffers[e.key].reshape(self.pieces, -1), at, e.size,
+                                        axis=1)
+    return self._whole(part, e)
+
+  def add_row(self, acc: Mapping[str, jax.Array], rows: Sequence[int], l: jax.Array,
+              g: jax.Array) -> dict[str, jax.Array]:
+    """``acc`` with ``g`` added to value ``rows[l]`` (``row``'s): one slice updated in place."""
+    e, at = self._row(rows, l)
+    buf = acc[e.key].reshape(self.pieces, -1)
+    part = jax.lax.dynamic_slice_in_dim(buf, at, e.size, axis=1)
+    part = part + self._pieces(g, e).reshape(part.shape)
+    return {**acc, e.key: jax.lax.dynamic_update_slice_in_dim(buf, part, at, axis=1
+                                                               ).reshape(acc[e.key].shape)}
+
+  def add_each(self, acc: Mapping[str, jax.Array], values: Sequence[Any]) -> dict[str, jax.Array]:
+    """``acc`` with each value that is not None added to its own slice: updates in place,
+    for a few values beside a buffer that was just written (``accumulate`` adds the whole
+    buffer in one pass)."""
+    acc = dict(acc)
+    for e, v in zip(self.entries, values, strict=True):
+      if v is None:
+        continue
+      if e.offset is None:
+        acc[e.key] = acc[e.key] + jnp.asarray(v, acc[e.key].dtype)
+        continue
+      buf = acc[e.key].reshape(self.pieces, -1)
+      part = jax.lax.slice_in_dim(buf, e.offset, e.offset + e.size, axis=1)
+      part = part + self._pieces(v, e).reshape(part.shape)
+      acc[e.key] = jax.lax.dynamic_update_slice_in_dim(buf, part, e.offset, axis=1
+                                                       ).reshape(acc[e.key].shape)
+    return acc
+
+  def _row(self, rows: Sequence[int], l: jax.Array) -> tuple[Entry, jax.Array]:
+    offsets = np.array([self.entries[i].offset for i in rows], np.int32)
+    return self.entries[rows[0]], jnp.asarray(offsets)[l]
 
   def accumulate(self, acc: Mapping[str, jax.Array], values: Sequence[Any], types: Types,
                  stacks: Stacks = Stacks()) -> dict[str, jax.Array]:

@@ -16,11 +16,12 @@ block but the last, leaves the stage unrolled. Only runs that contain a matmul o
 convolution are rolled (a layer), and none with side effects.
 
 The stacks are inputs of the rolled program (``Rolled.stacks`` says which parameters each
-one stacks), made by the caller outside the stage's ``jax.vjp`` (in the pipeline's forward and
-backward of each tick, each stack one slice of the parameter buffer,
-``packing.Layout.unpack_stacked``): the scan's pullback then refers to the
-stacked input itself, which the pipeline makes again at backward time rather than stash, and
-a micro batch keeps no more than the written-out layers kept. A block that
+one stacks), made by the caller outside the stage's derivative (in the pipeline's forward of
+each tick, each stack one slice of the parameter buffer, ``packing.Layout.unpack_stacked``).
+The stage is differentiated a layer at a time (``vjp``, at the end of this file): its backward
+reads each layer's weights from the parameter buffer again rather than stash them, and adds
+each layer's gradient into its rows of the accumulator as it makes it, so a micro batch keeps
+no more than the written-out layers kept and the backward holds no stack. A block that
 reads a value made inside the stage per block (a weight cast or reshaped before its layer)
 would have to be stacked inside the forward, a copy kept per in-flight micro batch: such a
 stage stays unrolled, and ``Rolled.why_not`` says why (the plan prints it). On by default
@@ -30,7 +31,7 @@ stage stays unrolled, and ``Rolled.why_not`` says why (the plan prints it). On b
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -38,8 +39,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
-from epljax.sharding.program import (MATMULS, Steps, any_eqn, read, run_steps, start_env,
-                                     steps_of, top_level)
+from epljax.sharding.program import (MATMULS, Steps, any_eqn, in_context, live_across, read,
+                                     run_steps, scan_body, scan_counts, start_env, steps_of,
+                                     top_level)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,3 +308,198 @@ def _rolled(closed: jcore.ClosedJaxpr, program: Steps, loop: _Loop,
 def _aval(atom: Any) -> Any:
   """The aval of a step's operand: a Literal, or a key ``(scope, Var)``."""
   return atom.aval if isinstance(atom, jcore.Literal) else atom[1].aval
+
+
+# -- a rolled stage's derivative, a layer at a time ------------------------------------------
+# jax's derivative of a scan writes every layer's weight gradient into a stacked buffer of its
+# own, and reads the layers' weights as whole stacks (rebuilt from the pieces the parameter
+# buffer holds them in): beside the accumulator they are added into, that is two stacks more
+# than a stage whose layers are written out, where each layer's gradient fuses into the sum.
+# ``vjp`` instead differentiates the stage as the steps before its rolled scan, the scan, and
+# the steps after, and keeps one layer's pullback per iteration (stacked like the scan's own
+# residuals); ``LayeredPull.backward`` runs those pullbacks in a reverse scan that reads each
+# layer's weights and adds each layer's gradient where the caller says (one row of the
+# accumulator, in place), so neither stack exists.
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Layered:
+  """The static half of a ``LayeredPull``: the program around the rolled scan, and where each
+  leaf of one layer's pullback comes from (``("const", i)`` the scan's ``i``-th constant,
+  ``("x", i)`` its ``i``-th stacked input's row, ``("res", j)`` the ``j``-th per-layer residual,
+  ``("static", v)``)."""
+  program: Steps
+  scan: int                       # its index in ``program.steps``
+  live: tuple[Any, ...]           # keys the steps before the scan make and later ones read
+  stacks: tuple[int, ...]         # per stacked input of the scan: which stack it is
+  flat: tuple[int, ...]           # the stacks' flat inputs
+  in_tree: Any
+  layer: list                     # [treedef, kinds] of one layer's pullback, set by tracing
+
+
+@jax.tree_util.register_pytree_node_class
+class LayeredPull:
+  """The pullback ``vjp`` returns for a program with a rolled scan (see above). Its leaves
+  are the residuals, as a ``jax.vjp`` pullback's are: the stage stashes them per micro
+  batch and rebuilds it at backward time."""
+
+  def __init__(self, rule: _Layered, pre, consts, res, post):
+    self.rule, self.pre, self.consts, self.res, self.post = rule, pre, consts, res, post
+
+  @property
+  def inputs(self) -> tuple[int, ...]:
+    """The flat inputs differentiated a layer at a time (``vjp``'s ``stacks``)."""
+    return self.rule.flat
+
+  def tree_flatten(self):
+    return (self.pre, self.consts, self.res, self.post), self.rule
+
+  @classmethod
+  def tree_unflatten(cls, rule, children):
+    return cls(rule, *children)
+
+  def backward(self, ct: Any, row: Callable[[int, jax.Array], Any],
+               add: Callable[[Any, int, jax.Array, Any], Any], acc: Any) -> tuple[Any, Any]:
+    """``ct`` (the outputs' cotangent) -> (the inputs' cotangents, with ``None`` for the
+    stacked inputs; ``acc`` with every layer's gradient added). ``row(i, l)``: row ``l`` of
+    the scan's ``i``-th stacked input; ``add(acc, i, l, g)``: ``acc`` with ``g`` (that row's
+    gradient) added."""
+    rule = self.rule
+    step = rule.program.steps[rule.scan]
+    nc, nk = scan_counts(step.eqn)
+    g_in, g_live, g_carry = self.post(jax.tree.leaves(ct))
+    layer_tree, kinds = rule.layer
+    inexact = [_inexact(c) for c in self.consts]
+
+    def layer(c, xs):
+      g_k, g_c, acc = c
+      l, res = xs
+      leaves = [value if kind == "static" else
+                self.consts[value] if kind == "const" else
+                row(rule.stacks[value], l) if kind == "x" else res[value]
+                for kind, value in kinds]
+      g_consts, g_k, g_x = jax.tree.unflatten(layer_tree, leaves)(list(g_k))
+      g_c = [a + b if keep else a for a, b, keep in zip(g_c, g_consts, inexact)]
+      for i, g in enumerate(g_x):
+        acc = add(acc, rule.stacks[i], l, g)
+      return (g_k, g_c, acc), None
+
+    zeros = [jnp.zeros_like(c) if keep else None for c, keep in zip(self.consts, inexact)]
+    n = step.eqn.params["length"]
+    (g_init, g_consts, acc), _ = lax.scan(layer, (g_carry, zeros, acc),
+                                          (jnp.arange(n), self.res), reverse=True)
+    # The scan's constants and initial carry are inputs or values made before it.
+    where = {k: i for i, k in enumerate(rule.program.inputs)}
+    live = {k: i for i, k in enumerate(rule.live)}
+    g_in, g_live = list(g_in), list(g_live)
+    for key, g in zip(step.inputs[:nc + nk], [*g_consts, *g_init]):
+      if g is None or isinstance(key, jcore.Literal):
+        continue
+      if key in live:
+        g_live[live[key]] = _add(g_live[live[key]], g)
+      elif key in where:
+        g_in[where[key]] = _add(g_in[where[key]], g)
+    g_pre, = self.pre(g_live)
+    g_in = [_add(a, b) for a, b in zip(g_in, g_pre)]
+    for i in rule.flat:
+      g_in[i] = None
+    return jax.tree.unflatten(rule.in_tree, g_in), acc
+
+
+def vjp(f: Callable, primals: Any, stacks: Sequence[int]) -> tuple[Any, Any, Any]:
+  """``jax.vjp(f, *primals, has_aux=True)`` for a function whose program holds a rolled
+  scan over the flat inputs ``stacks`` (and reads them nowhere else), with a ``LayeredPull``
+  as the pullback; any other program gets ``jax.vjp``'s own."""
+  flat, in_tree = jax.tree.flatten(primals)
+  trees = {}
+
+  def flat_f(*xs):
+    out, aux = f(*jax.tree.unflatten(in_tree, xs))
+    trees["out"], trees["aux"] = jax.tree.structure(out), jax.tree.structure(aux)
+    return [*jax.tree.leaves(out), *jax.tree.leaves(aux)]
+
+  program = steps_of(jax.make_jaxpr(flat_f)(*flat))
+  at = _rolled_scan(program, {program.inputs[i]: j for j, i in enumerate(stacks)})
+  if at is None:
+    return jax.vjp(f, *primals, has_aux=True)
+  step = program.steps[at]
+  nc, nk = scan_counts(step.eqn)
+  pre, post = program.steps[:at], program.steps[at + 1:]
+  live = tuple(live_across(program, pre)[1])
+  n_out = trees["out"].num_leaves
+
+  def run_pre(vals):
+    env = start_env(program, vals)
+    run_steps(pre, env)
+    return [env[k] for k in live]
+
+  def run_post(vals, live_vals, carry):
+    env = {**start_env(program, vals), **dict(zip(live, live_vals)),
+           **dict(zip(step.outputs, carry))}
+    run_steps(post, env)
+    outs = [read(env, a) for a in program.outputs]
+    return outs[:n_out], outs[n_out:]
+
+  live_vals, pull_pre = jax.vjp(run_pre, list(flat))
+  env = {**start_env(program, flat), **dict(zip(live, live_vals))}
+  consts, init, xs = ([read(env, a) for a in step.inputs[lo:hi]] for lo, hi in
+                      ((0, nc), (nc, nc + nk), (nc + nk, len(step.inputs))))
+  body = scan_body(step)
+  keys = {program.inputs[i]: j for j, i in enumerate(stacks)}
+  rule = _Layered(program, at, live, tuple(keys[a] for a in step.inputs[nc + nk:]),
+                  tuple(stacks), in_tree, [])
+
+  def layer(k, x):
+    k_out, pull = in_context(step, jax.vjp, lambda c, k, x: body(c, k, x), consts, k, x)
+    leaves, tree = jax.tree.flatten(pull)
+    known = {**{id(v): ("const", i) for i, v in enumerate(consts)},
+             **{id(v): ("x", i) for i, v in enumerate(x)}}
+    kinds, res = [], []
+    for leaf in leaves:
+      if id(leaf) in known:
+        kinds.append(known[id(leaf)])
+      elif not hasattr(leaf, "shape"):
+        kinds.append(("static", leaf))
+      else:
+        kinds.append(("res", len(res)))
+        res.append(leaf)
+    rule.layer[:] = [tree, tuple(kinds)]
+    return k_out, res
+
+  carry, res = lax.scan(layer, init, xs, length=step.eqn.params["length"])
+  outs, pull_post, aux = jax.vjp(run_post, list(flat), live_vals, carry, has_aux=True)
+  pull = LayeredPull(rule, pull_pre, consts, res, pull_post)
+  return (jax.tree.unflatten(trees["out"], outs), pull,
+          jax.tree.unflatten(trees["aux"], aux))
+
+
+def _rolled_scan(program: Steps, stacks: dict) -> int | None:
+  """The step of ``program``'s rolled scan: the one step reading the ``stacks`` keys, a
+  forward scan over exactly them of inexact carries with no per-iteration outputs; or
+  ``None``."""
+  reads = lambda atoms: [a for a in atoms if not isinstance(a, jcore.Literal) and a in stacks]  # noqa: E731
+  readers = [i for i, s in enumerate(program.steps) if reads(s.inputs)]
+  if len(readers) != 1 or reads(program.outputs):
+    return None
+  step = program.steps[readers[0]]
+  if step.primitive != "scan" or step.eqn.params["reverse"]:
+    return None
+  nc, nk = scan_counts(step.eqn)
+  xs = step.inputs[nc + nk:]
+  if (len(reads(xs)) != len(xs) or len(set(xs)) != len(stacks) or len(step.outputs) != nk
+      or reads(step.inputs[:nc + nk])
+      or not all(_inexact(v.aval) for v in step.eqn.outvars)):
+    return None
+  return readers[0]
+
+
+def _inexact(x: Any) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _add(a: Any, b: Any) -> Any:
+  """Cotangents summed (``float0`` ones, of integer values, are zero)."""
+  if b is None or getattr(b, "dtype", None) == jax.dtypes.float0:
+    return a
+  if a is None or getattr(a, "dtype", None) == jax.dtypes.float0:
+    return b
+  return a + b

@@ -24,9 +24,10 @@ parameters, incoming activations and batch leaves they contain, which are read a
 backward time instead of being copied per micro batch, and minus the residuals that are
 functions of the parameters alone (a weight's low-precision cast), which the backward
 recomputes (``derived.py``). The stacked weights of a stage's rolled layers (``roll.py``)
-are parameters in this sense: each tick slices them from the packed buffer before the
-``jax.vjp`` (``packing.Layout.unpack_stacked``) and the backward slices them again, so they are
-never stashed; their gradients go back into the accumulator as one piece per stack. With
+are parameters in this sense: each forward slices them from the packed buffer
+(``packing.Layout.unpack_stacked``), and the backward, a reverse scan over the layers
+(``roll.vjp``), reads each layer's weights from the buffer and adds each layer's gradient into
+its rows of the accumulator (``packing.Layout.row``, ``add_row``). With
 tensor-parallel stages every slot holds the largest residual of its shape over the distinct
 stage functions, so a stage whose residuals are all small still carries the others' slots (the
 plan's ``stash`` line gives the bytes). Gradient checkpointing features (their ``forward``
@@ -51,7 +52,7 @@ from jax.sharding import PartitionSpec as P
 from epljax.cost import compiled_flops
 from epljax.errors import PlanError
 from epljax.mesh import STAGE
-from epljax.pipeline import derived, packing, slots
+from epljax.pipeline import derived, packing, roll, slots
 from epljax.pipeline.partition import Stage, same_consts
 from epljax.pipeline.schedules import Schedule
 
@@ -122,8 +123,14 @@ def trace(stage: Stage, fn: StageFn, params: packing.Layout, state_avals: Sequen
   stashed, and their shapes; its program is the forward the step replays."""
   found = {}
 
+  # Rolled stacks in rows of one flat buffer are read and accumulated a layer at a time
+  # (``roll.vjp``); stacks kept whole (in slots) and the chunks of ``nn.scan`` layers
+  # (``chunks.py``) go through jax's derivative of their scan.
+  layered = (range(len(stage.params), len(stage.params) + len(stage.stacks))
+             if all(params.uniform(rows) for rows in stage.stacks) else ())
+
   def trial(p, acts, batch, old):
-    outs, loss, aux, pull, new_state = _pullback(fn, p, acts, batch, old)
+    outs, loss, aux, pull, new_state = _pullback(fn, p, acts, batch, old, layered)
     found["treedef"], found["kinds"], stash = _split(pull, p, acts, batch)
     return outs, loss, aux, stash, new_state
 
@@ -161,15 +168,19 @@ def trace(stage: Stage, fn: StageFn, params: packing.Layout, state_avals: Sequen
                 loss.dtype, params.stacks_of(stage.stacks, stage.read_directly()))
 
 
-def _pullback(fn: StageFn, params, acts, batch, state):
+def _pullback(fn: StageFn, params, acts, batch, state, stacks: Sequence[int] = ()):
   """Outputs, loss, aux, pullback and the new model state of one forward. The state is not
-  differentiated; a state value the pullback needs is stashed (it changes per micro batch)."""
+  differentiated; a state value the pullback needs is stashed (it changes per micro batch).
+  ``stacks``: the flat positions of a rolled stage's stacks, differentiated a layer at a time
+  (``roll.vjp``)."""
   def f(p, a):
     outs, loss, aux, new_state = fn(p, a, batch, tuple(state))
     loss = jnp.zeros((), jnp.float32) if loss is None else loss
     return (tuple(outs), loss), (tuple(aux), tuple(new_state))
 
-  (outs, loss), pull, (aux, new_state) = jax.vjp(f, tuple(params), tuple(acts), has_aux=True)
+  primals = (tuple(params), tuple(acts))
+  (outs, loss), pull, (aux, new_state) = (roll.vjp(f, primals, stacks) if stacks else
+                                          jax.vjp(f, *primals, has_aux=True))
   return outs, loss, aux, pull, new_state
 
 
@@ -278,10 +289,20 @@ def _backward_branch(branch: Branch, sizes: Buffers):
     pull_leaves = [value if kind == "static" else source[kind][value]
                    for kind, value in branch.residuals.kinds]
     pull = jax.tree.unflatten(branch.residuals.treedef, pull_leaves)
-    g_outs = branch.outgoing.unpack(grad_out)
-    g_params, g_acts = pull((tuple(g_outs), seed.astype(branch.loss_dtype)))
-    return (branch.params.accumulate(acc, g_params, sizes.params, branch.stacks),
-            branch.incoming.pack(g_acts, sizes.grad_payload, skip_missing=True))
+    ct = (tuple(branch.outgoing.unpack(grad_out)), seed.astype(branch.loss_dtype))
+    if isinstance(pull, roll.LayeredPull):   # each layer's gradient added in place
+      layout, n = branch.params, len(branch.params.entries)
+      rows = [branch.stacks.rows[i - n] for i in pull.inputs]
+      (g_params, g_acts), acc = pull.backward(
+          ct, lambda j, l: layout.row(params, rows[j], l),
+          lambda acc, j, l, g: layout.add_row(acc, rows[j], l, g), acc)
+      stacked = {i for r in branch.stacks.rows for i in r} - branch.stacks.direct
+      acc = layout.add_each(acc, [None if i in stacked else g
+                                  for i, g in enumerate(g_params[:n])])
+    else:
+      g_params, g_acts = pull(ct)
+      acc = branch.params.accumulate(acc, g_params, sizes.params, branch.stacks)
+    return acc, branch.incoming.pack(g_acts, sizes.grad_payload, skip_missing=True)
 
   return run
 
