@@ -450,19 +450,9 @@ def vjp(f: Callable, primals: Any, stacks: Sequence[int]) -> tuple[Any, Any, Any
 
   def layer(k, x):
     k_out, pull = in_context(step, jax.vjp, lambda c, k, x: body(c, k, x), consts, k, x)
-    leaves, tree = jax.tree.flatten(pull)
-    known = {**{id(v): ("const", i) for i, v in enumerate(consts)},
-             **{id(v): ("x", i) for i, v in enumerate(x)}}
-    kinds, res = [], []
-    for leaf in leaves:
-      if id(leaf) in known:
-        kinds.append(known[id(leaf)])
-      elif not hasattr(leaf, "shape"):
-        kinds.append(("static", leaf))
-      else:
-        kinds.append(("res", len(res)))
-        res.append(leaf)
-    rule.layer[:] = [tree, tuple(kinds)]
+    tree, kinds, res = split_pullback(pull, {**{id(v): ("const", i) for i, v in enumerate(consts)},
+                                             **{id(v): ("x", i) for i, v in enumerate(x)}})
+    rule.layer[:] = [tree, kinds]
     return k_out, res
 
   carry, res = lax.scan(layer, init, xs, length=step.eqn.params["length"])
@@ -470,6 +460,22 @@ def vjp(f: Callable, primals: Any, stacks: Sequence[int]) -> tuple[Any, Any, Any
   pull = LayeredPull(rule, pull_pre, consts, res, pull_post)
   return (jax.tree.unflatten(trees["out"], outs), pull,
           jax.tree.unflatten(trees["aux"], aux))
+
+
+def split_pullback(pull: Any, known: dict[int, tuple[str, Any]]) -> tuple[Any, tuple, list]:
+  """A pullback -> (its tree; where each leaf comes from: ``known[id(leaf)]``, ``("static",
+  leaf)`` for a non-array, else ``("res", j)``; the residuals ``j``, to keep)."""
+  leaves, tree = jax.tree.flatten(pull)
+  kinds, res = [], []
+  for leaf in leaves:
+    if id(leaf) in known:
+      kinds.append(known[id(leaf)])
+    elif not hasattr(leaf, "shape"):
+      kinds.append(("static", leaf))
+    else:
+      kinds.append(("res", len(res)))
+      res.append(leaf)
+  return tree, tuple(kinds), res
 
 
 def _rolled_scan(program: Steps, stacks: dict) -> int | None:

@@ -186,20 +186,10 @@ def _pullback(fn: StageFn, params, acts, batch, state, stacks: Sequence[int] = (
 
 def _split(pull, params, acts, batch) -> tuple[Any, tuple, list]:
   """Pullback -> (treedef, kinds, leaves to stash). Inputs are referenced, not stashed."""
-  leaves, treedef = jax.tree.flatten(pull)
   known = {id(x): ("param", i) for i, x in enumerate(params)}
   known.update({id(x): ("act", i) for i, x in enumerate(acts)})
   known.update({id(x): ("batch", i) for i, x in enumerate(batch)})
-  kinds, stash = [], []
-  for leaf in leaves:
-    if id(leaf) in known:
-      kinds.append(known[id(leaf)])
-    elif not hasattr(leaf, "shape"):
-      kinds.append(("static", leaf))
-    else:
-      kinds.append(("res", len(stash)))
-      stash.append(leaf)
-  return treedef, tuple(kinds), stash
+  return roll.split_pullback(pull, known)
 
 
 @dataclasses.dataclass(frozen=True)
