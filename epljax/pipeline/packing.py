@@ -213,11 +213,7 @@ class Layout:
               g: jax.Array) -> dict[str, jax.Array]:
     """``acc`` with ``g`` added to value ``rows[l]`` (``row``'s): one slice updated in place."""
     e, at = self._row(rows, l)
-    buf = acc[e.key].reshape(self.pieces, -1)
-    part = jax.lax.dynamic_slice_in_dim(buf, at, e.size, axis=1)
-    part = part + self._pieces(g, e).reshape(part.shape)
-    return {**acc, e.key: jax.lax.dynamic_update_slice_in_dim(buf, part, at, axis=1
-                                                               ).reshape(acc[e.key].shape)}
+    return {**acc, e.key: self._add_at(acc[e.key], e, at, g)}
 
   def add_each(self, acc: Mapping[str, jax.Array], values: Sequence[Any]) -> dict[str, jax.Array]:
     """``acc`` with each value that is not None added to its own slice: updates in place,
@@ -230,12 +226,15 @@ class Layout:
       if e.offset is None:
         acc[e.key] = acc[e.key] + jnp.asarray(v, acc[e.key].dtype)
         continue
-      buf = acc[e.key].reshape(self.pieces, -1)
-      part = jax.lax.slice_in_dim(buf, e.offset, e.offset + e.size, axis=1)
-      part = part + self._pieces(v, e).reshape(part.shape)
-      acc[e.key] = jax.lax.dynamic_update_slice_in_dim(buf, part, e.offset, axis=1
-                                                       ).reshape(acc[e.key].shape)
+      acc[e.key] = self._add_at(acc[e.key], e, e.offset, v)
     return acc
+
+  def _add_at(self, buffer: jax.Array, e: Entry, at: Any, value: Any) -> jax.Array:
+    """``buffer`` with ``value``'s pieces added at ``at`` in each row: one slice, in place."""
+    rows = buffer.reshape(self.pieces, -1)
+    part = jax.lax.dynamic_slice_in_dim(rows, at, e.size, axis=1)
+    part = part + self._pieces(value, e).reshape(part.shape)
+    return jax.lax.dynamic_update_slice_in_dim(rows, part, at, axis=1).reshape(buffer.shape)
 
   def _row(self, rows: Sequence[int], l: jax.Array) -> tuple[Entry, jax.Array]:
     offsets = np.array([self.entries[i].offset for i in rows], np.int32)
