@@ -9,8 +9,11 @@ steps (``pipeline_memory.py``'s GPT, 4 stages x 2 replicas, AdamW, GPipe) are co
 XLA's dumps on, and the compiler's own live-range report of each step module (the buffers live
 at its peak, ``*-live-range.txt``) is read: per buffer its bytes and what made it (the HLO
 instruction's ``op_name``: the jax function or argument it comes from; a loop's carry is
-``loop carry``; the step's arguments ``arguments``), summed per maker, largest first. The
-report counts what XLA's heap simulator places at its peak instant; the last row of each
+``loop carry``; the step's arguments ``arguments``), summed per maker, largest first. Values
+XLA placed at one offset of one allocation are one buffer, counted once (XLA:GPU's report
+lists a loop's carry and the conditional output written in place of it as two values: until
+2026-11-28 this bench counted both). The report counts what XLA's heap simulator places at
+its peak instant; the last row of each
 program is what ``memory_analysis()``'s peak (arguments + outputs - aliased + temp) holds beyond
 it (on XLA:GPU mostly the loop's carried buffers, which its report leaves out).
 """
@@ -35,6 +38,9 @@ _PEAK = re.compile(r"^\s+Live ranges at \d+ \(peak\):")
 _VALUE = re.compile(r"^\s+([\w.\-]+)(\{[\d,]*\})?: (\d+) bytes")
 _DEF = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .*?\b([a-z][\w\-]*)\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_ALLOCATION = re.compile(r"^allocation (\d+):")
+_PLACED = re.compile(r"^ value: <\d+ ([\w.\-]+(?:\{[\d,]*\})?)(?: \(phi\))? @\d+> "
+                     r"\(size=\d+,offset=(\d+)\)")
 
 
 def peak_buffers(module: str) -> list[tuple[int, str, str]]:
@@ -58,7 +64,8 @@ def peak_buffers(module: str) -> list[tuple[int, str, str]]:
           made[name] = "arguments" if entry else "loop carry"
         else:
           made[name] = short(op.group(1).replace("\\'", "'")) if op else opcode
-  out, inside = [], False
+  placed = _placements(ranges[0].replace("-live-range.txt", "-buffer-assignment.txt"))
+  out, seen, inside = [], set(), False
   with open(ranges[0]) as f:
     for line in f:
       if _PEAK.match(line):
@@ -67,8 +74,27 @@ def peak_buffers(module: str) -> list[tuple[int, str, str]]:
         if not (m := _VALUE.match(line)):
           break
         name, index, size = m.groups()
-        out.append((int(size), f"{name}{index or ''}", made.get(name, "?")))
+        value = f"{name}{index if index not in (None, '{}') else ''}"
+        where = placed.get(value, value)
+        if where in seen:   # a value written in place of another one (one buffer)
+          continue
+        seen.add(where)
+        out.append((int(size), value, made.get(name, "?")))
   return sorted(out, reverse=True)
+
+
+def _placements(path: str) -> dict[str, tuple[int, int]]:
+  """Value -> (allocation, offset) from XLA's buffer-assignment dump: values placed at one
+  offset of one allocation and live together are one buffer (XLA:GPU lists a loop's carry and
+  the conditional output written in place of it as two values)."""
+  out, allocation = {}, -1
+  with open(path) as f:
+    for line in f:
+      if m := _ALLOCATION.match(line):
+        allocation = int(m.group(1))
+      elif m := _PLACED.match(line):
+        out[m.group(1)] = (allocation, int(m.group(2)))
+  return out
 
 
 def short(op_name: str, keep: int = 4) -> str:
