@@ -65,7 +65,7 @@ def peak_buffers(module: str) -> list[tuple[int, str, str]]:
         else:
           made[name] = short(op.group(1).replace("\\'", "'")) if op else opcode
   placed = _placements(ranges[0].replace("-live-range.txt", "-buffer-assignment.txt"))
-  out, seen, inside = [], set(), False
+  buffers, inside = {}, False   # one per placement: the largest value live there
   with open(ranges[0]) as f:
     for line in f:
       if _PEAK.match(line):
@@ -76,17 +76,12 @@ def peak_buffers(module: str) -> list[tuple[int, str, str]]:
         name, index, size = m.groups()
         value = f"{name}{index if index not in (None, '{}') else ''}"
         where = placed.get(value, value)
-        if where in seen:   # a value written in place of another one (one buffer)
-          continue
-        seen.add(where)
-        out.append((int(size), value, made.get(name, "?")))
-  return sorted(out, reverse=True)
+        buffers[where] = max(buffers.get(where, (0,)), (int(size), value, made.get(name, "?")))
+  return sorted(buffers.values(), reverse=True)
 
 
 def _placements(path: str) -> dict[str, tuple[int, int]]:
-  """Value -> (allocation, offset) from XLA's buffer-assignment dump: values placed at one
-  offset of one allocation and live together are one buffer (XLA:GPU lists a loop's carry and
-  the conditional output written in place of it as two values)."""
+  """Value -> (allocation, offset), from XLA's buffer-assignment dump."""
   out, allocation = {}, -1
   with open(path) as f:
     for line in f:
