@@ -4,6 +4,7 @@ step and the hand-written GPipe: the bytes issue 36's next change would reach.
     python bench/pipeline_stored.py            # XLA:CPU, 8 simulated devices
     python bench/pipeline_stored.py --gpu      # 8 compile-only H100s (v312 venv, JAX_PLATFORMS=cpu)
     python bench/pipeline_stored.py --record   # and record the table in bench/RESULTS.md
+    python bench/pipeline_stored.py --slots    # the stages' parameters in whole-leaf slots
 
 Today the train state holds every user leaf split over ``stage`` and the step packs them into
 each stage's buffers (``ParamStore.pack``, an ``all_to_all``) for its loop, so a stage's
@@ -19,6 +20,17 @@ shape or path: what ``store_layouts.py``'s (dl) does for the hand-written GPipe)
 mesh, cut and schedule as ``pipeline_memory.py`` (GPipe); peak bytes per device from
 ``memory_analysis()``, compiled from shapes. (An ``optimization_barrier`` after the loop
 changed nothing on either compiler.)
+
+``--slots`` builds every variant, today's step included, with the stages' parameters in
+whole-leaf slots instead of packed pieces: the store tensor-parallel stages use
+(``ParamStore.slotted``, ``packing.assign``), forced on for this model by giving
+``storage.make_store`` a split of 2 (its only use of the split). A weight gradient then has a
+whole array of its own to be added into, which XLA:GPU compiles as the epilogue of the
+gradient's matmul, in place, as it does for the hand-written GPipe's per-leaf accumulators
+(a packed buffer's pieces cannot be a matmul's output). With the optimizer on the slots too,
+the stored state is one whole array per leaf and stage, what AdamW would see in the user's
+tree; the slots of a stage's rolled layers are stacked per tick (the ``stack`` in the
+backward), which the 8-layer row pays today.
 """
 
 from __future__ import annotations
@@ -107,6 +119,18 @@ def stored_bytes(layers: int, width: int, micro: int, devices) -> tuple[pm.Bytes
             pm.Bytes.of(on_buffers))
 
 
+def whole_leaf_slots() -> None:
+  """``--slots``: every pipeline store built with whole-leaf slots (see the module doc)."""
+  from epljax.pipeline import storage
+
+  make_store = storage.make_store
+
+  def slotted(stages, avals, specs, paths, mesh, split, virtual):
+    return make_store(stages, avals, specs, paths, mesh, [2] * len(split), virtual)
+
+  storage.make_store = slotted
+
+
 def rows(devices) -> list[list]:
   out, mib = [], lambda n: f"{n / 2**20:.1f}"  # noqa: E731
   for layers, width, micro in CASES:
@@ -127,12 +151,16 @@ HEADER = ["model, schedule", "hand GPipe MiB", "epljax today MiB", "today / hand
 
 def main(argv=None) -> None:
   from common import record, table
-  args, devices, where = pm.cli(__doc__, argv)
+  args, devices, where = pm.cli(__doc__, argv, lambda parser: parser.add_argument(
+      "--slots", action="store_true", help="stage parameters in whole-leaf slots"))
+  if args.slots:
+    whole_leaf_slots()
   text = table(HEADER, rows(devices))
   print(f"{where}, peak bytes per device\n{text}")
   if args.record:
-    about = __doc__.split("\n\n")[2]
-    record(f"Pipeline parameters stored as the loop reads them (prototype), {where}",
+    about = __doc__.split("\n\n")[3 if args.slots else 2]
+    kind = "in whole-leaf slots " if args.slots else ""
+    record(f"Pipeline parameters stored {kind}as the loop reads them (prototype), {where}",
            f"{about}\n\n{text}")
 
 
