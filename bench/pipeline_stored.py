@@ -58,8 +58,10 @@ from gpu_aot import as_devices  # noqa: E402
 CASES = ((8, 512, 8), (4, 1024, 4), (4, 256, 4))   # (layers, width, M), GPipe
 
 
-def stored_bytes(layers: int, width: int, micro: int, devices) -> tuple[pm.Bytes, pm.Bytes]:
-  """(today's epljax step, the stored-as-read prototype), both compiled from shapes."""
+def stored_bytes(layers: int, width: int, micro: int, devices
+                 ) -> tuple[pm.Bytes, pm.Bytes, pm.Bytes]:
+  """(today's epljax step, the stored-as-read prototype, it with the optimizer on the
+  buffers), all compiled from shapes."""
   model = pm.GPT(layers, width)
   rows = {k: np.zeros(v.shape, v.dtype) for k, v in pm.batch_shapes(micro).items()}
   with as_devices(devices[:2 * pm.S]):
@@ -158,7 +160,7 @@ def main(argv=None) -> None:
   text = table(HEADER, rows(devices))
   print(f"{where}, peak bytes per device\n{text}")
   if args.record:
-    about = __doc__.split("\n\n")[3 if args.slots else 2]
+    about = "\n\n".join(__doc__.split("\n\n")[2:4 if args.slots else 3])
     kind = "in whole-leaf slots " if args.slots else ""
     record(f"Pipeline parameters stored {kind}as the loop reads them (prototype), {where}",
            f"{about}\n\n{text}")
