@@ -1,5 +1,6 @@
 """epljax's pipeline step with its parameters stored as its loop reads them, against today's
-step and the hand-written GPipe: the bytes issue 36's next change would reach.
+step and the hand-written GPipe: the prototype of ``pipeline.param_layout='stage'``, kept for
+its records (the library's layout is measured by ``bench/pipeline_memory.py``).
 
     python bench/pipeline_stored.py            # XLA:CPU, 8 simulated devices
     python bench/pipeline_stored.py --gpu      # 8 compile-only H100s (v312 venv, JAX_PLATFORMS=cpu)

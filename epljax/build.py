@@ -116,6 +116,27 @@ class Placement:
   opt_shape: Any
   shardings: StateShardings
   fused: FusedLayouts    # fused parameters held part by part (``sharding.fused``)
+  # ``pipeline.param_layout='stage'``: the params' and optimizer state's shardings in the
+  # user's tree (what checkpoints and Trainer.variables hold); None: ``shardings``' own.
+  user_shardings: StateShardings | None = None
+
+  @property
+  def in_stages(self) -> bool:
+    """The train state holds the pipeline's slots (``Pipeline.in_stages``)."""
+    return self.pipe is not None and self.pipe.in_stages
+
+  @property
+  def params_shape_of(self) -> Callable[[Any], Any]:
+    """The user's params shape -> ``TrainState.params``' shape."""
+    return (lambda _: self.pipe.params_shape) if self.in_stages else (lambda p: p)
+
+  def to_user(self, params: Any) -> Any:
+    """``TrainState.params`` (or gradients like them) -> the user's tree and order."""
+    return self.fused.to_user(self.pipe.to_user(params) if self.in_stages else params)
+
+  def to_internal(self, params: Any) -> Any:
+    params = self.fused.to_internal(params)
+    return self.pipe.to_internal(params) if self.in_stages else params
 
 
 # The mesh is not known before the capture; a provisional one with the same axis names lets
@@ -153,7 +174,8 @@ def _build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any,
   state_shardings = jits.pop("state_shardings")
   user = UserState(state_shardings=state_shardings, params_shape=var.params_shape,
                    state_shape=var.state_shape, optimizer=fns.optimizer, feature_state=fstate,
-                   fused=where.fused)
+                   fused=where.fused, stages=where.pipe if where.in_stages else None,
+                   user_shardings=where.user_shardings)
   return Built(var.model, cap, where.layout, where.batch_plan, state_shardings, plan=plan,
                user_params=user_params, state_treedef=jax.tree.structure(state_shardings),
                first_step_checks=[f.after_first_step for f in features], user_state=user,
@@ -214,6 +236,8 @@ def plan_steps(fns: UserFns, config, cluster, rng: jax.Array, micro_shapes: Any,
                      num_micro_batch=num_micro, capture=cap, params_shape=var.params_shape,
                      optimizer=fns.optimizer)
   features = features_for(config, fns.clip_norm)
+  if where.in_stages:
+    _check_stage_features(features)
   shardings = where.shardings
   for f in features:
     shardings = f.shardings(shardings, ctx)
@@ -222,6 +246,19 @@ def plan_steps(fns: UserFns, config, cluster, rng: jax.Array, micro_shapes: Any,
   if where.pipe is not None:   # the pipeline's branches: its stages with the features' hooks
     where = dataclasses.replace(where, pipe=where.pipe.with_features(features, ctx))
   return var, cap, where, features, ctx
+
+
+def _check_stage_features(features: Sequence[Feature]) -> None:
+  """``pipeline.param_layout='stage'`` with a feature that places or updates the parameters
+  leaf by leaf in the user's tree: refused, naming it."""
+  kinds = (memory.zero.Zero, memory.offload.Offload, memory.grouped.GroupedApply)
+  found = [f.name for f in features if isinstance(f, kinds)]
+  if found:
+    raise PlanError(
+        f"pipeline.param_layout='stage' holds the stages' parameters in the loop's slots, but "
+        f"{', '.join(found)} place(s) or update(s) the parameters leaf by leaf in the user's "
+        "tree, which it does not support yet. Keep pipeline.param_layout='user' (the default) "
+        "with zero.level, offload.level or optimizer.num_apply_group.")
 
 
 def features_for(config, clip_norm: float | None = None) -> list[Feature]:
@@ -292,17 +329,29 @@ def place(fns: UserFns, var: Variables, cap: Capture, micro_shapes: Any, rows: i
   named = [NamedSharding(mesh, s.spec) for s in leaf_specs]
   n_p = var.num_params
   replicated = NamedSharding(mesh, P())
-  # Pipeline stages keep the user's tree too, each leaf also sharded over ``stage``.
-  param_sh = (jax.tree.unflatten(jax.tree.structure(var.params_shape), named[:n_p])
-              if pipe is None else pipe.param_shardings)
-  opt_shape = jax.eval_shape(fns.optimizer.init, var.params_shape)
-  shardings = StateShardings(
-      params=param_sh,
-      opt_state=step_lib.map_optimizer_state(
-          fns.optimizer, lambda _, s: s if pipe is None else pipe.state_sharding(_, s),
-          opt_shape, param_sh, non_params=lambda _: replicated),
-      model_state=jax.tree.unflatten(jax.tree.structure(var.state_shape), named[n_p:]))
-  return Placement(layout, bplan, leaf_specs, pipe, opt_shape, shardings, fused)
+  model_sh = jax.tree.unflatten(jax.tree.structure(var.state_shape), named[n_p:])
+
+  def state_shardings(params_shape, param_sh):   # (the optimizer state's shape too)
+    opt_shape = jax.eval_shape(fns.optimizer.init, params_shape)
+    return opt_shape, StateShardings(
+        params=param_sh,
+        opt_state=step_lib.map_optimizer_state(
+            fns.optimizer, lambda _, s: s if pipe is None else pipe.state_sharding(_, s),
+            opt_shape, param_sh, non_params=lambda _: replicated),
+        model_state=model_sh)
+
+  # Pipeline stages keep the user's tree too, each leaf also sharded over ``stage``, unless
+  # ``pipeline.param_layout='stage'``: then the loop's slots.
+  if pipe is None:
+    opt_shape, shardings = state_shardings(
+        var.params_shape, jax.tree.unflatten(jax.tree.structure(var.params_shape), named[:n_p]))
+    return Placement(layout, bplan, leaf_specs, pipe, opt_shape, shardings, fused)
+  pipe.check_stage_layout(fns.optimizer)
+  opt_shape, shardings = state_shardings(
+      pipe.params_shape if pipe.in_stages else var.params_shape, pipe.param_shardings)
+  user = (state_shardings(var.params_shape, pipe.user_param_shardings)[1] if pipe.in_stages
+          else None)
+  return Placement(layout, bplan, leaf_specs, pipe, opt_shape, shardings, fused, user)
 
 
 def compile_functions(fns: UserFns, var: Variables, where: Placement,
@@ -331,7 +380,9 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
     make_gradients = lambda _: pipe.gradients()  # noqa: E731
   forward, gradients, update = step_lib.build(forward, make_gradients, fns.optimizer,
                                               features, ctx, by_cond)
-  user_params = where.fused.to_user   # (pipeline stages keep the user's tree too)
+  user_params = where.to_user
+  if where.in_stages:   # Trainer.variables: the user's leaves in their stored shardings
+    user_params = jax.jit(where.to_user, out_shardings=where.user_shardings.params)
 
   def prepare(global_batch):
     return batch_lib.micro_batches(global_batch, where.batch_plan, mesh)
@@ -339,7 +390,7 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
   def init_state(r, global_batch):
     first = jax.tree.map(lambda x: x[:rows // num_micro], global_batch)
     _, params, model_state = Model.split(fns.init_fn(r, first))
-    params = where.fused.to_internal(params)
+    params = where.to_internal(params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=fns.optimizer.init(params), model_state=model_state,
                       feature_state=fstate)
@@ -347,15 +398,19 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
   def loss_and_grads(state, global_batch):
     loss, _, grads, _ = gradients(state.params, state.model_state, prepare(global_batch),
                                   state.feature_state)
-    return loss, where.fused.to_user(grads)
+    return loss, where.to_user(grads)
+
+  # The forward alone runs unpipelined, under GSPMD, on the user's tree (its leaves as
+  # stored: split over ``stage``; with ``param_layout='stage'`` unpacked from the slots).
+  def user_forward(params, *args):
+    return forward(where.pipe.to_user(params) if where.in_stages else params, *args)
 
   def first_loss(state, global_batch):
     micro = jax.tree.map(lambda x: x[0], prepare(global_batch))
-    return forward(state.params, state.model_state, micro, state.feature_state)[0]
+    return user_forward(state.params, state.model_state, micro, state.feature_state)[0]
 
   def evaluate(state, global_batch):
-    # (pipeline stages keep the user's tree too: the forward runs unpipelined, under GSPMD)
-    return step_lib.eval_step(forward, prepare, fns.has_aux)(state, global_batch)
+    return step_lib.eval_step(user_forward, prepare, fns.has_aux)(state, global_batch)
 
   step = step_lib.train_step(gradients, update, features, prepare, fns.has_aux, by_cond,
                              grad_layouts=base.reduced_grads)
@@ -373,7 +428,7 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
       step_jit=checked(jit(traced(step), in_shardings=(state_sh, batch_sh),
                            out_shardings=(state_sh, None), donate_argnums=0)),
       grads_jit=checked(jit(traced(loss_and_grads), in_shardings=(state_sh, batch_sh),
-                            out_shardings=(replicated, base.params))),
+                            out_shardings=(replicated, (where.user_shardings or base).params))),
       loss_jit=jit(traced(first_loss), in_shardings=(state_sh, batch_sh),
                    out_shardings=replicated),
       eval_jit=jit(traced(evaluate), in_shardings=(state_sh, batch_sh)),
@@ -445,12 +500,14 @@ def make_plan(var: Variables, cap: Capture, where: Placement, features: Sequence
   abstract_state = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       jax.eval_shape(lambda: TrainState(
-          step=jnp.zeros((), jnp.int32), params=var.params_shape, opt_state=where.opt_shape,
+          step=jnp.zeros((), jnp.int32), params=where.params_shape_of(var.params_shape),
+          opt_state=where.opt_shape,
           model_state=var.state_shape, feature_state=fstate)), jits["state_shardings"])
   abstract_batch = batch_lib.global_shapes(
       batch, lambda nd: NamedSharding(mesh, specs_lib.batch_spec(axes, nd)))
   n_p = var.num_params
-  final = jax.tree.leaves(base.params) + jax.tree.leaves(base.model_state)
+  final = (jax.tree.leaves((where.user_shardings or base).params)
+           + jax.tree.leaves(base.model_state))
   by_layer = set(pipe.parts.values()) if pipe is not None else set()   # each stage its rows
   leaves = [
       Leaf(path, tuple(x.shape), str(x.dtype), sh.spec,
@@ -475,7 +532,7 @@ def make_plan(var: Variables, cap: Capture, where: Placement, features: Sequence
                 "gradient accumulation" if num_micro > 1 else "-"),
       features=[f if isinstance(f, str) else f.describe for f in features], pipeline=pipe,
       compile_step=lambda: step_jit.lower(abstract_state, abstract_batch).compile(),
-      grads_bytes=tree_bytes_per_device(var.params_shape, grads_sh),
+      grads_bytes=tree_bytes_per_device(where.params_shape_of(var.params_shape), grads_sh),
       placement={"parameters": _where(base.params), "gradients": _where(grads_sh),
                  "optimizer state": _where(base.opt_state),
                  "model state": _where(base.model_state)},

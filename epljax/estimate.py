@@ -389,7 +389,9 @@ def stage_cost(dp, facts: ProgramFacts, pipe, schedule, features: dict[str, Any]
   boundary = max((sum(program_lib.nbytes(a) for a in st.outgoing) for st in pipe.stages),
                  default=0) * per_micro / d   # (a split stage's output: whole on each)
   add("collective-permute", STAGE, 2 * micro * boundary, s, times=2 * micro)
-  copies = PIPELINE_PARAM_COPIES + (DATA_SYNC_COPIES if d > 1 else 0)
+  # pipeline.param_layout='stage': the loop reads the stored slots, no packed copy is made.
+  copies = (PIPELINE_PARAM_COPIES - (1 if pipe.in_stages else 0)
+            + (DATA_SYNC_COPIES if d > 1 else 0))
   parts = {"parameters": copies * params, "optimizer state": opt,
            "activations": activations.bytes(),
            "model state and batch": dp.plan.model_state_bytes + batch_bytes // d}

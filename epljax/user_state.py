@@ -1,9 +1,11 @@
 """The training state in the user's structure: what checkpoints hold.
 
 A checkpoint must not depend on the trainer's layout, or it could not be restored with another
-number of stages, mesh or ZeRO level. ``TrainState`` keeps the user's trees in every layout
-(pipeline stages store the user's parameter leaves sharded over ``stage`` and pack them only
-inside the step), so ``UserState`` converts by name and sharding only:
+number of stages, mesh or ZeRO level. ``TrainState`` keeps the user's trees in every layout but
+two (pipeline stages store the user's parameter leaves sharded over ``stage`` and pack them only
+inside the step), so ``UserState`` converts by name and sharding, and for those two by value:
+fused parameters stored part by part (``sharding.fused``), and ``pipeline.param_layout='stage'``,
+whose parameters and optimizer state are the loop's slots (``Pipeline.to_user``):
 
 - ``to_user(state)`` -> ``{"step", "params", "opt_state", "model_state", "feature_state"}``
   with ``params`` in the structure ``init_fn`` returned (its ``"params"`` part for Linen),
@@ -45,15 +47,19 @@ class UserState:
   """Conversions between ``TrainState`` and the user's structure (module doc)."""
 
   def __init__(self, *, state_shardings: TrainState, params_shape: Any, state_shape: Any,
-               optimizer: Any, feature_state: dict, fused: FusedLayouts | None = None):
+               optimizer: Any, feature_state: dict, fused: FusedLayouts | None = None,
+               stages: Any = None, user_shardings: Any = None):
     self.state_shardings = state_shardings
     self.optimizer, self.params_shape = optimizer, params_shape
     self.fused = fused or FusedLayouts({}, 0)   # stored part by part: the user's order here
+    self.stages = stages    # a Pipeline whose slots are TrainState.params, or None
     self.feature_state = feature_state     # the features' initial state (concrete)
     shapes = {"step": jax.ShapeDtypeStruct((), "int32"), "params": params_shape,
               "opt_state": jax.eval_shape(optimizer.init, params_shape),
               "model_state": state_shape, "feature_state": jax.eval_shape(lambda: feature_state)}
     shardings = {k: getattr(state_shardings, k) for k in PARTS}
+    if user_shardings is not None:   # the slots' user tree: its leaves as the user's layout
+      shardings.update(params=user_shardings.params, opt_state=user_shardings.opt_state)
     shardings = jax.tree.map(_device_only, shardings, is_leaf=_is_sharding)
     self._abstract = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
@@ -86,10 +92,21 @@ class UserState:
 
   def to_user(self, state: TrainState) -> dict:
     tree = {k: getattr(state, k) for k in PARTS}
+    if self.stages is not None:
+      want = {k: jax.tree.map(lambda x: x.sharding, self._abstract[k])
+              for k in ("params", "opt_state")}
+      tree["params"], tree["opt_state"] = jax.jit(
+          lambda p, o: (self.stages.to_user(p), self.stages.opt_to_user(o)),
+          out_shardings=(want["params"], want["opt_state"]))(tree["params"], tree["opt_state"])
     return self._reorder(tree, to_internal=False)
 
   def from_user(self, tree: dict) -> TrainState:
     tree = self._reorder(dict(tree), to_internal=True)
+    if self.stages is not None:
+      tree["params"], tree["opt_state"] = jax.jit(
+          lambda p, o: (self.stages.to_internal(p), self.stages.opt_to_internal(o)),
+          out_shardings=(self.state_shardings.params, self.state_shardings.opt_state))(
+              tree["params"], tree["opt_state"])
     return jax.device_put(TrainState(**tree), self.state_shardings)
 
   def _reorder(self, tree: dict, to_internal: bool) -> dict:

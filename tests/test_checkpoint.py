@@ -43,14 +43,16 @@ class Net(nn.Module):
 
 
 CONFIGS = {"dp": {}, "split": {}, "zero": {"zero.level": "v1"},
-           "pipe": {"pipeline.num_micro_batch": 4}}
+           "pipe": {"pipeline.num_micro_batch": 4},
+           # The train state as the loop's slots: checkpoints hold the user's trees all the same.
+           "pipe_stage": {"pipeline.num_micro_batch": 4, "pipeline.param_layout": "stage"}}
 
 
 def make_trainer(kind: str, hidden: int = 32):
   epl.init(CONFIGS[kind])
   if kind in ("dp", "zero"):
     epl.set_default_strategy(epl.replicate(1))
-  model = Net("dp" if kind == "zero" else kind, hidden)
+  model = Net({"zero": "dp", "pipe_stage": "pipe"}.get(kind, kind), hidden)
   trainer = epl.Trainer(lambda rng, b: model.init(rng, b["x"]),
                         lambda v, b: cross_entropy(model.apply(v, b["x"]), b["y"]),
                         optax.adam(1e-2))
@@ -80,20 +82,20 @@ def runs(tmp_path_factory):
   root = tmp_path_factory.mktemp("ckpt")
   out = {}
   sources = {}
-  for kind in ("dp", "pipe", "zero"):
+  kept = {}
+  for kind in ("dp", "pipe", "zero", "pipe_stage"):
     trainer, state = make_trainer(kind)
     ckpt = epl.Checkpointer(root / kind, max_to_keep=2)
     _, losses, saved = run(trainer, state, range(STEPS), ckpt)
     ckpt.wait()
     sources[kind] = (ckpt, losses, saved)
     out[f"{kind}_ref"] = losses
-    if kind == "dp":
-      out["dp_plan_trainer"] = (trainer, state)
+    if kind in ("dp", "pipe_stage"):   # (their steps are compiled: restored into below)
+      kept[kind] = trainer
   # Restores: (source checkpoint, restoring trainer kind)
-  dp_trainer, _ = out.pop("dp_plan_trainer")
-  targets = {"dp": dp_trainer}
+  targets = dict(kept)
   for source, kind in [("dp", "dp"), ("dp", "split"), ("pipe", "dp"), ("dp", "pipe"),
-                       ("zero", "dp")]:
+                       ("zero", "dp"), ("pipe_stage", "dp"), ("dp", "pipe_stage")]:
     if kind not in targets:
       targets[kind] = make_trainer(kind)[0]
     trainer = targets[kind]
@@ -118,7 +120,8 @@ def test_restore_continues_exactly_as_the_uninterrupted_run(runs):
   assert_trees_close(restored, saved, dict(rtol=0, atol=0))
 
 
-@pytest.mark.parametrize("case", ["dp->split", "pipe->dp", "dp->pipe", "zero->dp"])
+@pytest.mark.parametrize("case", ["dp->split", "pipe->dp", "dp->pipe", "zero->dp",
+                                  "pipe_stage->dp", "dp->pipe_stage"])
 def test_restore_into_another_strategy_continues_the_run(runs, case):
   after, expected, restored, saved = runs[case]
   assert_trees_close(restored, saved, dict(rtol=0, atol=0))   # the saved values, exactly
@@ -126,6 +129,7 @@ def test_restore_into_another_strategy_continues_the_run(runs, case):
   # ... and all the runs are the same training (the strategies match the plain reference).
   np.testing.assert_allclose(runs["pipe_ref"], runs["dp_ref"], **TOL)
   np.testing.assert_allclose(runs["zero_ref"], runs["dp_ref"], **TOL)
+  np.testing.assert_allclose(runs["pipe_stage_ref"], runs["dp_ref"], **TOL)
 
 
 def test_restored_state_has_the_trainer_shardings(runs):

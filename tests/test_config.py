@@ -12,6 +12,7 @@ EPL_DEFAULTS = {
     "pipeline.strategy": "PreferBackward",
     "pipeline.num_virtual_stages": 1,                    # beyond EPL
     "pipeline.roll_layers": True,                        # beyond EPL
+    "pipeline.param_layout": "user",                     # beyond EPL
     "gradient_checkpoint.type": "",
     "gradient_checkpoint.end_taskgraph": -1,
     "gradient_checkpoint.check_gradients": False,
@@ -95,7 +96,7 @@ def test_variables_of_other_prefixes_are_ignored(monkeypatch):
      r"Unknown config key 'pipeline.num_micro_batc' \(from param_dict\)\. Did you mean "
      r"'pipeline.num_micro_batch'\? Keys of section 'pipeline': 'pipeline.num_micro_batch', "
      r"'pipeline.num_stages', 'pipeline.strategy', 'pipeline.num_virtual_stages', "
-     r"'pipeline.roll_layers'\."),
+     r"'pipeline.roll_layers', 'pipeline.param_layout'\."),
     ({"zero.lvl": "v1"}, r"Did you mean 'zero.level'\?"),
     ({"pipline.strategy": "PreferForward"}, r"Did you mean 'pipeline.strategy'\?"),
     ({"foo.bar": 1}, r"Unknown config key 'foo.bar'.*Sections: pipeline, gradient_checkpoint"),

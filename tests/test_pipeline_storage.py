@@ -1,16 +1,18 @@
 """Pipeline storage in the user's parameter tree: any optax optimizer, ZeRO, and parameters tied
-across stages, each against the single-device reference (loss, gradients, parameters)."""
+across stages, each against the single-device reference (loss, gradients, parameters); and
+``pipeline.param_layout='stage'``, the train state as the loop's slots, with what it refuses."""
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
 import epljax as epl
 from epljax.pipeline import storage
-from helpers import classification_batch, linen_fns
-from pipeline_helpers import Stack, TwoStages, check_matches_reference
+from helpers import TOL, assert_trees_close, classification_batch, linen_fns
+from pipeline_helpers import Stack, TwoStages, adamw, check_matches_reference, sgd_clipped
 
 
 def _decay_matrices(params):
@@ -117,3 +119,66 @@ def test_a_parameter_shared_by_a_split_task_graph_is_still_refused():
                      r"two task graphs: 'stage_0' \(replicate\(1\)\) and 'stage_1' "
                      r"\(split\(1\)\)"):
     trainer.init(jax.random.key(0), classification_batch(16))
+
+
+# -- pipeline.param_layout='stage': the train state is the loop's slots ----------------------
+STAGE_LAYOUT = {"pipeline.param_layout": "stage", "pipeline.num_micro_batch": 4}
+
+
+@pytest.mark.parametrize("case", ["rolled_1f1b_adamw", "tied_gpipe_clipped"])
+def test_stage_layout_holds_each_stage_whole_and_trains_like_one_device(case):
+  model, strategy, optimizer = {
+      # Two layers per stage rolled into one loop; identical stages share every slot.
+      "rolled_1f1b_adamw": (Stack(stages=2, layers=2), "PreferBackward", adamw()),
+      # A parameter tied across stages is held once (by its first stage) and copied to the
+      # other in the step, so global-norm clipping sees it once.
+      "tied_gpipe_clipped": (TiedLM(), "PreferForward", sgd_clipped()),
+  }[case]
+  epl.init({**STAGE_LAYOUT, "pipeline.strategy": strategy})
+  trainer, state = check_matches_reference(model, classification_batch(32), optimizer)
+  stages = trainer.plan.pipeline.schedule.num_stages
+  for name, slot in state.params.items():   # (stages, *shape), each device its stage's row
+    assert slot.sharding.spec[0] == "stage", (name, slot.sharding)
+    assert slot.shape[0] == stages and slot.addressable_shards[0].data.shape[0] == 1
+  built = trainer._require()
+  user = built.to_user(state)   # what checkpoints hold: the user's trees
+  assert jax.tree.structure(user["opt_state"]) == jax.tree.structure(   # (keeping the grads)
+      jax.eval_shape(built.user_state.optimizer.init, user["params"]))
+  back = built.from_user(user)
+  for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert "whole in the loop's slots (pipeline.param_layout='stage'" in str(trainer.plan)
+  assert trainer.plan.pipeline.param_bytes_per_device == sum(
+      x.addressable_shards[0].data.nbytes for x in state.params.values())
+  if case == "rolled_1f1b_adamw":   # loss_and_grads on the slots: the user's tree, exact
+    batch = classification_batch(32)
+    loss, grads = trainer.loss_and_grads(state, batch)
+    init_fn, loss_fn = linen_fns(model)
+    variables = trainer.variables(state)
+    want_loss, want = jax.jit(jax.value_and_grad(lambda p: loss_fn(
+        {**variables, "params": p}, batch)))(variables["params"])
+    np.testing.assert_allclose(loss, want_loss, **TOL)
+    assert_trees_close(grads, want, TOL)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_stage_layout_refuses_an_optimizer_that_reads_more_than_each_element(name):
+  # Identical stages, so a slot holds a leaf of each stage: a per-leaf norm (LAMB) would mix
+  # them. Refused at init, before anything compiles.
+  epl.init(STAGE_LAYOUT)
+  trainer = epl.Trainer(*linen_fns(Stack(stages=4)), OPTIMIZERS[name]())
+  with pytest.raises(epl.PlanError, match=r"param_layout='stage' runs the optimizer on the "
+                     r"stages' slots(.|\n)*Keep(.|\n)*param_layout='user'"):
+    trainer.init(jax.random.key(0), classification_batch(32))
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"zero.level": "v1"}, r"zero place\(s\) or update\(s\) the parameters leaf by leaf"),
+    ({"pipeline.num_virtual_stages": 2, "pipeline.num_micro_batch": 8},
+     r"pipeline.num_virtual_stages=2 \(interleaved chunks\)"),
+])
+def test_stage_layout_refuses_what_its_slots_cannot_hold(config, message):
+  epl.init({**STAGE_LAYOUT, **config})
+  trainer = epl.Trainer(*linen_fns(Stack(stages=4)), optax.adam(1e-2))
+  with pytest.raises(epl.PlanError, match=message):
+    trainer.init(jax.random.key(0), classification_batch(32))

@@ -39,6 +39,14 @@ class PipelineConfig:
       "The stacks are made outside the stage's vjp and kept by no micro batch; a stage whose "
       "layers would need them kept stays unrolled and the plan says why. False: every stage "
       "as written (bench/pipeline.py --compile).")
+  param_layout: str = key(
+      "user", "Beyond EPL: where the train state keeps the stages' parameters and optimizer "
+      "state. 'user': the user's tree, each leaf split over stage (any optax optimizer; the "
+      "step copies each stage's leaves into its loop's buffers). 'stage': each stage's leaves "
+      "whole on its own devices, as its loop reads them (a hand-written GPipe's bytes); the "
+      "optimizer runs on those per-stage slots, so it must update each leaf elementwise "
+      "(AdamW, SGD, momentum, Lion), which is checked at init from its state.",
+      allowed=("user", "stage"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -77,11 +78,20 @@ class Pipeline:
   balance: tuple[str, ...]       # per stage: estimated FLOPs and parameter bytes
   constraints: tuple[str, ...]   # what became of the model's own sharding constraints
   loop: runtime.Loop | None = None    # the distinct stage functions (``with_features``)
+  # ``pipeline.param_layout``: "user" (TrainState.params is the user's tree, packed inside
+  # the step) or "stage" (TrainState.params is the loop's slots, ``to_user`` / ``to_internal``).
+  param_layout: str = "user"
 
   @property
   def slotted(self) -> bool:
     """Tensor-parallel stages: parameters and residuals in slots, ``model`` left to GSPMD."""
-    return self.store.slotted
+    return self.store.split_model
+
+  @property
+  def in_stages(self) -> bool:
+    """``pipeline.param_layout='stage'``: the train state holds each stage's leaves whole on
+    its devices, in the loop's slots, and the optimizer updates those."""
+    return self.param_layout == "stage"
 
   @property
   def parts(self) -> Mapping[int, int]:
@@ -105,9 +115,150 @@ class Pipeline:
   # over ``stage``; inside the step the store packs them into the loop's buffers and brings
   # the packed gradients back as the user's tree (``storage.ParamStore``).
   @property
-  def param_shardings(self) -> Any:
+  def user_param_shardings(self) -> Any:
     """Per user leaf: its spec (from the stage's strategy) with ``stage`` added."""
     return jax.tree.unflatten(self.params_def, list(self.store.shardings))
+
+  @property
+  def param_shardings(self) -> Any:
+    """``TrainState.params``' shardings: the user's leaves', or the slots' (``in_stages``)."""
+    if not self.in_stages:
+      return self.user_param_shardings
+    return {k: NamedSharding(self.mesh, P(STAGE, *t.spec)) for k, t in self.store.buffers.items()}
+
+  @functools.cached_property
+  def params_shape(self) -> Any:
+    """``TrainState.params``' shapes with ``in_stages``: ``{slot: (S, *shape)}``."""
+    n = self.schedule.num_stages
+    return {k: jax.ShapeDtypeStruct((n, *t.shape), t.dtype)
+            for k, t in self.store.buffers.items()}
+
+  def to_internal(self, params: Any) -> Any:
+    """The user's parameter tree -> ``TrainState.params`` (traceable): a leaf tied across
+    stages is held by the first stage that reads it (``slots.tied_rows``)."""
+    if not self.in_stages:
+      return params
+    return self._tied(self.store.pack(jax.tree.leaves(params)), "own")
+
+  def _tied(self, buffers: Mapping[str, jax.Array], mode: str) -> dict[str, jax.Array]:
+    return slots.tied_rows(buffers, self.store.layouts, self.store.members,
+                           tuple(self.shared), self.mesh, mode)
+
+  def to_user(self, params: Any) -> Any:
+    """``TrainState.params`` (or a tree like it: gradients, moments) -> the user's tree."""
+    if not self.in_stages:
+      return params
+    return jax.tree.unflatten(self.params_def, self.store.unpack(params))
+
+  def opt_to_user(self, opt_state: Any) -> Any:
+    """The optimizer state on the slots -> as the optimizer makes it on the user's tree (each
+    parameter-shaped part, a moment, converted like the parameters)."""
+    return self._map_moments(opt_state, self._like_internal, self.to_user)
+
+  def opt_to_internal(self, opt_state: Any) -> Any:
+    def moment(x):   # in its own dtype (a bfloat16 ``mu_dtype``), not the parameters'
+      dtypes = {v.dtype for v in jax.tree.leaves(x)}
+      slots = self.to_internal(x)
+      return slots if len(dtypes) != 1 else {k: v.astype(*dtypes) for k, v in slots.items()}
+
+    return self._map_moments(opt_state, self._like_user, moment)
+
+  def _map_moments(self, opt_state: Any, like: Callable, fn: Callable) -> Any:
+    if not self.in_stages:
+      return opt_state
+    return jax.tree.map(lambda x: fn(x) if like(x) else x, opt_state, is_leaf=like)
+
+  def _like_internal(self, x: Any) -> bool:
+    want = self.params_shape
+    return (isinstance(x, dict) and set(x) == set(want) and all(
+        tuple(getattr(x[k], "shape", ())) == want[k].shape for k in want))
+
+  def _like_user(self, x: Any) -> bool:
+    leaves, tree = jax.tree.flatten(x)
+    return tree == self.params_def and all(
+        tuple(getattr(v, "shape", ())) == tuple(a.shape) for v, a in zip(leaves, self.store.avals))
+
+  def check_stage_layout(self, optimizer: Any) -> None:
+    """``in_stages``: refuses what the slots cannot hold (interleaved chunks, a leaf no stage
+    reads) and an optimizer that would update the slots otherwise than the user's tree: its
+    state on the slots is not its state on the user's tree converted moment by moment (masks,
+    multi_transform, factored moments), or two updates of small stand-ins differ (a mask, a
+    norm or trust ratio over a whole leaf)."""
+    if not self.in_stages:
+      return
+    if self.schedule.num_virtual_stages > 1:
+      raise PlanError(_STAGE_LAYOUT.format(what=(
+          f"pipeline.num_virtual_stages={self.schedule.num_virtual_stages} (interleaved "
+          "chunks); a stage holds its chunks' leaves in one row"),
+          fix="Set pipeline.num_virtual_stages=1, or keep param_layout='user'"))
+    held = {i for m in self.store.members for i in m} | set(self.store.parts.values())
+    unread = [self.param_paths[i] for i in range(len(self.store.avals)) if i not in held]
+    if unread:
+      raise PlanError(_STAGE_LAYOUT.format(what=(
+          f"parameters no stage reads: {listing(unread)}; the slots hold only what a stage "
+          "reads"), fix="Remove them from the model or keep param_layout='user'"))
+    on_slots = jax.eval_shape(optimizer.init, self.params_shape)
+    user_shape = jax.tree.unflatten(self.params_def, [
+        jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.store.avals])
+    on_user = jax.eval_shape(optimizer.init, user_shape)
+    converted = jax.eval_shape(self.opt_to_user, on_slots)
+    got, want = jax.tree.flatten(converted), jax.tree.flatten(on_user)
+    if got[1] != want[1] or any((a.shape, a.dtype) != (b.shape, b.dtype)
+                                for a, b in zip(got[0], want[0])):
+      raise PlanError(_STAGE_OPTIMIZER.format(
+          n=len(self.params_shape), slots=listing(
+              [f"{k} {tuple(a.shape)}" for k, a in self.params_shape.items()]),
+          user=_short(jax.tree.structure(on_user)), slot=_short(jax.tree.structure(converted))))
+    differs = self._probe(optimizer)
+    if differs is not None:
+      raise PlanError(_STAGE_UPDATE.format(path=differs))
+
+  def _probe(self, optimizer: Any) -> str | None:
+    """Two updates of ``optimizer`` on small random stand-ins of the user's leaves (each
+    dimension at most 3; a stacked leaf's layers one per stage) and on the same values in
+    slots, compared: they differ where the update reads a leaf's path, shape or norm (a mask,
+    LAMB's trust ratio) rather than each element. The first leaf whose result differs, or
+    None."""
+    store, n, stages = self.store, len(self.store.avals), self.schedule.num_stages
+    holders = slots.holders(store.layouts, store.members)
+    parts = {i: storage.part_key(v - n) for v, i in store.parts.items()}
+    shapes = [(stages, *(min(d, 3) for d in a.shape[1:])) if i in parts else
+              tuple(min(d, 3) for d in a.shape) for i, a in enumerate(store.avals)]
+    owner = {i: min(at) for i, at in self.shared.items()}
+    owner.update({i: s for held in holders.values() for s, i in held.items() if i not in owner})
+    rng = np.random.default_rng(0)
+
+    def draw():
+      return [rng.standard_normal(s).astype(a.dtype) for s, a in zip(shapes, store.avals)]
+
+    def to_slots(leaves):
+      out = {k: jnp.stack([leaves[held[s]] if s in held and owner[held[s]] == s else
+                           jnp.zeros_like(leaves[next(iter(held.values()))])
+                           for s in range(stages)]) for k, held in holders.items()}
+      return {**out, **{k: leaves[i][:, None] for i, k in parts.items()}}
+
+    def from_slots(tree):
+      at = {i: (k, s) for k, held in holders.items() for s, i in held.items() if owner[i] == s}
+      return [tree[parts[i]][:, 0] if i in parts else tree[at[i][0]][at[i][1]]
+              for i in range(n)]
+
+    def train(params, grads, as_tree):
+      params = as_tree(params)
+      state = optimizer.init(params)
+      for g in grads:
+        updates, state = optimizer.update(as_tree(g), state, params)
+        params = optax.apply_updates(params, updates)
+      return params
+
+    params, grads = draw(), [draw(), draw()]
+    on_user = jax.tree.leaves(jax.jit(lambda p, g: train(
+        p, g, lambda x: jax.tree.unflatten(self.params_def, x)))(params, grads))
+    on_slots = from_slots(jax.jit(lambda p, g: train(p, g, to_slots))(params, grads))
+    for i, (u, v) in enumerate(zip(on_user, on_slots)):
+      if not np.allclose(np.asarray(u, np.float32), np.asarray(v, np.float32), rtol=1e-5,
+                         atol=1e-6):
+        return self.param_paths[i]
+    return None
 
   def state_sharding(self, leaf: Any, param_sharding: NamedSharding) -> NamedSharding:
     """An optimizer-state leaf of a parameter: the parameter's sharding when the shapes agree,
@@ -221,10 +372,13 @@ class Pipeline:
     def gradients(params, model_state, micro, fstate):
       scale = loss_scale(fstate)
       seed = jnp.ones((), jnp.float32) if scale is None else jnp.asarray(scale, jnp.float32)
-      leaves = jax.tree.leaves(in_device_memory(params))
-      loss, aux, packed, state = run(store.pack(leaves), self.pack_state(model_state),
+      params = in_device_memory(params)
+      buffers = (self._tied(params, "fill") if self.in_stages else
+                 store.pack(jax.tree.leaves(params)))
+      loss, aux, packed, state = run(buffers, self.pack_state(model_state),
                                      jax.tree.leaves(micro), seed)
-      grads = jax.tree.unflatten(params_def, store.gradients_of(packed))
+      grads = (self._tied(packed, "sum") if self.in_stages else
+               jax.tree.unflatten(params_def, store.gradients_of(packed)))
       aux = None if aux_def is None else jax.tree.unflatten(
           aux_def, [a[0] for a in aux] if single else aux)
       return loss, aux, grads, self.unpack_state(state, model_state)
@@ -322,12 +476,42 @@ def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, stat
       aux_avals=tuple(aux_avals), aux_def=found["aux_def"] if has_aux else None,
       split=tuple(split), store=storage.make_store(stages, p_leaves, param_specs, param_paths,
                                                    layout.mesh, split,
-                                                   layout.num_virtual_stages),
+                                                   layout.num_virtual_stages,
+                                                   in_slots=config.param_layout == "stage"),
+      param_layout=config.param_layout,
       state_avals=tuple(s_leaves), state_layouts=tuple(state_layouts),
       state_types=state_types,
       balance=tuple(check_balance(global_capture, layout.stage_of, len(stages),
                                   [s.name for s in stages])),
       constraints=tuple(constraints.plan_lines(notes)))
+
+
+def _short(tree: Any, limit: int = 300) -> str:
+  text = str(tree)
+  return text if len(text) <= limit else text[:limit] + " ..."
+
+
+_STAGE_LAYOUT = """\
+pipeline.param_layout='stage' keeps each stage's parameters whole on its own devices, in the
+slots its loop reads, but this pipeline has {what}. {fix} (the user's tree, each leaf split
+over stage)."""
+
+_STAGE_OPTIMIZER = """\
+pipeline.param_layout='stage' runs the optimizer on the stages' slots ({n} arrays: {slots})
+instead of the user's tree, which updates them the same only when the optimizer treats each
+leaf elementwise (AdamW, SGD, momentum, Lion). This optimizer's state on the slots is not its
+state on the user's tree moment by moment, so it reads a leaf's path or shape (a mask,
+multi_transform, factored moments like adafactor's):
+  on the user's tree: {user}
+  on the slots:       {slot}
+Keep pipeline.param_layout='user' (the default) for this optimizer."""
+
+_STAGE_UPDATE = """\
+pipeline.param_layout='stage' runs the optimizer on the stages' slots, one (stages, *shape)
+array per kind of leaf, instead of the user's tree. This optimizer updates them differently
+(checked on small random stand-ins at init: '{path}' differs), so its update reads a leaf's
+path, shape or norm (a weight-decay mask, LAMB's trust ratio) rather than each element. Keep
+pipeline.param_layout='user' (the default) for this optimizer."""
 
 
 _GPU_PERMUTE_BY_PAIRS = "--xla_gpu_collective_permute_connected_components=true"

@@ -35,7 +35,11 @@ class StageInfo:
 
 # -- bytes per device -----------------------------------------------------------------------
 def param_bytes_per_device(pipe: Pipeline) -> int:
-  """The user's leaves as stored (sharded over ``stage``)."""
+  """The parameters as stored: the user's leaves sharded over ``stage``, or with
+  ``pipeline.param_layout='stage'`` the loop's slots (``Pipeline.params_shape``)."""
+  if pipe.in_stages:
+    return sum(leaf_bytes_per_device(a.shape, a.dtype, pipe.param_shardings[k])
+               for k, a in pipe.params_shape.items())
   return sum(leaf_bytes_per_device(a.shape, a.dtype, sh)
              for a, sh in zip(pipe.store.avals, pipe.store.shardings))
 
@@ -111,9 +115,14 @@ def describe(pipe: Pipeline) -> list[str]:
         f"stash     residuals: {pipe.schedule.num_slots} {kept} x "
         f"{size(per_slot)} per device{' before the model split' if pipe.slotted else ''}; "
         f"{len(pipe.loop.branches)} distinct stage functions")
-  lines.append(f"params    {size(param_bytes_per_device(pipe))} per device as stored (the "
-               f"user's leaves, sharded over stage); {size(pipe.store.bytes_inside())} "
-               + pipe.store.inside)
+  if pipe.in_stages:
+    lines.append(f"params    {size(param_bytes_per_device(pipe))} per device as stored, each "
+                 "stage's leaves whole in the loop's slots (pipeline.param_layout='stage'; "
+                 "the optimizer updates the slots), read in place inside the step")
+  else:
+    lines.append(f"params    {size(param_bytes_per_device(pipe))} per device as stored (the "
+                 f"user's leaves, sharded over stage); {size(pipe.store.bytes_inside())} "
+                 + pipe.store.inside)
   if pipe.parts:
     lines.append(
         f"parts     {len(pipe.parts)} stacked leaves (scanned layers) stored split over stage "

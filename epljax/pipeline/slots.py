@@ -67,7 +67,7 @@ def as_key(x: Any, aval: Any) -> Any:
   return jax.random.wrap_key_data(x, impl=aval.dtype._impl) if is_key(aval) else x
 
 
-def _holders(layouts: Sequence[Layout], members: Sequence[Sequence[int]]
+def holders(layouts: Sequence[Layout], members: Sequence[Sequence[int]]
             ) -> dict[str, dict[int, int]]:
   """Slot -> {stage: the leaf it holds there}, for the stages' leaves ``members`` (the first
   entries of their ``layouts``)."""
@@ -105,7 +105,7 @@ def exchange(leaves: Sequence[Any], layouts: Sequence[Layout], members: Sequence
   def local(*mine):
     r = lax.axis_index(STAGE)
     out = {}
-    for k, held in _holders(layouts, members).items():
+    for k, held in holders(layouts, members).items():
       t, d = types[k], _slot_dim(held, dims)
       piece = piece_shape(t.shape, d, n)
       rows = jnp.stack([mine[held[s]].astype(t.dtype) if s in held
@@ -138,7 +138,7 @@ def exchange_gradients(packed: Mapping[str, jax.Array], layouts: Sequence[Layout
     def add(i, x):
       sums[i] = x if sums[i] is None else sums[i] + x
 
-    for k, held in _holders(layouts, members).items():
+    for k, held in holders(layouts, members).items():
       g, d = bufs[k][0], _slot_dim(held, dims)
       if d is None:   # whole on every stage: the holders' sum
         for s, i in held.items():
@@ -158,6 +158,48 @@ def exchange_gradients(packed: Mapping[str, jax.Array], layouts: Sequence[Layout
   return list(jax.shard_map(local, mesh=mesh, in_specs=(P(STAGE),),
                             out_specs=tuple(map(stage_spec, dims)),
                             axis_names=frozenset({STAGE}), check_vma=False)(dict(packed)))
+
+
+def tied_rows(bufs: Mapping[str, jax.Array], layouts: Sequence[Layout],
+              members: Sequence[Sequence[int]], tied: Sequence[int], mesh: Mesh,
+              mode: str) -> dict[str, jax.Array]:
+  """``{slot: (S, *shape)}`` with the rows of each ``tied`` leaf (a leaf several stages read,
+  held in each of their rows) set by ``mode``; its *owner* is the first stage that reads it:
+
+  - ``"own"``: every row but the owner's zeroed (the train state holds the leaf once, so the
+    optimizer and a global norm see it once);
+  - ``"fill"``: the owner's row copied to the others (the loop's buffers, before it runs);
+  - ``"sum"``: the rows' sum in the owner's row, zeros in the others (their gradients).
+
+  One ``psum`` over ``stage`` per tied leaf (none for ``"own"``)."""
+  bufs = dict(bufs)
+  if not tied:
+    return bufs
+  held = holders(layouts, members)
+  copies = {i: {s: k for k, by_stage in held.items() for s, j in by_stage.items() if j == i}
+            for i in tied}
+
+  def local(mine):
+    r = lax.axis_index(STAGE)
+    mine = dict(mine)
+    for at in copies.values():
+      owner = min(at)
+      if mode == "own":
+        total = None
+      else:
+        rows = [s for s in at if mode == "sum" or s == owner]
+        total = lax.psum(sum(jnp.where(r == s, mine[at[s]][0], jnp.zeros_like(mine[at[s]][0]))
+                             for s in rows), STAGE)
+      for s, k in at.items():
+        keep = total if (mode == "fill" or s == owner) and total is not None else None
+        if mode == "own" and s == owner:
+          continue
+        value = jnp.zeros_like(mine[k]) if keep is None else keep[None].astype(mine[k].dtype)
+        mine[k] = jnp.where(r == s, value, mine[k])
+    return mine
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(STAGE),), out_specs=P(STAGE),
+                       axis_names=frozenset({STAGE}), check_vma=False)(bufs)
 
 
 def stage_spec(dim: int | None) -> P:

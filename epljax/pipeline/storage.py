@@ -82,17 +82,21 @@ class ParamStore:
   buffers: packing.Types                  # {dtype: S slot} (packed) or {slot: SlotType}, parts
   virtual: int
   slotted: bool
+  split_model: bool                       # tensor-parallel stages: ``model`` left to GSPMD
 
   @property
   def data_axes(self) -> tuple[str, ...]:
-    """The loop's data axes (manual, with ``stage``); slotted, ``model`` is left to GSPMD."""
-    return (DATA,) if self.slotted else (DATA, MODEL)
+    """The loop's data axes (manual, with ``stage``); tensor-parallel stages leave ``model``
+    to GSPMD."""
+    return (DATA,) if self.split_model else (DATA, MODEL)
 
   @property
   def inside(self) -> str:
     """How the parameters are held inside the step, for the plan."""
-    return ("in slots (whole arrays, split over model) inside the step" if self.slotted else
-            "packed for the largest stage inside the step")
+    if not self.slotted:
+      return "packed for the largest stage inside the step"
+    return ("in slots (whole arrays, split over model) inside the step" if self.split_model
+            else "in slots (whole arrays) inside the step")
 
   @property
   def dims(self) -> tuple[int | None, ...]:
@@ -128,6 +132,21 @@ class ParamStore:
                                        self._slot_sizes(), self.avals, self.mesh))
     for k, i in keys.items():
       leaves[i] = deinterleave(packed[k], tuple(self.avals[i].shape), self.mesh)
+    return leaves
+
+  def unpack(self, buffers: Mapping[str, jax.Array]) -> list[Any]:
+    """Slots -> the user's leaves, each from the first stage that holds it (traceable; no
+    leaf is held by two stages or by none: ``Pipeline.check_stage_layout``)."""
+    if not self.slotted:   # internal invariant: only slots hold whole leaves
+      raise AssertionError("ParamStore.unpack of packed buffers")
+    n = len(self.avals)
+    leaves: list[Any] = [None] * n
+    for row, (member, layout) in enumerate(zip(self.members, self.layouts)):
+      for i, e in zip(member, layout.entries):
+        if leaves[i] is None:
+          leaves[i] = buffers[e.key][row]
+    for v, i in self.parts.items():
+      leaves[i] = deinterleave(buffers[part_key(v - n)], tuple(self.avals[i].shape), self.mesh)
     return leaves
 
   def split_of(self, spec: Sequence[Any]) -> int:
@@ -170,10 +189,10 @@ class ParamStore:
 
 def make_store(stages: Sequence[Stage], avals: Sequence[Any], specs: Sequence[P],
                paths: Sequence[str], mesh: Mesh, split: Sequence[int],
-               virtual: int) -> ParamStore:
+               virtual: int, in_slots: bool = False) -> ParamStore:
   """Where each parameter leaf is stored (its spec with ``stage`` added; a stacked leaf read
   in row chunks: its rows over ``stage``) and how the loop's buffers hold it: packed, or in
-  slots when a stage is tensor-parallel."""
+  slots when a stage is tensor-parallel or ``in_slots`` (``pipeline.param_layout='stage'``)."""
   size, n = mesh.shape[STAGE], len(avals)
   parts = dict(sorted({v: i for s in stages for v, i in s.parts}.items()))
   if list(parts) != list(range(n, n + len(parts))):  # internal invariant
@@ -188,7 +207,8 @@ def make_store(stages: Sequence[Stage], avals: Sequence[Any], specs: Sequence[P]
       (avals[i].shape[0] // len(stages), *avals[i].shape[1:]), avals[i].dtype), tuple(specs[i]))
       for v, i in parts.items()}
   dims = tuple(stage_dim(sh.spec) for sh in shardings)
-  slotted = any(k > 1 for k in split)
+  split_model = any(k > 1 for k in split)
+  slotted = split_model or in_slots
   if slotted:   # the exchanged leaves in shared slots, then each part its own
     layouts, buffers = packing.assign([[SlotType.of(avals[i], tuple(specs[i]))
                                         for i in leaves] for leaves in members])
@@ -200,6 +220,7 @@ def make_store(stages: Sequence[Stage], avals: Sequence[Any], specs: Sequence[P]
   return ParamStore(
       mesh=mesh, avals=tuple(avals), specs=tuple(specs), shardings=shardings, members=members,
       parts=parts, part_types=part_types, virtual=virtual, slotted=slotted,
+      split_model=split_model,
       layouts=tuple(lay.whole(keys, part_types) for lay, keys in zip(layouts, part_keys)),
       buffers={**buffers, **part_types})
 
