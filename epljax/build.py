@@ -234,7 +234,8 @@ def plan_steps(fns: UserFns, config, cluster, rng: jax.Array, micro_shapes: Any,
   mesh = where.layout.mesh
   ctx = BuildContext(mesh=mesh, num_replicas=where.layout.num_replicas,
                      num_micro_batch=num_micro, capture=cap, params_shape=var.params_shape,
-                     optimizer=fns.optimizer)
+                     optimizer=fns.optimizer,
+                     state_params_shape=where.pipe.params_shape if where.in_stages else None)
   features = features_for(config, fns.clip_norm)
   if where.in_stages:
     _check_stage_features(features)
@@ -251,14 +252,14 @@ def plan_steps(fns: UserFns, config, cluster, rng: jax.Array, micro_shapes: Any,
 def _check_stage_features(features: Sequence[Feature]) -> None:
   """``pipeline.param_layout='stage'`` with a feature that places or updates the parameters
   leaf by leaf in the user's tree: refused, naming it."""
-  kinds = (memory.zero.Zero, memory.offload.Offload, memory.grouped.GroupedApply)
+  kinds = (memory.offload.Offload, memory.grouped.GroupedApply)
   found = [f.name for f in features if isinstance(f, kinds)]
   if found:
     raise PlanError(
         f"pipeline.param_layout='stage' holds the stages' parameters in the loop's slots, but "
         f"{', '.join(found)} place(s) or update(s) the parameters leaf by leaf in the user's "
         "tree, which it does not support yet. Keep pipeline.param_layout='user' (the default) "
-        "with zero.level, offload.level or optimizer.num_apply_group.")
+        "with offload.level or optimizer.num_apply_group.")
 
 
 def features_for(config, clip_norm: float | None = None) -> list[Feature]:

@@ -82,6 +82,15 @@ class BuildContext:
   params_shape: Any       # tree of ShapeDtypeStruct, structure of the trained params
   optimizer: Any          # the user's optax.GradientTransformation
   shardings: StateShardings | None = None
+  # TrainState.params' shapes where they are not the user's tree (pipeline.param_layout=
+  # 'stage': the pipeline loop's slots); None: ``params_shape``.
+  state_params_shape: Any = None
+
+  @property
+  def stored_params_shape(self) -> Any:
+    """The shapes of the parameters as the train state holds them (what ``shardings.params``
+    places)."""
+    return self.params_shape if self.state_params_shape is None else self.state_params_shape
 
 
 def loss_scale(fstate: dict) -> Any:

@@ -161,6 +161,19 @@ def test_stage_layout_holds_each_stage_whole_and_trains_like_one_device(case):
     assert_trees_close(grads, want, TOL)
 
 
+def test_stage_layout_shards_the_slots_optimizer_state_over_data_under_zero_v1():
+  # Megatron's distributed optimizer on the hand-written GPipe's layout: each stage's slots'
+  # moments split over its 4 data replicas, the slots themselves whole on every replica.
+  epl.init({**STAGE_LAYOUT, "zero.level": "v1"})
+  trainer, state = check_matches_reference(Stack(stages=2), classification_batch(32),
+                                           optax.adam(1e-2))
+  assert dict(trainer.plan.mesh.shape) == {"data": 4, "stage": 2, "model": 1}
+  for name, mu in state.opt_state[0].mu.items():
+    divisible = any(d % 4 == 0 for d in mu.shape[1:])
+    assert ("data" in mu.sharding.spec) == divisible, (name, mu.shape, mu.sharding.spec)
+    assert "data" not in state.params[name].sharding.spec
+
+
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_stage_layout_refuses_an_optimizer_that_reads_more_than_each_element(name):
   # Identical stages, so a slot holds a leaf of each stage: a per-leaf norm (LAMB) would mix
@@ -173,7 +186,8 @@ def test_stage_layout_refuses_an_optimizer_that_reads_more_than_each_element(nam
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"zero.level": "v1"}, r"zero place\(s\) or update\(s\) the parameters leaf by leaf"),
+    ({"offload.level": "v0"}, r"offload place\(s\) or update\(s\) the parameters leaf by "
+     r"leaf"),
     ({"pipeline.num_virtual_stages": 2, "pipeline.num_micro_batch": 8},
      r"pipeline.num_virtual_stages=2 \(interleaved chunks\)"),
 ])

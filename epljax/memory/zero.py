@@ -97,18 +97,20 @@ class Zero(Feature):
   def shardings(self, shardings: StateShardings, ctx: BuildContext) -> StateShardings:
     size = ctx.mesh.shape[DATA]
     self._groups = dict(ctx.mesh.shape).get(REPLICA, 1)
-    shapes, self._treedef = jax.tree.flatten(ctx.params_shape)
+    shapes, self._treedef = jax.tree.flatten(ctx.stored_params_shape)
     full = jax.tree.leaves(shardings.params, is_leaf=is_sharding)
     # A weight read outside loops (an embedding, an LM head) may be split along a dimension
     # named by a one-device axis (the vocabulary under a model's logical rules), as a hand FSDP
     # splits it: uses.py can then leave its use sharded (routes.py). The stacked layers of a
     # loop keep their truly free dimension (the same gathered bytes; on XLA:GPU a layer kernel
-    # split along its minor dimension costs a transposed copy of its stack).
-    looped = read_in_loops(ctx.capture, len(shapes))
+    # split along its minor dimension costs a transposed copy of its stack). (A pipeline's
+    # slots, ``state_params_shape``, are not the traced loss's inputs: each keeps its own.)
+    looped = (read_in_loops(ctx.capture, len(shapes)) if ctx.state_params_shape is None
+              else [True] * len(shapes))
     self._sharded = [shard_over_data(s, x.shape, size, unit_axes_free=not inside)
                      for s, x, inside in zip(full, shapes, looped)]
     paths = [jax.tree_util.keystr(p, simple=True, separator="/")
-             for p, _ in jax.tree_util.tree_flatten_with_path(ctx.params_shape)[0]]
+             for p, _ in jax.tree_util.tree_flatten_with_path(ctx.stored_params_shape)[0]]
     self._unsharded = [f"{path} {tuple(x.shape)}" for path, x, a, b in
                        zip(paths, shapes, full, self._sharded) if a == b]
     sharded_tree = jax.tree.unflatten(self._treedef, self._sharded)
