@@ -189,21 +189,24 @@ def gib(n: int) -> str:
 SCHEDULES = {"1F1B": "PreferBackward", "GPipe": "PreferForward"}   # --schedule -> strategy
 
 
-def pipeline_config(devices: int, tp: int = TP, schedule: str = "1F1B") -> dict:
+def pipeline_config(devices: int, tp: int = TP, schedule: str = "1F1B",
+                    param_layout: str = "user") -> dict:
   """``tp_pp`` over ``devices`` H100s: 2 stages, 4 from 64 devices; 2 micro batches a stage;
-  epljax's ``schedule`` (the hand program is GPipe whatever it is)."""
+  epljax's ``schedule`` (the hand program is GPipe whatever it is) and
+  ``pipeline.param_layout``."""
   stages = min(4, max(2, devices // 16))
   return {"auto.auto_parallel": True, "pipeline.num_stages": stages,
-          "pipeline.num_micro_batch": 2 * stages, "pipeline.strategy": SCHEDULES[schedule]}
+          "pipeline.num_micro_batch": 2 * stages, "pipeline.strategy": SCHEDULES[schedule],
+          "pipeline.param_layout": param_layout}
 
 
 def row(name: str, layout: str, topology: str, rows: int, devices: list,
-        tp: int = TP, schedule: str = "1F1B") -> list[str]:
+        tp: int = TP, schedule: str = "1F1B", param_layout: str = "user") -> list[str]:
   problem = PROBLEMS[name]()
   pipeline = layout == "tp_pp"
   if pipeline:   # a stage of 4 GPUs on one host, of 8 across hosts
     tp = min(tp, len(devices) // 2)
-  config = pipeline_config(len(devices), tp, schedule) if pipeline else None
+  config = pipeline_config(len(devices), tp, schedule, param_layout) if pipeline else None
   with tempfile.NamedTemporaryFile("r", suffix=".log") as log:
     with stderr_to(log.name):
       ours, plan_s, plan = compile_epl(problem, "tp" if pipeline else layout, rows, tp,
@@ -220,6 +223,8 @@ def row(name: str, layout: str, topology: str, rows: int, devices: list,
            if hand else ("", ""))
   if pipeline and schedule != "1F1B":
     layout = f"{layout} {schedule}"
+  if pipeline and param_layout != "user":
+    layout = f"{layout} ({param_layout})"
   return [problem.name, f"{problem.params / 1e9:.2f}B", layout, topology, mesh, rows,
           gib(ours.bytes_per_device), *theirs, gib(ours.collective_bytes), *moved,
           f"{plan_s:.0f}", f"{ours.compile_s:.0f}", f"{hand.compile_s:.0f}" if hand else "",
@@ -247,6 +252,8 @@ def main(argv=None):
                       help="global batch rows = this x devices")
   parser.add_argument("--schedule", default="1F1B", choices=list(SCHEDULES),
                       help="epljax's pipeline schedule in tp_pp cells (the hand one is GPipe)")
+  parser.add_argument("--param_layout", default="user", choices=["user", "stage"],
+                      help="epljax's pipeline.param_layout in tp_pp cells")
   parser.add_argument("--record", action="store_true")
   args = parser.parse_args(argv)
   cells = [(m, int(n), layout) for m, n, layout in (c.split(":") for c in args.cells)] or [
@@ -258,7 +265,7 @@ def main(argv=None):
     where, before = f"{n} ({n // 8} host{'s' * (n > 8)})", len(DETAILS)
     try:
       rows.append(row(name, layout, where, n * args.rows_per_device, gpus[n],
-                      schedule=args.schedule))
+                      schedule=args.schedule, param_layout=args.param_layout))
     except Exception as e:  # noqa: BLE001 (the table says which layout fails and why)
       why = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
       rows.append([name, "", layout, where, why] + [""] * (len(HEADERS) - 5))
