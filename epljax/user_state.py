@@ -63,6 +63,15 @@ class UserState:
     shardings = jax.tree.map(_device_only, shardings, is_leaf=_is_sharding)
     self._abstract = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+    if stages is not None:   # the slots <-> the user's trees, each one program (compiled once)
+      user = {k: jax.tree.map(lambda x: x.sharding, self._abstract[k])
+              for k in ("params", "opt_state")}
+      self._slots_to_user = jax.jit(
+          lambda p, o: (stages.to_user(p), stages.opt_to_user(o)),
+          out_shardings=(user["params"], user["opt_state"]))
+      self._user_to_slots = jax.jit(
+          lambda p, o: (stages.to_internal(p), stages.opt_to_internal(o)),
+          out_shardings=(state_shardings.params, state_shardings.opt_state))
 
   def abstract(self) -> dict:
     return self._abstract
@@ -93,20 +102,13 @@ class UserState:
   def to_user(self, state: TrainState) -> dict:
     tree = {k: getattr(state, k) for k in PARTS}
     if self.stages is not None:
-      want = {k: jax.tree.map(lambda x: x.sharding, self._abstract[k])
-              for k in ("params", "opt_state")}
-      tree["params"], tree["opt_state"] = jax.jit(
-          lambda p, o: (self.stages.to_user(p), self.stages.opt_to_user(o)),
-          out_shardings=(want["params"], want["opt_state"]))(tree["params"], tree["opt_state"])
+      tree["params"], tree["opt_state"] = self._slots_to_user(tree["params"], tree["opt_state"])
     return self._reorder(tree, to_internal=False)
 
   def from_user(self, tree: dict) -> TrainState:
     tree = self._reorder(dict(tree), to_internal=True)
     if self.stages is not None:
-      tree["params"], tree["opt_state"] = jax.jit(
-          lambda p, o: (self.stages.to_internal(p), self.stages.opt_to_internal(o)),
-          out_shardings=(self.state_shardings.params, self.state_shardings.opt_state))(
-              tree["params"], tree["opt_state"])
+      tree["params"], tree["opt_state"] = self._user_to_slots(tree["params"], tree["opt_state"])
     return jax.device_put(TrainState(**tree), self.state_shardings)
 
   def _reorder(self, tree: dict, to_internal: bool) -> dict:

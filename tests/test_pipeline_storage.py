@@ -174,12 +174,28 @@ def test_stage_layout_shards_the_slots_optimizer_state_over_data_under_zero_v1()
     assert "data" not in state.params[name].sharding.spec
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def _mask_tree():   # optax's other form of a mask: a tree of the user's structure
+  params = jax.eval_shape(Stack(stages=4).init, jax.random.key(0),
+                          classification_batch(32)["x"])["params"]
+  return optax.adamw(1e-2, weight_decay=0.1, mask=_decay_matrices(params))
+
+
+NOT_ELEMENTWISE = {
+    **OPTIMIZERS,
+    # A mask whose decay hides in the parameters (a small part of each) and a learning rate
+    # warming up from zero: the update, compared against its own size, still differs.
+    "adamw_mask_warmup": lambda: optax.adamw(optax.linear_schedule(0.0, 1e-2, 100),
+                                             weight_decay=0.01, mask=_decay_matrices),
+    "adamw_mask_tree": _mask_tree,
+}
+
+
+@pytest.mark.parametrize("name", list(NOT_ELEMENTWISE))
 def test_stage_layout_refuses_an_optimizer_that_reads_more_than_each_element(name):
   # Identical stages, so a slot holds a leaf of each stage: a per-leaf norm (LAMB) would mix
   # them. Refused at init, before anything compiles.
   epl.init(STAGE_LAYOUT)
-  trainer = epl.Trainer(*linen_fns(Stack(stages=4)), OPTIMIZERS[name]())
+  trainer = epl.Trainer(*linen_fns(Stack(stages=4)), NOT_ELEMENTWISE[name]())
   with pytest.raises(epl.PlanError, match=r"param_layout='stage' runs the optimizer on the "
                      r"stages' slots(.|\n)*Keep(.|\n)*param_layout='user'"):
     trainer.init(jax.random.key(0), classification_batch(32))

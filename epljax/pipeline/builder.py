@@ -133,12 +133,13 @@ class Pipeline:
     return {k: jax.ShapeDtypeStruct((n, *t.shape), t.dtype)
             for k, t in self.store.buffers.items()}
 
-  def to_internal(self, params: Any) -> Any:
-    """The user's parameter tree -> ``TrainState.params`` (traceable): a leaf tied across
-    stages is held by the first stage that reads it (``slots.tied_rows``)."""
+  def to_internal(self, params: Any, dtype: Any = None) -> Any:
+    """The user's parameter tree -> ``TrainState.params`` (traceable; in ``dtype``, default
+    the leaves' own): a leaf tied across stages is held by the first stage that reads it
+    (``slots.tied_rows``)."""
     if not self.in_stages:
       return params
-    return self._tied(self.store.pack(jax.tree.leaves(params)), "own")
+    return self._tied(self.store.pack(jax.tree.leaves(params), dtype), "own")
 
   def _tied(self, buffers: Mapping[str, jax.Array], mode: str) -> dict[str, jax.Array]:
     return slots.tied_rows(buffers, self.store.layouts, self.store.members,
@@ -156,10 +157,9 @@ class Pipeline:
     return self._map_moments(opt_state, self._like_internal, self.to_user)
 
   def opt_to_internal(self, opt_state: Any) -> Any:
-    def moment(x):   # in its own dtype (a bfloat16 ``mu_dtype``), not the parameters'
-      dtypes = {v.dtype for v in jax.tree.leaves(x)}
-      slots = self.to_internal(x)
-      return slots if len(dtypes) != 1 else {k: v.astype(*dtypes) for k, v in slots.items()}
+    def moment(x):   # in its own dtype (a float32 or bfloat16 ``mu_dtype``), never rounded
+      dtypes = {v.dtype for v in jax.tree.leaves(x)}   # to the parameters'
+      return self.to_internal(x, dtypes.pop() if len(dtypes) == 1 else None)
 
     return self._map_moments(opt_state, self._like_user, moment)
 
@@ -197,18 +197,22 @@ class Pipeline:
       raise PlanError(_STAGE_LAYOUT.format(what=(
           f"parameters no stage reads: {listing(unread)}; the slots hold only what a stage "
           "reads"), fix="Remove them from the model or keep param_layout='user'"))
-    on_slots = jax.eval_shape(optimizer.init, self.params_shape)
     user_shape = jax.tree.unflatten(self.params_def, [
         jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.store.avals])
     on_user = jax.eval_shape(optimizer.init, user_shape)
-    converted = jax.eval_shape(self.opt_to_user, on_slots)
-    got, want = jax.tree.flatten(converted), jax.tree.flatten(on_user)
-    if got[1] != want[1] or any((a.shape, a.dtype) != (b.shape, b.dtype)
-                                for a, b in zip(got[0], want[0])):
+    slots_text = listing([f"{k} {tuple(a.shape)}" for k, a in self.params_shape.items()])
+    try:   # a mask or label tree of the user's structure cannot even be applied to the slots
+      converted = jax.eval_shape(self.opt_to_user,
+                                 jax.eval_shape(optimizer.init, self.params_shape))
+    except (ValueError, TypeError, KeyError) as e:
       raise PlanError(_STAGE_OPTIMIZER.format(
-          n=len(self.params_shape), slots=listing(
-              [f"{k} {tuple(a.shape)}" for k, a in self.params_shape.items()]),
-          user=_short(jax.tree.structure(on_user)), slot=_short(jax.tree.structure(converted))))
+          n=len(self.params_shape), slots=slots_text,
+          differs=f"its init fails on the slots: {type(e).__name__}: "
+                  f"{_short(str(e).splitlines()[0] if str(e) else '', 200)}")) from e
+    differs = _first_difference(on_user, converted)
+    if differs is not None:
+      raise PlanError(_STAGE_OPTIMIZER.format(n=len(self.params_shape), slots=slots_text,
+                                              differs=differs))
     differs = self._probe(optimizer)
     if differs is not None:
       raise PlanError(_STAGE_UPDATE.format(path=differs))
@@ -224,12 +228,14 @@ class Pipeline:
     parts = {i: storage.part_key(v - n) for v, i in store.parts.items()}
     shapes = [(stages, *(min(d, 3) for d in a.shape[1:])) if i in parts else
               tuple(min(d, 3) for d in a.shape) for i, a in enumerate(store.avals)]
+    # float32 whatever the parameters' dtype: whether the update is elementwise does not
+    # depend on it, and a difference must not hide under bfloat16 rounding.
     owner = {i: min(at) for i, at in self.shared.items()}
     owner.update({i: s for held in holders.values() for s, i in held.items() if i not in owner})
     rng = np.random.default_rng(0)
 
     def draw():
-      return [rng.standard_normal(s).astype(a.dtype) for s, a in zip(shapes, store.avals)]
+      return [rng.standard_normal(s).astype(np.float32) for s in shapes]
 
     def to_slots(leaves):
       out = {k: jnp.stack([leaves[held[s]] if s in held and owner[held[s]] == s else
@@ -242,22 +248,28 @@ class Pipeline:
       return [tree[parts[i]][:, 0] if i in parts else tree[at[i][0]][at[i][1]]
               for i in range(n)]
 
-    def train(params, grads, as_tree):
-      params = as_tree(params)
+    def train(params, grads, as_tree):   # each step's updates
+      params, steps = as_tree(params), []
       state = optimizer.init(params)
       for g in grads:
         updates, state = optimizer.update(as_tree(g), state, params)
         params = optax.apply_updates(params, updates)
-      return params
+        steps.append(updates)
+      return steps
 
-    params, grads = draw(), [draw(), draw()]
-    on_user = jax.tree.leaves(jax.jit(lambda p, g: train(
-        p, g, lambda x: jax.tree.unflatten(self.params_def, x)))(params, grads))
-    on_slots = from_slots(jax.jit(lambda p, g: train(p, g, to_slots))(params, grads))
-    for i, (u, v) in enumerate(zip(on_user, on_slots)):
-      if not np.allclose(np.asarray(u, np.float32), np.asarray(v, np.float32), rtol=1e-5,
-                         atol=1e-6):
-        return self.param_paths[i]
+    # The updates, not the parameters, are compared, each against its own size: a weight
+    # decay a mask leaves out is a small part of a parameter, but not of its update (three
+    # steps, so that a learning rate warming up from zero still moves the last two).
+    params, grads = draw(), [draw() for _ in range(3)]
+    on_user = jax.jit(lambda p, g: train(
+        p, g, lambda x: jax.tree.unflatten(self.params_def, x)))(params, grads)
+    on_slots = jax.jit(lambda p, g: train(p, g, to_slots))(params, grads)
+    for user_step, slot_step in zip(on_user, on_slots):
+      for i, (u, v) in enumerate(zip(jax.tree.leaves(user_step), from_slots(slot_step))):
+        u, v = np.asarray(u, np.float32), np.asarray(v, np.float32)
+        scale = max(float(np.abs(u).max(initial=0.0)), float(np.abs(v).max(initial=0.0)))
+        if not np.allclose(u, v, rtol=1e-4, atol=1e-5 * scale):
+          return self.param_paths[i]
     return None
 
   def state_sharding(self, leaf: Any, param_sharding: NamedSharding) -> NamedSharding:
@@ -491,6 +503,25 @@ def _short(tree: Any, limit: int = 300) -> str:
   return text if len(text) <= limit else text[:limit] + " ..."
 
 
+def _first_difference(want: Any, got: Any) -> str | None:
+  """Where an optimizer state converted from the slots (``got``) first differs from its state
+  on the user's tree (``want``), in words, or None."""
+  want_leaves, got_leaves = (jax.tree_util.tree_flatten_with_path(t)[0] for t in (want, got))
+  for (path, a), (other, b) in zip(want_leaves, got_leaves):
+    if path != other:
+      return (f"at {jax.tree_util.keystr(path)} its state on the user's tree has a leaf where "
+              f"its state on the slots has {jax.tree_util.keystr(other)}")
+    if (a.shape, a.dtype) != (b.shape, b.dtype):
+      return (f"at {jax.tree_util.keystr(path)}: {tuple(a.shape)} {a.dtype} on the user's "
+              f"tree, {tuple(b.shape)} {b.dtype} on the slots")
+  if len(want_leaves) != len(got_leaves):
+    return (f"{len(want_leaves)} leaves on the user's tree, {len(got_leaves)} on the slots "
+            f"({_short(jax.tree.structure(got), 200)})")
+  if jax.tree.structure(want) != jax.tree.structure(got):
+    return f"its structure: {_short(jax.tree.structure(got), 200)}"
+  return None
+
+
 _STAGE_LAYOUT = """\
 pipeline.param_layout='stage' keeps each stage's parameters whole on its own devices, in the
 slots its loop reads, but this pipeline has {what}. {fix} (the user's tree, each leaf split
@@ -501,9 +532,7 @@ pipeline.param_layout='stage' runs the optimizer on the stages' slots ({n} array
 instead of the user's tree, which updates them the same only when the optimizer treats each
 leaf elementwise (AdamW, SGD, momentum, Lion). This optimizer's state on the slots is not its
 state on the user's tree moment by moment, so it reads a leaf's path or shape (a mask,
-multi_transform, factored moments like adafactor's):
-  on the user's tree: {user}
-  on the slots:       {slot}
+multi_transform, factored moments like adafactor's): {differs}.
 Keep pipeline.param_layout='user' (the default) for this optimizer."""
 
 _STAGE_UPDATE = """\

@@ -198,7 +198,7 @@ class Buffers:
   params: dict[str, Any]    # {dtype: size} packed (and {part: SlotType}), or slots
   payload: dict[str, int]
   grad_payload: dict[str, int]
-  residuals: dict[str, Any]  # {dtype: size} packed, or {slot: SlotType} (split stages)
+  residuals: dict[str, Any]  # {dtype: size} packed, or {slot: SlotType} (tensor-parallel)
   keep_inputs: bool
   state: dict[str, Any]     # {slot: SlotType}
 

@@ -103,14 +103,17 @@ class ParamStore:
     """Per leaf, the dimension stored split over ``stage``."""
     return tuple(stage_dim(sh.spec) for sh in self.shardings)
 
-  def pack(self, leaves: Sequence[Any]) -> dict[str, jax.Array]:
+  def pack(self, leaves: Sequence[Any], dtype: Any = None) -> dict[str, jax.Array]:
     """The stored leaves -> the loop's ``(S v, ...)`` buffers (traceable), sharded as the loop
-    reads them."""
+    reads them; slotted, in ``dtype`` instead of the leaves' own (an optimizer's moments in
+    theirs)."""
     parts = {part_key(v - len(leaves)): interleave(leaves[i], self.virtual, self.mesh)
              for v, i in self.parts.items()}
     if self.slotted:
-      moved = slots.exchange(leaves, self.layouts, self.members, self.dims, self.buffers,
-                             self.mesh)
+      types = self.buffers if dtype is None else {
+          k: dataclasses.replace(t, dtype=packing.dtype_name(dtype))
+          for k, t in self.buffers.items()}
+      moved = slots.exchange(leaves, self.layouts, self.members, self.dims, types, self.mesh)
       return {k: lax.with_sharding_constraint(v, NamedSharding(
           self.mesh, P(STAGE, *self.buffers[k].spec))) for k, v in {**moved, **parts}.items()}
     stage = NamedSharding(self.mesh, P(STAGE))
@@ -167,10 +170,10 @@ class ParamStore:
 
   def stash(self, layouts: list[packing.Layout]) -> tuple[list[packing.Layout], packing.Types]:
     """The branches' residuals (flat layouts) -> their layouts in the stash, and its type:
-    flat buffers padded to the largest; slotted, whole residuals in slots, which keep GSPMD's
-    ``model`` split (a flat buffer would gather them), shared by the branches like their
-    parameters."""
-    if not self.slotted:
+    flat buffers padded to the largest; tensor-parallel stages, whole residuals in slots, which
+    keep GSPMD's ``model`` split (a flat buffer would gather them), shared by the branches like
+    their parameters."""
+    if not self.split_model:
       return layouts, packing.padded_sizes(layouts)
     return packing.assign([[SlotType(e.shape, e.dtype, (None,) * len(e.shape))
                             for e in lay.entries] for lay in layouts])
