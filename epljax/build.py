@@ -125,10 +125,9 @@ class Placement:
     """The train state holds the pipeline's slots (``Pipeline.in_stages``)."""
     return self.pipe is not None and self.pipe.in_stages
 
-  @property
-  def params_shape_of(self) -> Callable[[Any], Any]:
+  def stored_shape(self, params_shape: Any) -> Any:
     """The user's params shape -> ``TrainState.params``' shape."""
-    return (lambda _: self.pipe.params_shape) if self.in_stages else (lambda p: p)
+    return self.pipe.params_shape if self.in_stages else params_shape
 
   def to_user(self, params: Any) -> Any:
     """``TrainState.params`` (or gradients like them) -> the user's tree and order."""
@@ -501,7 +500,7 @@ def make_plan(var: Variables, cap: Capture, where: Placement, features: Sequence
   abstract_state = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       jax.eval_shape(lambda: TrainState(
-          step=jnp.zeros((), jnp.int32), params=where.params_shape_of(var.params_shape),
+          step=jnp.zeros((), jnp.int32), params=where.stored_shape(var.params_shape),
           opt_state=where.opt_shape,
           model_state=var.state_shape, feature_state=fstate)), jits["state_shardings"])
   abstract_batch = batch_lib.global_shapes(
@@ -533,7 +532,7 @@ def make_plan(var: Variables, cap: Capture, where: Placement, features: Sequence
                 "gradient accumulation" if num_micro > 1 else "-"),
       features=[f if isinstance(f, str) else f.describe for f in features], pipeline=pipe,
       compile_step=lambda: step_jit.lower(abstract_state, abstract_batch).compile(),
-      grads_bytes=tree_bytes_per_device(where.params_shape_of(var.params_shape), grads_sh),
+      grads_bytes=tree_bytes_per_device(where.stored_shape(var.params_shape), grads_sh),
       placement={"parameters": _where(base.params), "gradients": _where(grads_sh),
                  "optimizer state": _where(base.opt_state),
                  "model state": _where(base.model_state)},

@@ -65,6 +65,10 @@ STRATEGIES = {
     "amp_o1": {"amp.level": "O1"},
     # The plan searched (epljax/search.py): whatever it chooses trains like the reference.
     "auto_plan": {"auto.auto_parallel": True},
+    # Two stages with the train state as the loop's slots (pipeline.param_layout="stage"):
+    # tied embeddings held once, nn.scan parts, rolled layers; SGD's momentum in the slots.
+    "pipeline_stage": {"auto.auto_parallel": True, "pipeline.num_stages": 2,
+                       "pipeline.num_micro_batch": 2, "pipeline.param_layout": "stage"},
 }
 
 # Cells that cannot be balanced and must say so (none left: the layers under nn.scan are split
@@ -103,7 +107,7 @@ LEFT_OUT = {
               "zero_v3"},
     "gpt2": {"pipeline_2", "pipeline_auto_split"},
     "gpt2_fused": {"pipeline_2", "pipeline_4", "pipeline_interleaved", "pipeline_split",
-                   "gc_auto", "zero_v1", "zero_v3", "auto_plan"},
+                   "gc_auto", "zero_v1", "zero_v3", "auto_plan", "pipeline_stage"},
     "gpt2_fused_t": set(STRATEGIES) - {"split_annotate"},
     "vit": {"pipeline_2", "pipeline_auto_split", "pipeline_interleaved", "zero_v1", "zero_v3"},
     "mlp_loop": {"pipeline_4", "zero_v3", "amp_o1", "auto_plan"},
@@ -368,6 +372,11 @@ def test_zoo_contract(name, strategy):
   elif strategy == "pipeline_roll":
     check_stages(trainer, name, 2)
     assert all(row.loop != "-" for row in plan.pipeline.stage_info()), plan
+  elif strategy == "pipeline_stage":   # the state is the slots: each stage's row whole
+    check_stages(trainer, name, 2)
+    assert plan.pipeline.in_stages and set(state.params) == set(plan.pipeline.store.buffers)
+    assert all(x.shape[0] == 2 and x.sharding.spec[0] == "stage"
+               for x in state.params.values()), {k: x.sharding for k, x in state.params.items()}
   elif strategy.startswith("pipeline_"):
     check_stages(trainer, name, int(strategy.split("_")[1]))
   elif strategy == "auto_plan":

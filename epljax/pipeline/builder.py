@@ -224,28 +224,27 @@ class Pipeline:
     LAMB's trust ratio) rather than each element. The first leaf whose result differs, or
     None."""
     store, n, stages = self.store, len(self.store.avals), self.schedule.num_stages
-    holders = slots.holders(store.layouts, store.members)
     parts = {i: storage.part_key(v - n) for v, i in store.parts.items()}
     shapes = [(stages, *(min(d, 3) for d in a.shape[1:])) if i in parts else
               tuple(min(d, 3) for d in a.shape) for i, a in enumerate(store.avals)]
     # float32 whatever the parameters' dtype: whether the update is elementwise does not
     # depend on it, and a difference must not hide under bfloat16 rounding.
-    owner = {i: min(at) for i, at in self.shared.items()}
-    owner.update({i: s for held in holders.values() for s, i in held.items() if i not in owner})
+    rows: dict[str, dict[int, int]] = {}   # slot -> {row: the leaf at home there}
+    for i, (key, row) in store.homes.items():
+      rows.setdefault(key, {})[row] = i
     rng = np.random.default_rng(0)
 
     def draw():
       return [rng.standard_normal(s).astype(np.float32) for s in shapes]
 
-    def to_slots(leaves):
-      out = {k: jnp.stack([leaves[held[s]] if s in held and owner[held[s]] == s else
-                           jnp.zeros_like(leaves[next(iter(held.values()))])
-                           for s in range(stages)]) for k, held in holders.items()}
+    def to_slots(leaves):   # as ``to_internal`` holds them, at the stand-ins' sizes
+      out = {k: jnp.stack([leaves[at[s]] if s in at else
+                           jnp.zeros_like(leaves[next(iter(at.values()))])
+                           for s in range(stages)]) for k, at in rows.items()}
       return {**out, **{k: leaves[i][:, None] for i, k in parts.items()}}
 
     def from_slots(tree):
-      at = {i: (k, s) for k, held in holders.items() for s, i in held.items() if owner[i] == s}
-      return [tree[parts[i]][:, 0] if i in parts else tree[at[i][0]][at[i][1]]
+      return [tree[parts[i]][:, 0] if i in parts else tree[store.homes[i][0]][store.homes[i][1]]
               for i in range(n)]
 
     def train(params, grads, as_tree):   # each step's updates

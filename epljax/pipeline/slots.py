@@ -67,7 +67,7 @@ def as_key(x: Any, aval: Any) -> Any:
   return jax.random.wrap_key_data(x, impl=aval.dtype._impl) if is_key(aval) else x
 
 
-def holders(layouts: Sequence[Layout], members: Sequence[Sequence[int]]
+def _holders(layouts: Sequence[Layout], members: Sequence[Sequence[int]]
             ) -> dict[str, dict[int, int]]:
   """Slot -> {stage: the leaf it holds there}, for the stages' leaves ``members`` (the first
   entries of their ``layouts``)."""
@@ -105,7 +105,7 @@ def exchange(leaves: Sequence[Any], layouts: Sequence[Layout], members: Sequence
   def local(*mine):
     r = lax.axis_index(STAGE)
     out = {}
-    for k, held in holders(layouts, members).items():
+    for k, held in _holders(layouts, members).items():
       t, d = types[k], _slot_dim(held, dims)
       piece = piece_shape(t.shape, d, n)
       rows = jnp.stack([mine[held[s]].astype(t.dtype) if s in held
@@ -138,7 +138,7 @@ def exchange_gradients(packed: Mapping[str, jax.Array], layouts: Sequence[Layout
     def add(i, x):
       sums[i] = x if sums[i] is None else sums[i] + x
 
-    for k, held in holders(layouts, members).items():
+    for k, held in _holders(layouts, members).items():
       g, d = bufs[k][0], _slot_dim(held, dims)
       if d is None:   # whole on every stage: the holders' sum
         for s, i in held.items():
@@ -175,7 +175,7 @@ def tied_rows(bufs: Mapping[str, jax.Array], layouts: Sequence[Layout],
   bufs = dict(bufs)
   if not tied:
     return bufs
-  held = holders(layouts, members)
+  held = _holders(layouts, members)
   copies = {i: {s: k for k, by_stage in held.items() for s, j in by_stage.items() if j == i}
             for i in tied}
 

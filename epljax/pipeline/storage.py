@@ -137,17 +137,25 @@ class ParamStore:
       leaves[i] = deinterleave(packed[k], tuple(self.avals[i].shape), self.mesh)
     return leaves
 
+  @functools.cached_property
+  def homes(self) -> dict[int, tuple[str, int]]:
+    """Slotted: each exchanged leaf's slot and row in the first stage that holds it (a leaf
+    several stages read, tied, is held there alone: ``slots.tied_rows``)."""
+    out: dict[int, tuple[str, int]] = {}
+    for row, (member, layout) in enumerate(zip(self.members, self.layouts)):
+      for i, e in zip(member, layout.entries):
+        out.setdefault(i, (e.key, row))
+    return out
+
   def unpack(self, buffers: Mapping[str, jax.Array]) -> list[Any]:
-    """Slots -> the user's leaves, each from the first stage that holds it (traceable; no
-    leaf is held by two stages or by none: ``Pipeline.check_stage_layout``)."""
+    """Slots -> the user's leaves, each from its home (``homes``) (traceable; every leaf is
+    held by a stage: ``Pipeline.check_stage_layout``)."""
     if not self.slotted:   # internal invariant: only slots hold whole leaves
       raise AssertionError("ParamStore.unpack of packed buffers")
     n = len(self.avals)
     leaves: list[Any] = [None] * n
-    for row, (member, layout) in enumerate(zip(self.members, self.layouts)):
-      for i, e in zip(member, layout.entries):
-        if leaves[i] is None:
-          leaves[i] = buffers[e.key][row]
+    for i, (key, row) in self.homes.items():
+      leaves[i] = buffers[key][row]
     for v, i in self.parts.items():
       leaves[i] = deinterleave(buffers[part_key(v - n)], tuple(self.avals[i].shape), self.mesh)
     return leaves
