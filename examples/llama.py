@@ -1,12 +1,19 @@
 """A Llama trained on tiny Shakespeare (characters) with epljax; real sizes planned for GPUs.
 
-    python examples/llama.py --data ../shared/data/tinyshakespeare.txt
-    python examples/llama.py --data ... --layout tp --tp 2 --steps 300
-    python examples/llama.py --data ... --layout tp_pp --config amp.level=O1
+    python examples/llama.py
+    python examples/llama.py --layout tp --tp 2 --steps 300
+    python examples/llama.py --layout tp_pp --config amp.level=O1
     python -m epljax.plan examples/llama.py --topology h100:8x8 -- --size 70b --layout fsdp
 
-The model is the zoo's Llama (``tests/models/llama.py``: layers under ``nn.scan``, Flax logical
-axis names, grouped-query attention, SwiGLU, rotary positions). ``--size`` picks its shape:
+It needs epljax alone (``pip install -e .`` in the repository; planning for H100s, the CUDA
+plugin too: ``pip install -e ".[cuda12]"``). The text is the repository's copy of tiny
+Shakespeare (``examples/data/tinyshakespeare.txt``; ``--data`` reads another). Each step trains
+on random windows of it, drawn as nanoGPT's ``get_batch`` draws them, the same global batch on
+every process, each process feeding its own rows (``epl.io.process_slice``).
+
+The model (``examples/example_models/llama.py``, the test zoo's Llama too: layers under
+``nn.scan``, Flax logical axis names, grouped-query attention, SwiGLU, rotary positions).
+``--size`` picks its shape:
 
 =====  ====================================  ========  ===========  ==================
 size   shape                                 compute   seq x batch  for
@@ -52,13 +59,14 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import epljax as epl  # noqa: E402
-from epljax.data import CharVocab, split_train_val, windows  # noqa: E402
+from epljax.data import CharVocab, split_train_val  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from models import llama  # noqa: E402  (one Llama for the zoo, the benches and this script)
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:   # as `python examples/llama.py` has it (epljax.plan runs it by path)
+  sys.path.insert(0, HERE)
+from example_models import llama  # noqa: E402  (one Llama for this script, the zoo, the benches)
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
-                    "tinyshakespeare.txt")
+DATA = os.path.join(HERE, "data", "tinyshakespeare.txt")
 # size -> (tokens per row, rows per global batch) when --seq / --batch are not given
 DEFAULTS = {"small": (64, 16), "tiny": (64, 16), "8b": (2048, 64), "70b": (2048, 64)}
 LAYOUTS = ("dp", "fsdp", "tp", "tp_pp")
@@ -104,14 +112,23 @@ def model_size(name: str, vocab: int) -> llama.Size:
 
 
 def batches(tokens: np.ndarray, seq: int, rows: int, seed: int):
-  """``{"x": ids, "y": next ids}`` of ``rows`` random windows (this process's share)."""
-  for window in windows(tokens, seq, rows, seed=seed):
-    yield {"x": window["tokens"][:, :-1], "y": window["tokens"][:, 1:]}
+  """Global batches ``{"x": ids, "y": next ids}`` of ``rows`` windows of ``seq + 1`` tokens at
+  random starts (nanoGPT's ``get_batch``), the same on every process: each passes its own rows
+  to the trainer (``epl.io.process_slice``)."""
+  if len(tokens) <= seq:
+    raise epl.ConfigError(f"the text has {len(tokens)} tokens, too few for windows of {seq + 1} "
+                          "(--seq); pass a longer --data or a smaller --seq")
+  rng = np.random.default_rng(seed)
+  while True:
+    starts = rng.integers(0, len(tokens) - seq, rows)
+    window = np.stack([tokens[start:start + seq + 1] for start in starts])
+    yield {"x": window[:, :-1], "y": window[:, 1:]}
 
 
 def main(argv=None) -> list[float]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--data", default=DATA, help="a text file (tiny Shakespeare)")
+  parser.add_argument("--data", default=DATA,
+                      help="a text file (default: the repository's tiny Shakespeare)")
   parser.add_argument("--size", default="small", choices=list(llama.SIZES))
   parser.add_argument("--seq", type=int, help="tokens per row (default: by --size)")
   parser.add_argument("--batch", type=int, help="rows per global batch (default: by --size)")
@@ -130,7 +147,7 @@ def main(argv=None) -> list[float]:
 
   if not os.path.exists(args.data):
     raise epl.ConfigError(f"--data {args.data}: no such file; pass the path of a text file "
-                          "(tiny Shakespeare: /work/shared/data/tinyshakespeare.txt)")
+                          f"(the repository's tiny Shakespeare: {DATA})")
   with open(args.data, encoding="utf-8") as f:
     text = f.read()
   vocab = CharVocab.of(text)
@@ -145,24 +162,26 @@ def main(argv=None) -> list[float]:
     epl.annotate({"Llama": epl.split(args.tp)})   # Megatron from the logical axis names
   optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, args.lr, 20, args.steps),
                           b2=0.95, weight_decay=0.1)
-  data = batches(train_tokens, seq, rows // jax.process_count(), args.seed)
+  data = batches(train_tokens, seq, rows, args.seed)
   # The rules a MaxText user gives Flax: logical axis names -> the "model" mesh axis.
   with nn.logical_axis_rules(llama.LOGICAL_RULES):
     trainer = epl.Trainer(init_fn, loss_fn, optimizer)
-    state = trainer.init(jax.random.key(args.seed), next(data))
+    state = trainer.init(jax.random.key(args.seed), epl.io.process_slice(next(data)))
     if args.plan:
       print(trainer.plan, "\n")
     losses, start = [], time.perf_counter()
     for step in range(1, args.steps + 1):
-      state, metrics = trainer.train_step(state, next(data))
+      state, metrics = trainer.train_step(state, epl.io.process_slice(next(data), trainer.plan))
       losses.append(metrics["loss"])
       if step % args.log_every == 0 or step == args.steps:
         seconds = (time.perf_counter() - start) / args.log_every
         print(f"step {step}: loss {float(metrics['loss']):.4f}  ({seconds * 1e3:.0f} ms/step)",
               flush=True)
         start = time.perf_counter()
-    held_out = batches(val_tokens, seq, rows // jax.process_count(), args.seed + 1)
-    val = np.mean([float(trainer.eval_step(state, next(held_out))["loss"]) for _ in range(4)])
+    held_out = batches(val_tokens, seq, rows, args.seed + 1)
+    val = np.mean([float(trainer.eval_step(state, epl.io.process_slice(next(held_out),
+                                                                       trainer.plan))["loss"])
+                   for _ in range(4)])
   print(f"held-out loss {val:.4f} ({size.params / 1e6:.2f}M parameters, {args.layout}, "
         f"{seq} tokens x {rows} rows)")
   return [float(x) for x in losses]

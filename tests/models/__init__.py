@@ -22,7 +22,9 @@ tree like the variables.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +33,13 @@ from flax.core import meta
 from jax.sharding import PartitionSpec as P
 
 import epljax as epl
+
+# The models the examples train too (the Llama) live in examples/example_models.
+_EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__)))), "examples")
+if _EXAMPLES not in sys.path:
+  sys.path.append(_EXAMPLES)
+
 from models import common, gemma, gpt2, gpt2_fused, llama, mlp_loop, vit
 
 
