@@ -17,7 +17,7 @@ MFU is model FLOPs per second over the devices' peak dense bfloat16 FLOP/s
 (``epljax.chips``): per token ``6 x`` the parameters a matmul reads (the embedding lookup is not
 one) plus the attention's ``6 x 2 x layers x seq x heads x head_dim``, halved for the causal mask
 (MaxText's and torchtitan's count). HFU counts what the compiled step does instead: the
-matmuls of its HLO (``epljax.cost.matmul_flops``: the rematerialized forward and the full
+matmuls of its HLO (``epljax.flops.matmul_flops``: the rematerialized forward and the full
 attention matrix included; XLA:CPU's ``cost_analysis()`` undercounts bfloat16 dots).
 """
 
@@ -41,7 +41,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import epljax as epl  # noqa: E402
 from common import hand_step, record, table, time_against_hand  # noqa: E402
-from epljax import chips, cost  # noqa: E402
+from epljax import chips  # noqa: E402
+from epljax.flops import matmul_flops  # noqa: E402
 from models import llama  # noqa: E402
 from models.common import token_batch  # noqa: E402
 
@@ -94,8 +95,8 @@ def main(argv=None):
   epl_batch = trainer.shard_batch(batch)
   step, hand_state, hand_batch = hand_jit(loss_fn, optimizer, trainer.plan.mesh, state.params,
                                           batch)
-  flops = {"epljax": cost.matmul_flops(trainer.lower(state, epl_batch).compile().as_text()),
-           "hand": cost.matmul_flops(step.lower(hand_state, hand_batch).compile().as_text())}
+  flops = {"epljax": matmul_flops(trainer.lower(state, epl_batch).compile().as_text()),
+           "hand": matmul_flops(step.lower(hand_state, hand_batch).compile().as_text())}
   timing, _, _ = time_against_hand(trainer, state, epl_batch, step, hand_state, hand_batch,
                                    pairs=args.pairs)
 

@@ -22,7 +22,7 @@ True
    of all the search could afford to check. Of the compiled steps within the limit the fastest
    is chosen, by costs read from the compiled program (``cost.compiled_cost``; a pipeline's
    FLOPs and bubble from its branches' FLOPs times the schedule's busy slots,
-   ``_pipeline_compute``).
+   ``pipeline.cost.compute``).
    A row that was only estimated says so.
 3. Every row that lost says why, against the chosen row's predicted step (``_lost``).
 

@@ -18,6 +18,7 @@ import epljax as epl
 from epljax import chips
 from epljax import candidates as candidates_lib
 from epljax import cost as cost_lib
+from epljax import flops as flops_lib
 from epljax import search as search_lib
 from epljax.mesh import MODEL
 from helpers import MLP, assert_trees_close, classification_batch, linen_fns, reference_run
@@ -293,7 +294,7 @@ def test_a_model_whose_gradient_sum_dominates_gets_pipeline_stages():
   init_fn, loss_fn = linen_fns(Convs())
   params = jax.eval_shape(init_fn, jax.random.key(0), batch)
   grad = jax.jit(jax.grad(loss_fn)).lower(params, batch).compile()
-  whole = cost_lib.analysed_flops(grad) / (stages * data)
+  whole = flops_lib.analysed_flops(grad) / (stages * data)
   assert whole <= row.cost.flops <= 1.5 * whole
   # Stage rows with ZeRO v1 (a distributed optimizer: each stage's optimizer state sharded
   # over its data replicas) are weighed beside the same rows without it.
@@ -389,7 +390,7 @@ def test_flops_count_each_loop_iteration():
     init_fn, loss_fn = linen_fns(Wide())
     trainer = epl.Trainer(init_fn, loss_fn, optax.sgd(0.1))
     compiled = trainer.compile(batch).compiled
-    found[micro] = (cost_lib.compiled_flops(compiled), compiled.cost_analysis()["flops"])
+    found[micro] = (flops_lib.compiled_flops(compiled), compiled.cost_analysis()["flops"])
   assert found[2][1] < 0.75 * found[1][1]    # what cost_analysis() alone says
   # The same matmuls; accumulating the gradients adds a few elementwise FLOPs (6% here).
   assert found[2][0] == pytest.approx(found[1][0], rel=0.1)
@@ -514,7 +515,7 @@ ENTRY %main (a: f32[128,128], w: f32[16,128]) -> f32[128,128] {
 
 def _replay(text, collective_s):
   from epljax import overlap
-  return overlap.replay(text, lambda c: collective_s, cost_lib.instruction_matmul_flops, _RATE)
+  return overlap.replay(text, lambda c: collective_s, flops_lib.instruction_matmul_flops, _RATE)
 
 
 @pytest.mark.parametrize("collective_s, hidden_per_trip", [(0.5, 0.5), (1.5, 1.0)])

@@ -49,7 +49,6 @@ from jax.extend import core as jcore
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from epljax.cost import compiled_flops
 from epljax.errors import PlanError
 from epljax.mesh import STAGE
 from epljax.pipeline import derived, packing, roll, slots
@@ -107,8 +106,8 @@ class Branch:
     return any(kind == "act" for kind, _ in self.residuals.kinds)
 
   def bound(self, fn):
-    """``fn`` compiled alone (``branch_flops``): a stage averaging its batch statistics
-    (``stats.py``) in a ``shard_map`` manual over the loop's axes, as in the loop."""
+    """``fn`` compiled alone (``pipeline.cost.branch_flops``): a stage averaging its batch
+    statistics (``stats.py``) in a ``shard_map`` manual over the loop's axes, as in the loop."""
     if not self.stage.averaged:
       return fn
     mesh, manual = self.loop
@@ -244,7 +243,7 @@ def make_loop(stages: Sequence[Stage], fns: Sequence[StageFn], param_avals, batc
   return Loop(tuple(branches), tuple(branch_of), buffers)
 
 
-def _forward_branch(branch: Branch, sizes: Buffers, aux_avals):
+def forward_branch(branch: Branch, sizes: Buffers, aux_avals):
   def run(params, incoming, batch, state):
     leaves = branch.params.unpack_stacked(params, branch.stacks)
     acts = branch.incoming.unpack(incoming)
@@ -265,7 +264,7 @@ def _forward_branch(branch: Branch, sizes: Buffers, aux_avals):
   return run
 
 
-def _backward_branch(branch: Branch, sizes: Buffers):
+def backward_branch(branch: Branch, sizes: Buffers):
   # The stash comes in whole and is sliced here, where the slices fuse into their consumers,
   # rather than copying a slot out before the switch.
   def run(params, acc, stash_x, stash_r, slot, batch, grad_out, seed):
@@ -391,9 +390,9 @@ def pipelined_gradients(loop: Loop, aux_avals, schedule: Schedule, mesh: Mesh,
   ``model`` split. ``state``: model state per stage (``v = 1``), updated by each
   forward in micro batch order."""
   branches, sizes = loop.branches, loop.buffers
-  fwd = [_forward_branch(b, sizes, aux_avals) for b in branches] + [
+  fwd = [forward_branch(b, sizes, aux_avals) for b in branches] + [
       _idle_forward(sizes, aux_avals)]
-  bwd = [_backward_branch(b, sizes) for b in branches] + [_idle_backward(sizes)]
+  bwd = [backward_branch(b, sizes) for b in branches] + [_idle_backward(sizes)]
   idle = len(branches)
   n_stages, n_micro = schedule.num_stages, schedule.num_micro_batch
   n_virtual = schedule.num_virtual_stages
@@ -448,36 +447,3 @@ def pipelined_gradients(loop: Loop, aux_avals, schedule: Schedule, mesh: Mesh,
   return jax.shard_map(local, mesh=mesh, in_specs=(stage_spec, stage_spec, batch_spec, P()),
                        out_specs=(P(), P(), stage_spec, stage_spec), check_vma=False,
                        axis_names=manual)
-
-
-def branch_flops(loop: Loop, aux_avals, batch_avals) -> list[tuple[float, float]]:
-  """``(forward, backward)`` FLOPs of one tick of each branch, from ``cost_analysis`` of the
-  branch compiled alone, with the matmuls of its loops (rolled layers) counted per iteration
-  (``cost.compiled_flops``). (The compiled step counts a loop body once and a switch as its
-  costliest branch, so the executed FLOPs are these times the busy slots of the schedule.)"""
-  sizes = loop.buffers
-  sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
-  bufs = lambda d, lead=(): jax.eval_shape(lambda: packing.zeros(d, lead))  # noqa: E731
-
-  batch = [sds(a) for a in batch_avals]
-  params, state = bufs(sizes.params), bufs(sizes.state)
-  out = []
-  for b in loop.branches:
-    fwd = jax.jit(b.bound(_forward_branch(b, sizes, aux_avals))).lower(
-        params, bufs(sizes.payload), batch, state).compile()
-    bwd = jax.jit(b.bound(_backward_branch(b, sizes))).lower(
-        params, params, bufs(sizes.payload if sizes.keep_inputs else {}, (2,)),
-        bufs(sizes.residuals, (2,)), jax.ShapeDtypeStruct((), jnp.int32), batch,
-        bufs(sizes.grad_payload), jax.ShapeDtypeStruct((), jnp.float32)).compile()
-    out.append((compiled_flops(fwd), compiled_flops(bwd)))
-  return out
-
-
-def tick_flops(costs: Sequence[tuple[float, float]], branch_of: Sequence[int],
-               schedule: Schedule) -> np.ndarray:
-  """``(ticks, stages)``: the FLOPs each stage runs at each tick, every busy slot running its
-  chunk's branch (``costs``: ``branch_flops``; the loop's switch branches, ``tick_tables``).
-  Their sum is what one replica executes."""
-  fwd, bwd = (np.array([*c, 0.0]) for c in zip(*costs))   # the idle branch runs nothing
-  tables = tick_tables(schedule, branch_of, idle=len(costs))
-  return fwd[tables[..., 0]] + bwd[tables[..., 4]]
