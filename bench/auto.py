@@ -165,7 +165,8 @@ def main(argv=None):
         "the step during the search (jax's compile log); the chosen plan's train_step compiles "
         "once more. Estimated bytes: the pre-compile estimate of the chosen plan, used only to "
         "prune and order candidates. CPU chip figures are nominal: times rank, they do not "
-        "predict.\n\n") + "\n\n".join(details + times), argv)
+        "predict.\n\n") + "\n\n".join(details + times), argv,
+        used=gpus if args.gpus else None)
 
 
 if __name__ == "__main__":

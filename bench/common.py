@@ -130,23 +130,40 @@ def mlp_problem(width: int, depth: int, rows: int) -> tuple[MLP, dict[str, Any],
   return model, batch, loss_fn
 
 
-def devices() -> str:
-  """``8 x cpu``, ``1 x NVIDIA H200``: the devices a record's key names."""
-  found = jax.devices()
-  return f"{len(found)} x {found[0].device_kind}"
+def devices(found: Sequence[Any] | None = None) -> str:
+  """The devices a record's key names, with their compiler: ``XLA:CPU, 8 simulated devices``,
+  ``8 compile-only H100s`` (a topology compiled for, nothing run), ``XLA:GPU, 1 x NVIDIA
+  H200`` (timed on a real GPU). ``found``: the devices the bench compiled for (default
+  ``jax.devices()``)."""
+  import re
+
+  found = list(jax.devices() if found is None else found)
+  first = found[0]
+  if first.platform == "cpu":
+    return f"XLA:CPU, {len(found)} simulated device{'s' if len(found) > 1 else ''}"
+  if first.platform != jax.default_backend():      # a topology's devices: compile-only
+    chip = re.search(r"[A-Z]\d{2,3}", first.device_kind)
+    return f"{len(found)} compile-only {chip.group(0) if chip else first.device_kind}s"
+  return f"XLA:GPU, {len(found)} x {first.device_kind}"
+
+
+# Set by a script that dispatches subcommands (bench/pipeline.py): the words after the script
+# name that a record's command keeps when the bench passes its own ``argv``.
+SUBCOMMAND: list[str] = []
 
 
 def record(title: str, body: str, argv: Sequence[str] | None = None,
-           planned_for: str | None = None) -> None:
+           planned_for: str | None = None, used: Sequence[Any] | None = None) -> None:
   """Records a run (``records.write``): replaces the section of this bench (title, command,
   devices) in bench/RESULTS.md and appends it, dated, to bench/RESULTS-archive.md. The command
-  is the running script with ``argv`` (default: this process's arguments); ``planned_for``
-  names the devices in place of this process's (a bench planning for compile-only devices)."""
+  is the running script with ``argv`` (default: this process's arguments); the devices named
+  are ``used`` (the devices compiled for; default this process's), or ``planned_for`` in
+  words (a bench planning for several topologies: ``compile-only H100s``)."""
   import records
 
-  args = list(sys.argv[1:] if argv is None else argv)
+  args = list(sys.argv[1:]) if argv is None else [*SUBCOMMAND, *argv]
   command = " ".join(["python", f"bench/{os.path.basename(sys.argv[0])}", *args])
-  key = records.record_key(title, command, planned_for or devices())
+  key = records.record_key(title, command, planned_for or devices(used))
   stamp = datetime.date.today().isoformat()
   records.write(key, stamp, f"Machine: {machine()}  \nCommand: `{command}`\n\n{body}")
 

@@ -148,7 +148,7 @@ def main(argv=None):
     record("The step as XLA:GPU compiles it (bench/gpu_compile.py)",
            f"XLA:GPU compiling for {len(gpus)} compile-only {gpus[0].device_kind} (one host), "
            f"XLA:CPU for {len(cpus)} host devices.\n\n{sums}\n\n{dp}", argv,
-           planned_for=f"{len(gpus)} compile-only H100s")
+           used=gpus)
 
 
 if __name__ == "__main__":

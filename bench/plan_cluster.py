@@ -53,8 +53,12 @@ def main(argv: list[str] | None = None) -> int:
   if args.record:
     shown = " ".join(["python", "-m", "epljax.plan", args.script, "--topology", args.topology,
                       "--", *script_args])
+    chip, _, shape = args.topology.partition(":")
+    count = 1
+    for n in shape.split("x"):
+      count *= int(n)
     key = records.record_key(TITLE, " ".join(["bench/plan_cluster.py", *argv]),
-                             f"{args.topology} (compile-only)")
+                             f"{count} compile-only {chip.upper()}s")
     records.write(key, datetime.date.today().isoformat(),
                   f"Machine: {common.machine()}  \nCommand: `{shown}`\n\n{table}\n\n"
                   f"### printout\n\n```text\n{printout}\n```\n")

@@ -253,7 +253,7 @@ def norm_and_finite(loss: jax.Array, grads: Any, by_cond: bool = False,
   None: every leaf alone) are added elementwise before one reduction, in groups of at most
   ``NORM_GROUP``: the same bytes are read, in a fraction of the kernels. A model whose layers
   are a Python loop has a reduction per distinct weight, not per weight: the 48-layer loop GPT
-  of ``bench/pipeline_compile.py --baseline`` compiles its 4-stage pipeline step for 8 H100s in
+  of ``bench/pipeline.py compile --baseline`` compiles its 4-stage pipeline step for 8 H100s in
   95.6 s instead of 148.6 s (HLO 8813 -> 7332 kchars; bench/RESULTS.md), the data-parallel
   step's temp and bytes accessed are unchanged or lower on XLA:CPU and XLA:GPU.
 

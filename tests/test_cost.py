@@ -4,7 +4,7 @@ For data parallelism, Megatron ``split``, gradient checkpointing and ZeRO v1/v3,
 step is what a JAX user writes for the same layout: ``value_and_grad`` and the optax update,
 jitted with the shardings epljax chose (``trainer.plan`` / the state's shardings), and
 ``jax.checkpoint`` on each block for checkpointing. For pipeline stages it is the hand-written
-``shard_map`` GPipe over stacked blocks of ``bench/pipeline_compile.py``, against epljax's
+``shard_map`` GPipe over stacked blocks of ``bench/pipelines/compile.py``, against epljax's
 default 1F1B of the same blocks under ``nn.scan`` cut by ``auto.auto_parallel``. epljax's step
 does more (the global norm, the non-finite check and skip, the step metrics); these tests bound
 what that costs, from the compiled programs alone (deterministic, no timing):
@@ -219,7 +219,7 @@ def _bench_on_path() -> None:
 def pipeline_costs(layers: int = 8) -> tuple[Cost, Cost]:
   """(epljax 1F1B, hand-written GPipe) costs: 4 stages x 2 replicas, 8 micro batches."""
   _bench_on_path()
-  import pipeline_compile as hand
+  from pipelines import compile as hand
   trainer, b = hand.epljax_trainer(
       hand.Scanned(layers), {"pipeline.num_micro_batch": hand.M, "auto.auto_parallel": True,
                              "pipeline.num_stages": hand.S}, 2 * hand.M * hand.ROWS)
@@ -247,18 +247,18 @@ def test_pipeline_sends_what_a_hand_written_gpipe_sends_and_reduces_no_more():
 @functools.cache
 def _hand_gpipe_bytes(layers: int, width: int, micro: int):
   _bench_on_path()
-  import pipeline_memory as pm
+  from pipelines import memory as pm
   return pm.hand_bytes(layers, width, micro)
 
 
 @pytest.mark.parametrize("layout", ["user", "stage"])
 def test_pipeline_bytes_per_device_no_more_than_a_hand_written_gpipe(layout):
   # A parameter-bound GPT (4 layers of width 256, one per stage, AdamW, GPipe over 4 micro
-  # batches of 2 rows; bench/pipeline_memory.py), so the bytes compared are mostly the
+  # batches of 2 rows; bench/pipeline.py memory), so the bytes compared are mostly the
   # parameters' copies, in either pipeline.param_layout. Peak bytes per device: arguments +
   # outputs - aliased + temp.
   _bench_on_path()
-  import pipeline_memory as pm
+  from pipelines import memory as pm
   layers, width, micro = 4, 256, 4
   theirs = _hand_gpipe_bytes(layers, width, micro)
   ours = pm.epljax_bytes(layers, width, micro, "PreferForward", param_layout=layout)

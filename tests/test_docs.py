@@ -174,13 +174,24 @@ def test_a_figure_no_record_holds_fails():
 def test_a_record_replaces_its_bench_and_keeps_the_others(tmp_path):
   records = load_hooks().records_module()
   key = records.record_key("Automatic plans (bench/auto.py)",
-                           "python bench/auto.py --limit 460000 --record", "8 x cpu")
-  assert key == "Automatic plans (bench/auto.py --limit 460000) on 8 x cpu"
+                           "python bench/auto.py --limit 460000 --record",
+                           "XLA:CPU, 8 simulated devices")
+  assert key == "Automatic plans (bench/auto.py --limit 460000) on XLA:CPU, 8 simulated devices"
   text = records.CURRENT_HEAD + "\n## a\n\nold a\n\n## b\n\nb\n"
   text = records.replace(text, records.Section("a", "\nnew a\n"))
   text = records.replace(text, records.Section("c", "\nc\n"))
   assert [s.heading for s in records.sections(text)[1]] == ["a", "b", "c"]
   assert "new a" in text and "old a" not in text
+
+
+def test_every_record_names_its_compiler():
+  """A record's heading ends with the devices it compiled for: XLA:CPU's simulated devices,
+  compile-only H100s (XLA:GPU, nothing run), or a real GPU it was timed on."""
+  compiler = re.compile(r" on (XLA:CPU, \d+ simulated devices?|(\d+ )?compile-only H100s"
+                        r"|XLA:GPU, \d+ x NVIDIA \w.*)$")
+  records = load_hooks().records_module()
+  wrong = [k for k in records.keys() if not compiler.search(k)]
+  assert not wrong, wrong
 
 
 def _resolves(dotted: str) -> bool:

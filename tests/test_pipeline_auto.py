@@ -162,13 +162,13 @@ def test_few_layers_per_stage_keep_the_balanced_cut_inside_a_layer():
 
 
 def test_the_cuts_move_between_layers_all_together_or_not_at_all():
-  # bench/pipeline_memory.py's GPT of 4 layers (width 256) on 4 stages: the first two cuts could
+  # bench/pipelines/memory.py's GPT of 4 layers (width 256) on 4 stages: the first two cuts could
   # move between two layers within LAYER_SLACK, the last (before the heavy head) could not;
   # moving two alone would leave the third stage a layer and the next one's head (a program
   # of its own), so every cut stays at its balanced place.
   from test_cost import _bench_on_path
   _bench_on_path()
-  import pipeline_memory as pm
+  from pipelines import memory as pm
   model = pm.GPT(4, 256)
   batch = {k: np.zeros(v.shape, v.dtype) for k, v in pm.batch_shapes(4).items()}
   assert _cut_through(model, batch, 4, "Layer", 4,

@@ -29,7 +29,7 @@ place (parameters count too: every stage's buffers are padded to the largest), e
 balanced places: as a practitioner cuts, stages of equal
 layers are then one program (compiled once, ``runtime.make_loop``), each rolled stage loops
 over whole layers, and only the layer's output crosses the cut. A 48-layer loop GPT on 4
-stages (``bench/pipeline_compile.py --baseline 48``) compiles 3 distinct stage functions
+stages (``bench/pipeline.py compile --baseline 48``) compiles 3 distinct stage functions
 instead of 4, at 1.01x the mean FLOPs on its heaviest stage.
 
 ``stage_balance`` measures any stage plan (cut here or by scopes) the same way, and

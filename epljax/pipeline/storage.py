@@ -343,7 +343,7 @@ def _opaque(offsets: Sequence[int], mesh: Mesh) -> Sequence[Any]:
   """Offsets as values the compiler does not fold into the slices that read them, so that
   each leaf's gradient is sliced, and its update fused with that slice, by one kernel per
   leaf shape rather than one per offset: compiling a deep model's step is code generation per
-  distinct kernel (``bench/pipeline_compile.py --baseline 48`` on compile-only H100s: 1164 ->
+  distinct kernel (``bench/pipeline.py compile --baseline 48`` on compile-only H100s: 1164 ->
   434 distinct kernels). XLA:CPU drops the barrier before it simplifies, so it would fold them
   anyway, into larger slices: there they stay plain numbers."""
   if mesh.devices.flat[0].platform in BARRIER_DROPPED:

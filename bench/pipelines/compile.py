@@ -1,12 +1,12 @@
 """Pipeline compile cost against depth, next to a hand-written ``shard_map`` GPipe.
 
-    python bench/pipeline.py --compile [--record]
-    python bench/pipeline_compile.py --roll [--scan] [--record]   # roll_layers off/on: GPT,
+    python bench/pipeline.py compile --depth [--record]
+    python bench/pipeline.py compile --roll [--scan] [--record]   # roll_layers off/on: GPT,
                                                                   # plain jit; nn.scan
-    python bench/pipeline_compile.py --baseline 48 [--gpu] [--record]  # the loop GPT: hand
+    python bench/pipeline.py compile --baseline 48 [--gpu] [--record]  # the loop GPT: hand
                                      # GPipe, plain jax.jit, epljax; init and step apart
 
-The same residual MLP (``Block`` of ``bench/pipeline.py``, width 256) with L in {4, 24, 48}
+The same residual MLP (``Block`` of ``schedule.py``, width 256) with L in {4, 24, 48}
 blocks, S=4 stages (``set_default_strategy`` every L/4 blocks), M=8 micro batches, 2 replicas
 on 8 devices:
 
@@ -27,9 +27,10 @@ import os
 import sys
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS") or "--xla_force_host_platform_device_count=8"
-sys.path.insert(0, os.path.dirname(__file__))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, BENCH)
 # This checkout's epljax, not an installed one (a worktree beside an editable install).
-sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(1, os.path.dirname(BENCH))
 
 import argparse  # noqa: E402
 import re  # noqa: E402
@@ -46,7 +47,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import epljax as epl  # noqa: E402
 from epljax import hlo  # noqa: E402
-import hand_gpipe  # noqa: E402
+from pipelines import hand_gpipe  # noqa: E402
 from gpu_aot import as_devices  # noqa: E402
 
 S, M, WIDTH, ROWS, FEATURES, CLASSES = 4, 8, 256, 16, 32, 10
@@ -542,7 +543,7 @@ def split_rows(layers: int = 48, reps: int = 5) -> list[list]:
   return rows
 
 
-if __name__ == "__main__":
+def main(argv=None) -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--roll", action="store_true", help="roll_layers off and on: the 32-layer "
                       "loop MLP against plain jax.jit, the 48-layer loop GPT against a GPipe")
@@ -554,7 +555,7 @@ if __name__ == "__main__":
   parser.add_argument("--gpu", action="store_true", help="with --baseline: compile for 8 "
                       "compile-only H100s (gpu_aot.py; needs the CUDA plugin)")
   parser.add_argument("--record", action="store_true")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   if args.baseline:
     from common import record, table
     devices = None
@@ -567,7 +568,7 @@ if __name__ == "__main__":
     print(body)
     if args.record:
       record("Loop GPT compile against plain jax.jit and a hand-written GPipe "
-             "(bench/pipeline_compile.py --baseline)", body)
+             "(bench/pipeline.py compile --baseline)", body, used=devices)
   elif args.roll:
     from common import record, table
     rows = roll_rows() + (scan_rows() if args.scan else [])
@@ -575,4 +576,4 @@ if __name__ == "__main__":
     print(body)
     if args.record:
       record("Pipelines of Python-loop layers, roll_layers off and on "
-             "(bench/pipeline_compile.py --roll)", body)
+             "(bench/pipeline.py compile --roll)", body)

@@ -1,11 +1,11 @@
 """Rolled pipeline stages' temp against the same stages written out, and what one stack's
 backward holds through ``jax.grad`` of its scan and a layer at a time.
 
-    python bench/roll_memory.py            # XLA:CPU, 8 simulated devices
-    python bench/roll_memory.py --gpu      # 8 compile-only H100s (v312 venv, JAX_PLATFORMS=cpu)
-    python bench/roll_memory.py --record   # and record the tables in bench/RESULTS.md
+    python bench/pipeline.py roll            # XLA:CPU, 8 simulated devices
+    python bench/pipeline.py roll --gpu      # 8 compile-only H100s (v312 venv, JAX_PLATFORMS=cpu)
+    python bench/pipeline.py roll --record   # and record the tables in bench/RESULTS.md
 
-Pipeline: ``pipeline_compile.py``'s two Python-loop models (the residual MLP of 32 blocks cut
+Pipeline: ``pipelines/compile.py``'s two Python-loop models (the residual MLP of 32 blocks cut
 every 8 blocks, and the 48-layer GPT cut by ``auto.auto_parallel``), S=4 stages x 2 replicas,
 M=8, SGD, with ``pipeline.roll_layers`` off and on; temp per device from ``memory_analysis()``
 of the step compiled from shapes. A rolled stage runs its layers as a ``lax.scan`` over stacks
@@ -31,9 +31,10 @@ import os
 import sys
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS") or "--xla_force_host_platform_device_count=8"
-sys.path.insert(0, os.path.dirname(__file__))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, BENCH)
 # This checkout's epljax, not an installed one (a worktree beside an editable install).
-sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(1, os.path.dirname(BENCH))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -41,8 +42,8 @@ import optax  # noqa: E402
 from jax import lax  # noqa: E402
 
 import epljax as epl  # noqa: E402
-import pipeline_compile as pc  # noqa: E402
-import pipeline_memory as pm  # noqa: E402
+from pipelines import compile as pc  # noqa: E402
+from pipelines import memory as pm  # noqa: E402
 from gpu_aot import as_devices  # noqa: E402
 
 LAYERS, WIDTH, ROWS = 16, 512, 64
@@ -145,8 +146,4 @@ def main(argv=None) -> None:
   print(f"{where}\n\n{body}")
   if args.record:
     about = "\n\n".join(__doc__.split("\n\n")[2:])
-    record(f"Rolled stages' temp, {where}", f"{about}\n\n{body}")
-
-
-if __name__ == "__main__":
-  main()
+    record("Rolled stages' temp", f"{about}\n\n{body}", used=devices[:2 * pc.S])

@@ -1,7 +1,7 @@
 """Tensor-parallel pipeline stages: residuals stashed in slots vs inputs kept and recomputed.
 
-    python bench/split_stash.py [--record]
-    python bench/split_stash.py --zoo [--record]   # the zoo's split-stage models instead
+    python bench/pipeline.py stash [--record]
+    python bench/pipeline.py stash --zoo [--record]   # the zoo's split-stage models instead
 
 A residual MLP (width 256, hidden 1024, 2 blocks per stage) in two ``epl.split(2)`` stages on
 8 devices (data 2 x stage 2 x model 2), 4 micro batches, 1F1B, SGD (1e-3: the timing runs
@@ -31,10 +31,11 @@ import os
 import sys
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS") or "--xla_force_host_platform_device_count=8"
-sys.path.insert(0, os.path.dirname(__file__))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, BENCH)
 # This checkout's epljax, not an installed one (a worktree beside an editable install).
-sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(1, os.path.dirname(BENCH))
+sys.path.insert(0, os.path.join(os.path.dirname(BENCH), "tests"))
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
@@ -184,10 +185,6 @@ def main(argv=None) -> None:
     doc = __doc__.split("\n\n")
     text = doc[-1] if args.zoo else "\n\n".join(doc[2:-1])
     record("Split pipeline stages on the zoo: residuals in slots vs inputs "
-           "(bench/split_stash.py --zoo)" if args.zoo else
-           "Split pipeline stages: residuals in slots vs inputs (bench/split_stash.py)",
+           "(bench/pipeline.py stash --zoo)" if args.zoo else
+           "Split pipeline stages: residuals in slots vs inputs (bench/pipeline.py stash)",
            text.strip() + "\n\n" + body, argv)
-
-
-if __name__ == "__main__":
-  main()

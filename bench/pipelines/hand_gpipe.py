@@ -1,5 +1,5 @@
 """The hand-written ``shard_map`` GPipe the pipeline benches and ``tests/test_cost.py`` compare
-epljax with (``pipeline_compile.py``: compile time and HLO; ``pipeline_memory.py``: bytes).
+epljax with (``compile.py``: compile time and HLO; ``memory.py``: bytes).
 
 Parameters ``{"stem", "blocks", "head"}``: the blocks stacked ``(S, L/S, ...)`` and stored over
 ``stage`` (so each stage device holds its own layers where they run), stem and head replicated.

@@ -1,11 +1,11 @@
 """What is live at the peak of a pipeline step: epljax's and the hand-written GPipe's, side by side.
 
-    python bench/pipeline_peak.py          # XLA:CPU, 8 simulated devices
-    python bench/pipeline_peak.py --gpu    # 8 compile-only H100s (v312 venv, JAX_PLATFORMS=cpu)
-    python bench/pipeline_peak.py --case 8 512 8   # layers, width, M (default 4 1024 4)
+    python bench/pipeline.py peak          # XLA:CPU, 8 simulated devices
+    python bench/pipeline.py peak --gpu    # 8 compile-only H100s (v312 venv, JAX_PLATFORMS=cpu)
+    python bench/pipeline.py peak --case 8 512 8   # layers, width, M (default 4 1024 4)
 
-``bench/pipeline_memory.py`` gives each program's peak bytes; this says what they are. Both
-steps (``pipeline_memory.py``'s GPT, 4 stages x 2 replicas, AdamW, GPipe) are compiled with
+``bench/pipeline.py memory`` gives each program's peak bytes; this says what they are. Both
+steps (``pipelines/memory.py``'s GPT, 4 stages x 2 replicas, AdamW, GPipe) are compiled with
 XLA's dumps on, and the compiler's own live-range report of each step module (the buffers live
 at its peak, ``*-live-range.txt``) is read: per buffer its bytes and what made it (the HLO
 instruction's ``op_name``: the jax function or argument it comes from; a loop's carry is
@@ -30,9 +30,9 @@ import tempfile
 _DUMP = tempfile.mkdtemp(prefix="pipeline_peak_")
 _BASE = os.environ.get("XLA_FLAGS") or "--xla_force_host_platform_device_count=8"
 os.environ["XLA_FLAGS"] = f"{_BASE} --xla_dump_to={_DUMP} --xla_dump_hlo_pass_re=NONE"
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import pipeline_memory as pm  # noqa: E402
+from pipelines import memory as pm  # noqa: E402
 
 _PEAK = re.compile(r"^\s+Live ranges at \d+ \(peak\):")
 _VALUE = re.compile(r"^\s+([\w.\-]+)(\{[\d,]*\})?: (\d+) bytes")
@@ -146,9 +146,5 @@ def main(argv=None) -> None:
   text = table(HEADER, rows(tuple(args.case), devices, args.top))
   print(text)
   if args.record:
-    record(f"Live at a pipeline step's peak, {layers} layers x width {width}, M={micro}, {where}",
-           text)
-
-
-if __name__ == "__main__":
-  main()
+    record(f"Live at a pipeline step's peak, {layers} layers x width {width}, M={micro}", text,
+           used=devices[:2 * pm.S])

@@ -1,8 +1,8 @@
 """Pipeline bytes per device against a hand-written ``shard_map`` GPipe of the same model.
 
-    python bench/pipeline_memory.py            # XLA:CPU, 8 simulated devices
-    python bench/pipeline_memory.py --gpu      # 8 compile-only H100s (v312 venv, JAX_PLATFORMS=cpu)
-    python bench/pipeline_memory.py --record   # and append the table to bench/RESULTS.md
+    python bench/pipeline.py memory            # XLA:CPU, 8 simulated devices
+    python bench/pipeline.py memory --gpu      # 8 compile-only H100s (v312 venv, JAX_PLATFORMS=cpu)
+    python bench/pipeline.py memory --record   # and record the table in bench/RESULTS.md
 
 A GPT of ``L`` decoder layers of width ``W`` (a Python loop of layers, cut into 4 stages by
 ``auto.auto_parallel``), 2 pipeline replicas on 8 devices, ``M`` micro batches, AdamW, with
@@ -23,9 +23,10 @@ import os
 import sys
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS") or "--xla_force_host_platform_device_count=8"
-sys.path.insert(0, os.path.dirname(__file__))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, BENCH)
 # This checkout's epljax, not an installed one (a worktree beside an editable install).
-sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(1, os.path.dirname(BENCH))
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
@@ -39,7 +40,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import epljax as epl  # noqa: E402
-import hand_gpipe  # noqa: E402
+from pipelines import hand_gpipe  # noqa: E402
 from gpu_aot import as_devices  # noqa: E402
 
 S, VOCAB, HEADS, SEQ, ROWS = 4, 256, 4, 32, 2   # ROWS: per micro batch per replica
@@ -230,8 +231,4 @@ def main(argv=None) -> None:
   text = table(HEADER, rows(devices))
   print(text)
   if args.record:
-    record(f"Pipeline bytes per device vs a hand-written GPipe, {where}", text)
-
-
-if __name__ == "__main__":
-  main()
+    record("Pipeline bytes per device vs a hand-written GPipe", text, used=devices[:2 * S])
