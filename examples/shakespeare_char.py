@@ -1,7 +1,8 @@
 """nanoGPT's "baby GPT" on tiny Shakespeare (characters), trained with epljax.
 
-    python examples/shakespeare_char.py --data ../shared/data/tinyshakespeare.txt --layout dp
-    python examples/shakespeare_char.py --data ... --logdir runs/shakespeare --sample 500
+    pip install -e ".[grain]"        # in the repository: epljax and Grain, its data pipeline
+    python examples/shakespeare_char.py --layout dp
+    python examples/shakespeare_char.py --logdir runs/shakespeare --sample 500
 
 nanoGPT's README trains it on a CPU (``config/train_shakespeare_char.py`` with ``--device=cpu
 --block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000
@@ -27,8 +28,9 @@ pipeline  stages ``epl.replicate(1, name="stage_i")``          4        2 x 2 ro
 
 (devices: ``cluster.run_visible_devices``; 12 does not divide over 8 data-parallel replicas.)
 The validation loss is measured as nanoGPT's ``estimate_loss`` does, on ``--eval_iters``
-(200) random batches of the held-out 10%, with the trained variables on one device. Without
-``--data`` the text is downloaded once into ``~/.cache/epljax`` and its md5 checked.
+(200) random batches of the held-out 10%, with the trained variables on one device. The text is
+the repository's copy of tiny Shakespeare (``examples/data/tinyshakespeare.txt``, the file
+nanoGPT downloads); ``--data`` reads another.
 """
 
 import os
@@ -38,10 +40,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
-import hashlib  # noqa: E402
 import math  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
-import urllib.request  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -53,7 +54,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import epljax as epl  # noqa: E402
 from epljax.data import CharVocab, split_train_val, windows  # noqa: E402
 
-URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+# tiny Shakespeare, as nanoGPT downloads it from char-rnn (public domain): its md5 and length
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinyshakespeare.txt")
 MD5 = "6fb458f1232090904fb40fe944165e91"
 CHARS = 1_115_394
 BATCH = 12                    # nanoGPT's batch_size: the global batch of every layout
@@ -171,31 +173,24 @@ def optimizer(steps: int = 2000, lr: float = 1e-3, min_lr: float = 1e-4, warmup:
                      optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=0.1, mask=decay))
 
 
-def read_text(path: str | None, cache_dir: str | None = None) -> str:
-  """The text at ``path``; without one, the canonical file, downloaded once and md5-checked."""
-  if path is not None:
-    with open(path, encoding="utf-8") as f:
-      return f.read()
-  cache_dir = cache_dir or os.path.join(
-      os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "epljax")
-  cached = os.path.join(cache_dir, "tinyshakespeare.txt")
-  if not os.path.exists(cached):
-    try:
-      with urllib.request.urlopen(URL, timeout=30) as response:
-        data = response.read()
-    except OSError as e:
-      raise epl.EPLError(
-          f"could not download tiny Shakespeare from {URL} ({e}); on a machine without network "
-          f"pass --data PATH to a copy of it ({CHARS:,} characters, md5 {MD5})") from e
-    if hashlib.md5(data).hexdigest() != MD5:
-      raise epl.EPLError(f"{URL} gave {len(data)} bytes with md5 {hashlib.md5(data).hexdigest()}, "
-                         f"not tiny Shakespeare's {MD5}; pass --data PATH to a good copy")
-    os.makedirs(cache_dir, exist_ok=True)
-    with open(cached + ".tmp", "wb") as f:
-      f.write(data)
-    os.replace(cached + ".tmp", cached)
-  with open(cached, encoding="utf-8") as f:
+def read_text(path: str | None = None) -> str:
+  """The text at ``path``; without one, the repository's tiny Shakespeare (``DATA``)."""
+  path = DATA if path is None else path
+  if not os.path.exists(path):
+    raise epl.ConfigError(f"--data {path}: no such file; pass the path of a text file (the "
+                          f"repository's tiny Shakespeare: {DATA})")
+  with open(path, encoding="utf-8") as f:
     return f.read()
+
+
+def require_grain() -> None:
+  """Exits with a message (status 2) when Grain, this example's data pipeline, is missing."""
+  try:
+    import grain  # noqa: F401
+  except ImportError as e:
+    print(f"examples/shakespeare_char.py reads its batches with Grain ({e}); install it: "
+          'pip install -e ".[grain]" (in the repository)', file=sys.stderr)
+    raise SystemExit(2) from e
 
 
 def evaluate(model, variables, tokens, *, seed: int, iters: int, block_size: int) -> float:
@@ -335,7 +330,7 @@ def sample(model, variables, vocab, *, chars: int = 500, seed: int = 0,
 
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--data", help="path of tinyshakespeare.txt (default: download once)")
+  parser.add_argument("--data", help="a text file (default: the repository's tiny Shakespeare)")
   parser.add_argument("--layout", default="dp", choices=sorted(LAYOUTS))
   parser.add_argument("--steps", type=int, default=2000)
   parser.add_argument("--eval_interval", type=int, default=250)
@@ -347,6 +342,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--sample", type=int, default=0, metavar="CHARS",
                       help="print this many characters generated by the trained model")
   args = parser.parse_args(argv)
+  require_grain()
   text = read_text(args.data)
   result = train(args.layout, text, steps=args.steps, eval_interval=args.eval_interval,
                  eval_iters=args.eval_iters, seed=args.seed, log_interval=args.log_interval,

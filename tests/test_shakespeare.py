@@ -1,12 +1,12 @@
-"""nanoGPT's baby GPT on tiny Shakespeare (``examples/shakespeare_char.py``): the shared copy of
-the text, the Grain windows, 100 data-parallel iterations against a recorded single-device
+"""nanoGPT's baby GPT on tiny Shakespeare (``examples/shakespeare_char.py``): the repository's
+copy of the text, the Grain windows, 100 data-parallel iterations against a recorded single-device
 run of the same model on the same batches, and a resume after ``kill -9`` that repeats the
 uninterrupted run's losses and batches (the Grain iterator saved with the state)."""
 
 import hashlib
 import importlib.util
 import os
-import urllib.request
+import sys
 
 import numpy as np
 import pytest
@@ -16,8 +16,7 @@ from epljax.data import CharVocab, split_train_val, windows
 from helpers import kill_9_and_resume, printed, share_compiles
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
-# Beside the checkout on these machines; a missing file fails the tests (it is always there).
-DATA = os.path.join(ROOT, "..", "shared", "data", "tinyshakespeare.txt")
+DATA = os.path.join(ROOT, "examples", "data", "tinyshakespeare.txt")   # shipped with the examples
 
 # `examples/shakespeare_char.py --layout single --steps 100 --eval_interval 0 --eval_iters 20`
 # (plain jax.jit on one device, jax 0.10.2, 2-core CPU VM): the step losses at 1, 51 and 100,
@@ -46,7 +45,8 @@ def text():
     return f.read()
 
 
-def test_shared_copy_is_tiny_shakespeare(example, text):
+def test_the_shipped_copy_is_tiny_shakespeare_and_the_default(example, text):
+  assert os.path.samefile(example.DATA, DATA) and example.read_text() == text
   assert len(text) == example.CHARS == 1_115_394
   with open(DATA, "rb") as f:
     assert hashlib.md5(f.read()).hexdigest() == example.MD5
@@ -75,13 +75,15 @@ def test_windows_too_short_a_text_says_so():
     windows(np.zeros(20, np.int32), 64, 12, seed=0)
 
 
-def test_offline_without_data_says_what_to_pass(example, tmp_path, monkeypatch):
-  def offline(*args, **kwargs):
-    raise OSError("network is unreachable")
-  monkeypatch.setattr(urllib.request, "urlopen", offline)
-  with pytest.raises(epl.EPLError, match=r"pass --data PATH .*1,115,394 characters, md5 "
-                                         "6fb458f1232090904fb40fe944165e91"):
-    example.read_text(None, cache_dir=str(tmp_path))
+def test_a_missing_text_or_grain_says_what_to_do(example, tmp_path, monkeypatch, capsys):
+  with pytest.raises(epl.ConfigError, match=r"--data .*nothing.txt: no such file; .*"
+                                            r"tinyshakespeare.txt"):
+    example.read_text(str(tmp_path / "nothing.txt"))
+  monkeypatch.setitem(sys.modules, "grain", None)        # import grain fails as if missing
+  with pytest.raises(SystemExit) as exited:              # 2, not 1 ("does not fit" in epljax.plan)
+    example.main(["--steps", "1"])
+  assert exited.value.code == 2
+  assert 'pip install -e ".[grain]"' in capsys.readouterr().err
 
 
 def test_dp_trains_as_the_recorded_single_device_run(example, text, tmp_path):

@@ -19,9 +19,6 @@ import epljax as epl  # noqa: E402
 import shakespeare_char as sc  # noqa: E402
 from epljax.data import CharVocab, split_train_val, windows  # noqa: E402
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data",
-                    "tinyshakespeare.txt")
-
 
 def main():
   parser = argparse.ArgumentParser()
@@ -31,7 +28,7 @@ def main():
   parser.add_argument("--sleep", type=float, default=0.0, help="seconds after each step")
   args = parser.parse_args()
 
-  text = sc.read_text(DATA)
+  text = sc.read_text()      # the repository's tiny Shakespeare
   vocab = CharVocab.of(text)
   train_tokens, _ = split_train_val(vocab.encode(text))
   epl.init({"cluster.run_visible_devices": "0,1,2,3"})
