@@ -43,6 +43,25 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(skip)
 
 
+# CI's Python 3.12 run installs jax's CUDA plugin (".[test,cuda12]") and sets this: there, a
+# test that skips for want of the plugin (the compile-only GPU tests, tests/test_aot.py's
+# needs_plugin) fails instead, so a plugin that did not install cannot pass unnoticed.
+REQUIRE_CUDA_PLUGIN = os.environ.get("EPLJAX_REQUIRE_CUDA_PLUGIN") == "1"
+PLUGIN_SKIP = "compile-only GPUs need jax's CUDA plugin"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  outcome = yield
+  report = outcome.get_result()
+  if REQUIRE_CUDA_PLUGIN and report.skipped and PLUGIN_SKIP in str(report.longrepr):
+    report.outcome = "failed"
+    report.longrepr = (f"EPLJAX_REQUIRE_CUDA_PLUGIN=1, but {item.nodeid} skipped: "
+                       f"{report.longrepr[-1] if isinstance(report.longrepr, tuple) else ''}. "
+                       "Install the plugin (pip install -e \".[test,cuda12]\") or unset the "
+                       "variable.")
+
+
 @pytest.fixture(autouse=True)
 def fresh_epl():
   """Every test starts from epl.init() with the defaults and no scopes or default strategy."""
