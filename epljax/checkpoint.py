@@ -178,8 +178,8 @@ def _grain_checkpoint(required: bool = False):
     import grain
   except ImportError:
     if required:
-      raise CheckpointError("data=: saving a data iterator needs Grain "
-                            "(pip install 'epljax[grain]').") from None
+      raise CheckpointError("data=: saving a data iterator needs Grain (pip install -e "
+                            "'.[grain]' in epljax's repository, or pip install grain).") from None
     return None
   return grain.checkpoint
 

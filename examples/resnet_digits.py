@@ -1,6 +1,6 @@
 """A small ResNet trained data-parallel on scikit-learn's handwritten digits (shipped with it).
 
-    pip install -e ".[examples]"
+    pip install -e ".[examples]"     # in the repository: epljax and scikit-learn, the digits
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/resnet_digits.py
 
 1797 8x8 images of the digits 0-9; 1437 train, 360 test. Each of the 8 replicas takes 16 images
@@ -13,6 +13,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
@@ -20,8 +21,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-from sklearn.model_selection import train_test_split  # noqa: E402
 
 import epljax as epl  # noqa: E402
 
@@ -56,6 +55,15 @@ class ResNet(nn.Module):
 
 
 def load(seed: int = 0):
+  """scikit-learn's digits, split 1437 / 360 (stratified); exits 2 with the command that
+  installs scikit-learn when it is missing."""
+  try:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+  except ImportError as e:
+    print(f"examples/resnet_digits.py reads scikit-learn's digits ({e}); install it: "
+          'pip install -e ".[examples]" (in the repository)', file=sys.stderr)
+    raise SystemExit(2) from e
   digits = load_digits()
   images = (digits.images / 16.0).astype(np.float32)[..., None]   # (1797, 8, 8, 1) in [0, 1]
   return train_test_split(images, digits.target.astype(np.int32), test_size=360,

@@ -1,7 +1,7 @@
 """Planning ahead of time: ``epl.init(devices=...)``, ``trainer.compile``, the plan's bytes,
 fit, collectives per axis with host crossings, ``python -m epljax.plan``, and the facts many
 hosts must agree on. Compile-only GPUs (``epl.topology``) need jax's CUDA plugin: those tests
-are skipped without it (``pip install "epljax[cuda12]"``); the host logic is tested on device
+are skipped without it (``pip install -e ".[cuda12]"``); the host logic is tested on device
 grids that stand for 1x2x8 and 1x8x8 clusters."""
 
 import os
@@ -144,12 +144,12 @@ def _has_cuda_plugin() -> bool:
 
 
 needs_plugin = pytest.mark.skipif(not _has_cuda_plugin(), reason=(
-    "compile-only GPUs need jax's CUDA plugin: pip install 'epljax[cuda12]'"))
+    "compile-only GPUs need jax's CUDA plugin: pip install -e '.[cuda12]'"))
 
 
 @pytest.mark.skipif(_has_cuda_plugin(), reason="the CUDA plugin is installed")
 def test_topology_without_the_plugin_names_the_extra_to_install():
-  with pytest.raises(epl.EPLError, match=r'pip install "epljax\[cuda12\]"'):
+  with pytest.raises(epl.EPLError, match=r'pip install -e "\.\[cuda12\]"'):
     epl.topology("h100", hosts=2, per_host=8)
   with pytest.raises(epl.ConfigError, match="unknown kind; use one of a100, h100"):
     epl.topology("k80")

@@ -47,12 +47,11 @@ KINDS = (*_GPUS, *_TPUS)
 
 _NO_PLUGIN = """\
 epl.topology({kind!r}) compiles for {what} without having them, which needs the {plugin} of
-jax {version} ({error}). Install it with
+jax {version} ({error}). Install it{where} with
 
-    pip install "epljax[{extra}]"
+    {install}
 
-(or pip install "jax[{extra}]=={version}"); no {what} are needed: the compile runs on this
-machine's CPU."""
+{alone}No {what} are needed: the compile runs on this machine's CPU."""
 
 
 def topology(kind: str, hosts: int = 1, per_host: int = 8) -> list[jax.Device]:
@@ -83,7 +82,13 @@ def topology(kind: str, hosts: int = 1, per_host: int = 8) -> list[jax.Device]:
     gpu = name in _GPUS
     raise EPLError(_NO_PLUGIN.format(
         kind=kind, what="GPUs" if gpu else "TPUs", version=jax.__version__,
-        plugin="CUDA plugin" if gpu else "TPU runtime (libtpu)", extra="cuda12" if gpu else "tpu",
+        plugin="CUDA plugin" if gpu else "TPU runtime (libtpu)",
+        # no package index has epljax: its extra installs from the repository
+        where=" (in epljax's repository)" if gpu else "",
+        install=('pip install -e ".[cuda12]"' if gpu
+                 else f'pip install "jax[tpu]=={jax.__version__}"'),
+        alone=(f'(or jax\'s plugin alone: pip install "jax[cuda12]=={jax.__version__}")\n'
+               if gpu else ""),
         error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")) from e
   return list(desc.devices)
 

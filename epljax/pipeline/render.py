@@ -51,7 +51,8 @@ def render_schedule(schedules: Schedule | Sequence[Schedule], path: str) -> str:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
   except ImportError as e:
-    raise EPLError("Drawing a schedule needs matplotlib: pip install 'epljax[plot]'.") from e
+    raise EPLError("Drawing a schedule needs matplotlib: pip install -e '.[plot]' in epljax's "
+                   "repository (or pip install matplotlib).") from e
   if isinstance(schedules, Schedule):
     schedules = [schedules]
   span = max(float(s.tick_costs().sum()) for s in schedules)
