@@ -1,14 +1,20 @@
 """One table of accelerators and the links between them, each figure with its source.
 
-``SPECS`` holds what a vendor states for a chip (dense bfloat16 and fp8/int8 peaks, memory)
-and for the system it usually comes in (the per-device link to devices of the same host, the
-per-device link to other hosts, the link to host memory). GPU memory is in GiB (a "80 GB"
-H100 has five 16 GiB HBM stacks; XLA's limit on a running GPU replaces it). Bandwidths are
-bytes per second in
-one direction: a datasheet's "900 GB/s bidirectional" NVLink is 450 GB/s here, a "400 Gb/s"
-NIC per GPU 50 GB/s. ``chip_of`` turns a row into the ``Chip`` the cost model reads
-(``epljax.cost``), with the ``auto.*`` overrides; ``peak_flops`` is what the progress bar's MFU
-divides by.
+``SPECS`` holds what a vendor states for a chip (dense bfloat16 and fp8/int8 peaks) and for
+the system it usually comes in (the per-device link to devices of the same host, the
+per-device link to other hosts, the link to host memory), the memory a device offers, and for
+the GPUs ``epl.topology`` compiles for, XLA:GPU's description of one (``XlaGpu``). Bandwidths
+are bytes per second in one direction: a datasheet's "900 GB/s bidirectional" NVLink is
+450 GB/s here, a "400 Gb/s" NIC per GPU 50 GB/s. ``chip_of`` turns a row into the ``Chip`` the
+cost model reads (``epljax.cost``), with the ``auto.*`` overrides; ``peak_flops`` is what the
+progress bar's MFU divides by.
+
+Memory is what a device offers, not the datasheet's: where it is known, the total CUDA reports
+for the device (``cudaDeviceProp.totalGlobalMem``, as XLA's GPU descriptions record it), which
+is what a compile-only device of ``epl.topology`` is described with too: an H100 whose
+datasheet says "80 GB" (five 16 GiB HBM stacks) reports 79.1 GiB, the rest kept by the driver.
+A plan's "fits" compares against this figure, or, on a running device, against XLA's
+``bytes_limit`` (``local_memory_bytes``: the allocator's share of it), which replaces it.
 
 Two figures are not vendor figures and say so: ``LATENCY_S`` (a collective's fixed cost) and
 ``EFFICIENCY`` (the share of peak a step reaches), fitted as their comments record.
@@ -35,8 +41,23 @@ class Link:
 
 
 @dataclasses.dataclass(frozen=True)
+class XlaGpu:
+  """XLA:GPU's description of a GPU (its cost model and autotuner read it), what a
+  compile-only device of ``epl.topology`` is: the figures of NVIDIA's datasheets and CUDA's
+  device queries. (Its memory is the ``Spec``'s ``memory_bytes``.)"""
+  device_kind: str                   # jax's ``device_kind`` of such a device
+  compute_capability: tuple[int, int]
+  sms: int                           # streaming multiprocessors
+  clock_ghz: float
+  memory_bandwidth: float            # bytes per second
+  l2_bytes: int
+  shared_per_sm: int                 # shared memory per SM, bytes
+
+
+@dataclasses.dataclass(frozen=True)
 class Spec:
-  """A chip as its vendor states it, in the system it usually comes in."""
+  """A chip as its vendor states it, in the system it usually comes in, and the memory one
+  device offers (``memory_source`` says where that figure comes from)."""
   name: str
   kinds: tuple[str, ...]     # lower-case substrings of jax's ``device_kind`` that mean it
   bf16_flops: float          # dense (no sparsity)
@@ -46,6 +67,18 @@ class Spec:
   in_host: Link | None = None      # to the devices of the same host (NVLink, ICI, PCIe)
   across_hosts: Link | None = None  # to devices of other hosts (InfiniBand/RoCE, DCN)
   to_host: Link | None = None      # to its host's memory (PCIe)
+  memory_source: str = "the datasheet's memory (no device figure known)"
+  xla: XlaGpu | None = None        # for ``epl.topology``'s compile-only devices
+
+
+# CUDA's total memory of a device (``cudaDeviceProp.totalGlobalMem``) as XLA's GPU descriptions
+# record it; a running device's XLA ``bytes_limit`` replaces these.
+_H100_MEMORY = 84929347584   # 79.1 GiB of the "80 GB"
+_H100_SOURCE = ("CUDA's total of an NVIDIA H100 80GB HBM3, 79.10 GiB, as the XLA:GPU "
+                "descriptions used for compile-only H100s state it (openxla's "
+                "gpu_specs/h100_sxm.txtpb, from another driver: 79.14 GiB)")
+_HOPPER = dict(compute_capability=(9, 0), sms=132, clock_ghz=1.98, l2_bytes=52428800,
+               shared_per_sm=233472)
 
 
 _PCIE5 = Link(64 * GB, "PCIe 5.0 x16: 64 GB/s per direction")
@@ -55,29 +88,41 @@ _NDR = Link(50 * GB, "one 400 Gb/s ConnectX-7 InfiniBand NDR NIC per GPU (DGX/HG
 _NVLINK4 = Link(450 * GB, "NVLink 4 through NVSwitch: 900 GB/s bidirectional per GPU")
 
 SPECS: tuple[Spec, ...] = (
-    Spec("H200", ("h200",), 989e12, 1979e12, 141 * GiB,
+    Spec("H200", ("h200",), 989e12, 1979e12, 140 * GiB,
          "NVIDIA H200 Tensor Core GPU datasheet (SXM): 989 TFLOPS BF16, 1,979 FP8 dense, "
-         "141 GB HBM3e", _NVLINK4, _NDR, _PCIE5),
-    Spec("H100 PCIe", ("h100 pcie",), 756e12, 1513e12, 80 * GiB,
+         "141 GB HBM3e", _NVLINK4, _NDR, _PCIE5,
+         memory_source="assumed: 140 GiB, under the datasheet's 141 GB (XLA records no H200)",
+         xla=XlaGpu("NVIDIA H200", memory_bandwidth=4800e9, **_HOPPER)),
+    Spec("H100 PCIe", ("h100 pcie",), 756e12, 1513e12, 84942979072,
          "NVIDIA H100 datasheet (PCIe): 756 TFLOPS BF16, 1,513 FP8 dense, 80 GB",
-         Link(300 * GB, "NVLink bridge: 600 GB/s bidirectional per pair"), _NDR, _PCIE5),
-    Spec("H100", ("h100",), 989e12, 1979e12, 80 * GiB,
+         Link(300 * GB, "NVLink bridge: 600 GB/s bidirectional per pair"), _NDR, _PCIE5,
+         memory_source="CUDA's total of an NVIDIA H100 PCIe, 79.1 GiB, as XLA's GPU "
+         "description of it states (openxla gpu_specs/h100_pcie.txtpb)"),
+    Spec("H100", ("h100",), 989e12, 1979e12, _H100_MEMORY,
          "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989 TFLOPS BF16, 1,979 FP8 dense, "
-         "80 GB HBM3", _NVLINK4, _NDR, _PCIE5),
-    Spec("H800", ("h800",), 989e12, 1979e12, 80 * GiB,
+         "80 GB HBM3", _NVLINK4, _NDR, _PCIE5, memory_source=_H100_SOURCE,
+         xla=XlaGpu("NVIDIA H100 80GB HBM3", memory_bandwidth=3352.32e9, **_HOPPER)),
+    Spec("H800", ("h800",), 989e12, 1979e12, _H100_MEMORY,
          "NVIDIA H800 (SXM): the H100's compute and memory, NVLink cut to 400 GB/s "
          "bidirectional",
          Link(200 * GB, "NVLink: 400 GB/s bidirectional per GPU"),
          Link(50 * GB, "DeepSeek-V3 technical report (2024), its H800 nodes: InfiniBand "
-              "50 GB/s per GPU"), _PCIE5),
-    Spec("B200", ("b200",), 2250e12, 4500e12, 180 * GiB,
+              "50 GB/s per GPU"), _PCIE5, memory_source="the H100's: " + _H100_SOURCE,
+         xla=XlaGpu("NVIDIA H800", memory_bandwidth=3352.32e9, **_HOPPER)),
+    Spec("B200", ("b200",), 2250e12, 4500e12, 191514673152,
          "NVIDIA DGX B200 datasheet: 72 PFLOPS FP8 training (sparse) over 8 GPUs, 1,440 GB; "
          "halved for dense, FP8 -> BF16",
-         Link(900 * GB, "NVLink 5: 1.8 TB/s bidirectional per GPU"), _NDR, _PCIE5),
-    Spec("A100", ("a100", "a800"), 312e12, None, 80 * GiB,
+         Link(900 * GB, "NVLink 5: 1.8 TB/s bidirectional per GPU"), _NDR, _PCIE5,
+         memory_source="CUDA's total of an NVIDIA B200, 178.4 GiB, as XLA's GPU description "
+         "of it states (openxla gpu_specs/b200.txtpb); the datasheet: 180 GB",
+         xla=XlaGpu("NVIDIA B200", (10, 0), 148, 1.965, 8000e9, 132120576, 233472)),
+    Spec("A100", ("a100", "a800"), 312e12, None, 85100068864,
          "NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB): 312 TFLOPS BF16 dense, no FP8",
          Link(300 * GB, "NVLink 3 through NVSwitch: 600 GB/s bidirectional per GPU"),
-         Link(25 * GB, "one 200 Gb/s ConnectX-6 HDR NIC per GPU (DGX A100)"), _PCIE4),
+         Link(25 * GB, "one 200 Gb/s ConnectX-6 HDR NIC per GPU (DGX A100)"), _PCIE4,
+         memory_source="CUDA's total of an NVIDIA A100-SXM4-80GB, 79.3 GiB, as XLA's GPU "
+         "description of it states (openxla gpu_specs/a100_sxm_80.txtpb)",
+         xla=XlaGpu("NVIDIA A100-SXM4-80GB", (8, 0), 108, 1.41, 2039e9, 41943040, 167936)),
     Spec("L40S", ("l40s",), 362e12, 733e12, 48 * GiB,
          "NVIDIA L40S datasheet: 362 TFLOPS BF16, 733 FP8 dense, 48 GB GDDR6",
          Link(32 * GB, "no NVLink: PCIe 4.0 x16 between GPUs, 32 GB/s per direction"),
@@ -149,6 +194,11 @@ def spec_of(device_kind: str) -> Spec | None:
   return next((s for s in SPECS if any(k in kind for k in s.kinds)), None)
 
 
+def spec_named(name: str) -> Spec:
+  """The ``SPECS`` row named ``name`` ("H100")."""
+  return next(s for s in SPECS if s.name == name)
+
+
 def peak_flops(device_kind: str) -> float | None:
   """Dense bfloat16 FLOP/s of a device kind, or None when the table does not know it."""
   spec = spec_of(device_kind)
@@ -178,7 +228,7 @@ def chip_of(devices, auto_config) -> Chip:
             f"epljax has no cost figures for device kind {kind.lower()!r} (known: {known}). Set "
             "auto.peak_flops, auto.intra_host_bandwidth and auto.inter_host_bandwidth (and "
             "auto.memory_limit) for it.")
-      spec = spec or dataclasses.replace(SPECS[2], name=kind)   # (H100's memory and PCIe)
+      spec = spec or dataclasses.replace(spec_named("H100"), name=kind)  # (its memory, PCIe)
     chip = Chip(spec.name, spec.bf16_flops, spec.memory_bytes,
                 spec.in_host.bytes_per_s if spec.in_host else 0.0,
                 spec.across_hosts.bytes_per_s if spec.across_hosts else 0.0,

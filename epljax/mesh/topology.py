@@ -17,11 +17,12 @@ import os
 
 import jax
 
+from epljax import chips
 from epljax.errors import ConfigError, EPLError
 
-# XLA:GPU's view of each chip (its cost model and autotuner read it): streaming
-# multiprocessors, clock, memory bandwidth and size, L2, compute capability; the figures of
-# NVIDIA's datasheets and CUDA's device queries.
+# XLA:GPU's view of each chip (its cost model and autotuner read it) is the chip table's
+# (``chips.XlaGpu``, and the memory a device offers, ``chips.Spec.memory_bytes``); these limits
+# are the same for each of its GPUs (CUDA's device queries).
 _GPU_LIMITS = """
   threads_per_block_limit: 1024
   threads_per_warp: 32
@@ -32,16 +33,9 @@ _GPU_LIMITS = """
   block_dim_limit_x: 2147483647
   block_dim_limit_y: 65535
   block_dim_limit_z: 65535"""
-_GPUS = {   # kind -> (compute capability, SMs, clock GHz, bytes/s, memory bytes, L2 bytes,
-            #          shared memory per SM, device_kind)
-    "a100": ((8, 0), 108, 1.41, 2039e9, 85899345920, 41943040, 167936,
-             "NVIDIA A100-SXM4-80GB"),
-    "h100": ((9, 0), 132, 1.98, 3352.32e9, 84929347584, 52428800, 233472,
-             "NVIDIA H100 80GB HBM3"),
-    "h800": ((9, 0), 132, 1.98, 3352.32e9, 84929347584, 52428800, 233472, "NVIDIA H800"),
-    "h200": ((9, 0), 132, 1.98, 4800e9, 150323855360, 52428800, 233472, "NVIDIA H200"),
-    "b200": ((10, 0), 148, 1.965, 8000e9, 193273528320, 132120576, 233472, "NVIDIA B200"),
-}
+_GPUS = {kind: chips.spec_named(name) for kind, name in
+         (("a100", "A100"), ("h100", "H100"), ("h800", "H800"), ("h200", "H200"),
+          ("b200", "B200"))}
 _TPUS = ("v4", "v5e", "v5p", "v6e")
 KINDS = (*_GPUS, *_TPUS)
 
@@ -108,21 +102,24 @@ def parse(text: str) -> list[jax.Device]:
 
 
 def _target(kind: str) -> str:
-  (major, minor), sms, ghz, bandwidth, memory, l2, shared, device_kind = _GPUS[kind]
+  """XLA:GPU's target config of one ``kind`` of GPU, from the chip table."""
+  spec = _GPUS[kind]
+  gpu = spec.xla
+  major, minor = gpu.compute_capability
   return f"""
 gpu_device_info {{
   cuda_compute_capability {{ major: {major} minor: {minor} }}
-  core_count: {sms}
+  core_count: {gpu.sms}
   fpus_per_core: 128
-  clock_rate_ghz: {ghz}
-  memory_bandwidth: {int(bandwidth)}
-  device_memory_size: {memory}
-  l2_cache_size: {l2}
-  shared_memory_per_block_optin: {shared - 1024}
-  shared_memory_per_core: {shared}{_GPU_LIMITS}
+  clock_rate_ghz: {gpu.clock_ghz}
+  memory_bandwidth: {int(gpu.memory_bandwidth)}
+  device_memory_size: {spec.memory_bytes}
+  l2_cache_size: {gpu.l2_bytes}
+  shared_memory_per_block_optin: {gpu.shared_per_sm - 1024}
+  shared_memory_per_core: {gpu.shared_per_sm}{_GPU_LIMITS}
 }}
 platform_name: "CUDA"
 runtime_version {{ major: 12 minor: 8 }}
 dnn_version_info {{ major: 9 minor: 7 }}
-device_description_str: "{device_kind}"
+device_description_str: "{gpu.device_kind}"
 """
