@@ -36,6 +36,7 @@ import optax
 
 from epljax import batch as batch_lib
 from epljax import env as env_lib
+from epljax import init_result
 from epljax.build import Built, UserFns, build
 from epljax.env import Env
 from epljax.errors import EPLError, NonFiniteError, PlanError, StateError
@@ -322,8 +323,8 @@ class Trainer:
                        "train_step returned.")
 
   def _build(self, rng: jax.Array, batch: Any) -> Built:
-    fns = UserFns(self.init_fn, self.loss_fn, self.optimizer, self.has_aux, self.mutable,
-                  self.clip_norm)
+    fns = UserFns(init_result.checked(self.init_fn), self.loss_fn, self.optimizer,
+                  self.has_aux, self.mutable, self.clip_norm)
     with constraints.explained():   # a model's constraints on its own mesh
       self._built = build(fns, self._config, self._cluster, rng, batch)
     self._reading, self._unread = None, self.max_nonfinite_steps or 0
