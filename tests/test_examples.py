@@ -1,7 +1,12 @@
 """The examples run and do what their docstrings say (in-process, on the 8 test devices)."""
 
+import ast
+import glob
 import importlib.util
+import json
 import os
+import re
+import sys
 
 import numpy as np
 import pytest
@@ -39,3 +44,51 @@ def test_large_classification_learns_with_a_split_head():
 def test_moe_language_model_loss_goes_down():
   losses = load("moe_lm").main(["--steps", "30", "--sequences", "16"])
   assert np.mean(losses[-5:]) < losses[0] - 1.5
+
+
+def _code():
+  """Each example's code (the scripts, their models, the notebook's code cells) as ``(string
+  literals but docstrings, imported modules)``."""
+  paths = sorted(glob.glob(os.path.join(EXAMPLES, "**", "*.py"), recursive=True))
+  sources = {os.path.relpath(p, EXAMPLES): open(p, encoding="utf-8").read() for p in paths}
+  with open(os.path.join(EXAMPLES, "notebook.ipynb"), encoding="utf-8") as f:
+    cells = json.load(f)["cells"]
+  sources["notebook.ipynb"] = "\n".join(line for c in cells if c["cell_type"] == "code"
+                                        for line in "".join(c["source"]).split("\n")
+                                        if not line.startswith("%"))   # a magic is no Python
+  out = {}
+  for name, source in sources.items():
+    nodes = list(ast.walk(ast.parse(source)))
+    docs = {id(n.body[0].value) for n in nodes
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    strings = [n.value for n in nodes if isinstance(n, ast.Constant)
+               and isinstance(n.value, str) and id(n) not in docs]
+    imports = [a.name for n in nodes if isinstance(n, ast.Import) for a in n.names]
+    imports += [n.module for n in nodes if isinstance(n, ast.ImportFrom) and n.module]
+    out[name] = strings, imports
+  return out
+
+
+def test_the_examples_stand_alone():
+  """A clone runs them with nothing beside it: no example imports from tests/ or names a path
+  outside the repository (the text they train on ships in examples/data)."""
+  code = _code()
+  assert {"llama.py", "example_models/llama.py", "notebook.ipynb"} <= set(code)
+  outside = re.compile(r"^(tests|shared)$|tests/|shared/|/work/|\.cache")
+  for name, (strings, imports) in code.items():
+    paths = [s for s in strings if outside.search(s)]
+    assert not paths, f"examples/{name} names a path outside the repository: {paths}"
+    tests = [m for m in imports if m.split(".")[0] in ("tests", "models", "helpers")]
+    assert not tests, f"examples/{name} imports from tests/: {tests}"
+  assert os.path.getsize(os.path.join(EXAMPLES, "data", "tinyshakespeare.txt")) == 1_115_394
+
+
+def test_a_missing_extra_is_named_with_exit_status_2(monkeypatch, capsys):
+  """scikit-learn missing: the digits example names the extra and exits 2 (1 is the planning
+  CLI's "does not fit")."""
+  monkeypatch.setitem(sys.modules, "sklearn", None)       # import sklearn fails as if missing
+  with pytest.raises(SystemExit) as exited:
+    load("resnet_digits").load()
+  assert exited.value.code == 2
+  assert 'pip install -e ".[examples]"' in capsys.readouterr().err
