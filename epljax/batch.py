@@ -11,6 +11,11 @@ replica read its own data and cut it into micro batches. Inside the step the mod
 once for the micro batch of *all* replicas together (GSPMD), so statistics over the batch
 (BatchNorm) are taken over every replica's rows, exactly as single-device training on the same
 batch would.
+
+Context parallelism (``context.parallel_degree = k``): dimension 1 of every leaf with two or
+more dimensions (the sequence) is split over the mesh axis ``context`` too, in order (device
+``c`` of the axis holds the ``c``-th contiguous chunk); leaves with one dimension (a label per
+row) are not.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from epljax.errors import PlanError
+from epljax.mesh import CONTEXT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +40,7 @@ class BatchPlan:
   num_micro_batch: int
   split_per_replica: int          # devices each replica's micro batch is split over
   axes: tuple[str, ...]           # mesh axes of the batch dimension
+  context: int = 1                # devices each sequence (dimension 1) is split over
 
   @property
   def num_shards(self) -> int:
@@ -53,6 +60,21 @@ class BatchPlan:
         f"The global batch of {global_rows} rows does not divide into {' x '.join(parts)} "
         f"(= {unit}). Use a global batch that is a multiple of {unit}, for example {lower} or "
         f"{lower + unit}: a micro batch of {lower // (r * m)} rows per replica.")
+
+  def check_sequences(self, batch: Any) -> None:
+    """Raises a ``PlanError`` naming the leaf when a sequence does not divide over context."""
+    if self.context == 1:
+      return
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+      shape = np.shape(leaf)
+      if len(shape) >= 2 and shape[1] % self.context:
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
+        k = self.context
+        raise PlanError(
+            f"Batch leaf '{name}' {tuple(shape)}: its sequence (dimension 1) of {shape[1]} "
+            f"does not divide over context.parallel_degree={k} devices. Pad or cut the "
+            f"sequences to a multiple of {k} (for example {-(-shape[1] // k) * k}), or use a "
+            f"context.parallel_degree dividing {shape[1]}.")
 
   def micro_rows(self, global_rows: int) -> int:
     """Rows of one micro batch of all replicas together (what the model is traced with)."""
@@ -99,11 +121,21 @@ def global_shapes(batch: Any, sharding_of) -> Any:
                                      sharding=sharding_of(np.ndim(x))), batch)
 
 
-def shard_batch(batch: Any, sharding: NamedSharding) -> Any:
-  """Process-local slices -> global arrays in ``sharding`` (a no-op for arrays already so)."""
+def leaf_sharding(rows: NamedSharding, ndim: int) -> NamedSharding:
+  """A batch leaf's sharding: ``rows`` (the batch dimension over the batch axes), and with a
+  ``context`` axis in the mesh, dimension 1 of a leaf of 2+ dimensions over it."""
+  if ndim < 2 or rows.mesh.shape.get(CONTEXT, 1) == 1:
+    return rows
+  return NamedSharding(rows.mesh, P(*rows.spec[:1], CONTEXT))
+
+
+def shard_batch(batch: Any, rows: NamedSharding) -> Any:
+  """Process-local slices -> global arrays, each leaf in ``leaf_sharding(rows, ndim)`` (a no-op
+  for arrays already so)."""
   single = jax.process_count() == 1
 
   def one(x):
+    sharding = leaf_sharding(rows, np.ndim(x))
     if isinstance(x, jax.Array) and x.sharding == sharding and (
         single or not x.is_fully_addressable):
       return x
@@ -125,7 +157,8 @@ def micro_batches(batch: Any, plan: BatchPlan, mesh: Mesh) -> Any:
     rows = x.shape[0] // (shards * m)
     x = x.reshape(shards, m, rows, *x.shape[1:]).swapaxes(0, 1)
     x = x.reshape(m, shards * rows, *x.shape[3:])
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, plan.axes)))
+    seq = (CONTEXT,) if plan.context > 1 and x.ndim >= 3 else ()
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, plan.axes, *seq)))
 
   return jax.tree.map(one, batch)
 

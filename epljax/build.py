@@ -35,6 +35,7 @@ from epljax import strategy as strategy_lib
 from epljax.errors import PlanError
 from epljax.features import BuildContext, Feature, StateShardings
 from epljax.mesh import DATA, MODEL, Layout, abstract_mesh, build_mesh
+from epljax.nn import context as context_lib
 from epljax.pipeline.auto import auto_stage_cuts, check_auto, scan_split
 from epljax.plan import EVERY_STAGE, Leaf, Plan, leaf_bytes_per_device, tree_bytes_per_device
 from epljax.sharding import annotations, constraints, reductions
@@ -305,13 +306,16 @@ def place(fns: UserFns, var: Variables, cap: Capture, micro_shapes: Any, rows: i
   """Step 3: mesh, batch layout, variable specs, pipeline packing, base shardings."""
   layout = build_mesh(cap.taskgraphs, cluster.devices, config.cluster,
                       config.pipeline.num_virtual_stages,
-                      config.zero.shard_size if config.zero.level else "all")
+                      config.zero.shard_size if config.zero.level else "all",
+                      context=config.context.parallel_degree)
   _check_layout(layout, cap, config.pipeline.num_stages)
   mesh = layout.mesh
   axes = specs_lib.batch_axes(cap, layout)
   bplan = batch_lib.BatchPlan(layout.num_replicas, config.pipeline.num_micro_batch,
-                              layout.devices_per_stage if MODEL in axes else 1, axes)
+                              layout.devices_per_stage if MODEL in axes else 1, axes,
+                              layout.context)
   bplan.check(rows)
+  bplan.check_sequences(micro_shapes)
   shapes = [tuple(x.shape) for x in var.leaves]
   user = annotations.user_specs(list(var.paths), shapes, var.model.metadata, dict(mesh.shape))
   leaf_specs = specs_lib.variable_specs(cap, layout, shapes, user)
@@ -414,16 +418,19 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
 
   step = step_lib.train_step(gradients, update, features, prepare, fns.has_aux, by_cond,
                              grad_layouts=base.reduced_grads)
-  traced = functools.partial(_traced_in_session, mesh=mesh)
+  traced = functools.partial(_traced_in_session, mesh=mesh,
+                             attention=context_lib.layout_of(mesh, axes))
   options = communication.compiler_options(features, var.params_shape) or None
-  batch_sh = NamedSharding(mesh, P(axes))   # Built.batch_sharding
+  rows_sh = NamedSharding(mesh, P(axes))   # Built.batch_sharding (batch_lib.leaf_sharding)
+  # With sequences split each leaf has its own sharding, as shard_batch put it.
+  batch_sh = rows_sh if where.layout.context == 1 else None
   jit = functools.partial(jax.jit, compiler_options=options)
   checked = (functools.partial(Preflight, check=where.pipe.check_compiled)
              if where.pipe is not None and where.pipe.slotted else lambda f: f)
   return dict(
       gradient_sums=sums,
       state_shardings=state_sh,
-      batch_sharding=batch_sh,
+      batch_sharding=rows_sh,
       init_jit=jax.jit(traced(init_state), out_shardings=state_sh),
       step_jit=checked(jit(traced(step), in_shardings=(state_sh, batch_sh),
                            out_shardings=(state_sh, None), donate_argnums=0)),
@@ -503,8 +510,8 @@ def make_plan(var: Variables, cap: Capture, where: Placement, features: Sequence
           step=jnp.zeros((), jnp.int32), params=where.stored_shape(var.params_shape),
           opt_state=where.opt_shape,
           model_state=var.state_shape, feature_state=fstate)), jits["state_shardings"])
-  abstract_batch = batch_lib.global_shapes(
-      batch, lambda nd: NamedSharding(mesh, specs_lib.batch_spec(axes, nd)))
+  abstract_batch = batch_lib.global_shapes(batch, lambda nd: batch_lib.leaf_sharding(
+      NamedSharding(mesh, specs_lib.batch_spec(axes, nd)), nd))
   n_p = var.num_params
   final = (jax.tree.leaves((where.user_shardings or base).params)
            + jax.tree.leaves(base.model_state))
@@ -556,13 +563,15 @@ def _where(shardings: Any) -> str:
   return " + ".join(named) if named else "device"
 
 
-def _traced_in_session(fn: Callable, mesh) -> Callable:
+def _traced_in_session(fn: Callable, mesh, attention=None) -> Callable:
   """Traces ``fn`` inside a strategy trace session, so unnamed scopes get the same labels as in
   the capture, and with the mesh as the abstract mesh, so model code can ask
-  ``jax.sharding.get_abstract_mesh()`` (the MoE layer does) or use bare ``PartitionSpec``s."""
+  ``jax.sharding.get_abstract_mesh()`` (the MoE layer does) or use bare ``PartitionSpec``s;
+  ``attention``: the plan's ``epljax.nn.context.ContextLayout`` (context parallelism)."""
 
   def wrapped(*args):
-    with strategy_lib.trace_session(), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    with (strategy_lib.trace_session(), jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
+          context_lib.attention_over(attention)):
       return fn(*args)
 
   wrapped.__name__ = f"epl_{fn.__name__}"

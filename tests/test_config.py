@@ -44,6 +44,7 @@ EPL_DEFAULTS = {
     "auto.efficiency": 0.0,                              # beyond EPL
     "auto.intra_host_bandwidth": 0.0,                    # beyond EPL
     "auto.inter_host_bandwidth": 0.0,                    # beyond EPL
+    "context.parallel_degree": 1,                        # beyond EPL
 }
 
 

@@ -10,6 +10,7 @@ from epljax.config.schema import (
     AutoConfig,
     ClusterConfig,
     CommunicationConfig,
+    ContextConfig,
     GradientCheckpointConfig,
     IOConfig,
     OffloadConfig,
@@ -20,6 +21,6 @@ from epljax.config.schema import (
 
 __all__ = [
     "AmpConfig", "AutoConfig", "ClusterConfig", "CommunicationConfig", "Config",
-    "GradientCheckpointConfig", "IOConfig", "OffloadConfig", "OptimizerConfig",
+    "ContextConfig", "GradientCheckpointConfig", "IOConfig", "OffloadConfig", "OptimizerConfig",
     "PipelineConfig", "ZeroConfig", "all_keys", "describe",
 ]

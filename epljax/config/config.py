@@ -172,6 +172,7 @@ class Config:
   communication: Any
   io: Any
   auto: Any
+  context: Any
 
   def __init__(self, param_dict: Mapping[str, Any] | None = None, *,
                environ: Mapping[str, str] | None = None):

@@ -173,6 +173,15 @@ class AutoConfig:
       "the chip table's.")
 
 
+@dataclasses.dataclass(frozen=True)
+class ContextConfig:
+  parallel_degree: int = key(
+      1, "Beyond EPL: split every sequence over this many devices (context parallelism), a "
+      "mesh axis 'context' beside 'model'. Dimension 1 of each batch leaf with 2+ dimensions "
+      "is the sequence; epl.nn.dot_product_attention runs over the axis, everything else "
+      "follows GSPMD.", minimum=1)
+
+
 SECTIONS: dict[str, type] = {
     "pipeline": PipelineConfig,
     "gradient_checkpoint": GradientCheckpointConfig,
@@ -184,4 +193,5 @@ SECTIONS: dict[str, type] = {
     "communication": CommunicationConfig,
     "io": IOConfig,
     "auto": AutoConfig,
+    "context": ContextConfig,
 }

@@ -11,6 +11,16 @@ Axis order is (data, stage, model), model innermost: with ``cluster.device_place
 the devices of one replica are consecutive in host order, so tensor-parallel traffic (the
 ``model`` axis, the most frequent) stays inside a host and only gradient reduction crosses hosts.
 
+Context parallelism (``context.parallel_degree = k > 1``) adds an axis ``context`` of size k
+between ``stage`` and ``model``: ``(data, stage, context, model)``. Every replica then holds k
+times its devices, each with 1/k of every sequence. The attention's key/value exchange (a ring
+of ``ppermute``s or an all-gather, every layer, forward and backward) is the most frequent
+traffic after tensor parallelism's, so it sits next to ``model``: with
+``cluster.device_place_prefer_intra_node`` one replica's context x model devices are
+consecutive and stay inside a host while they fit in one; data parallelism's gradient
+reduction (once a step) is what crosses hosts. Without context parallelism the mesh has no
+``context`` axis.
+
 Hybrid sharding (``zero.shard_size``, HSDP): GSPMD shards over whole mesh axes only, so ZeRO
 over groups of the data replicas splits the data axis in two, ``(replica, data, stage,
 model)``: ``data`` inside a group (what ZeRO shards over), ``replica`` across groups (plain
@@ -37,6 +47,7 @@ DATA, STAGE, MODEL = "data", "stage", "model"
 AXES = (DATA, STAGE, MODEL)
 REPLICA = "replica"   # across the groups of hybrid sharding (zero.shard_size); see above
 HYBRID_AXES = (REPLICA, *AXES)
+CONTEXT = "context"   # the sequence split over devices (context.parallel_degree); see above
 # GSPMD decides every intermediate sharding (Auto). jax 0.11 makes a bare AbstractMesh
 # Explicit, where Flax's logical-axis constraints become assertions: always say Auto.
 _AUTO = (AxisType.Auto,) * len(AXES)
@@ -64,6 +75,7 @@ class Layout:
                                    # its chunk with virtual stages, on stage chunk % num_stages
   colocated: bool
   num_virtual_stages: int = 1
+  context: int = 1                 # devices each sequence is split over (the ``context`` axis)
 
   @property
   def num_groups(self) -> int:
@@ -72,15 +84,17 @@ class Layout:
 
   @property
   def devices_per_replica(self) -> int:
+    """The devices of one model replica's stages; the ``context`` axis multiplies them."""
     return self.num_stages * self.devices_per_stage
 
 
 def build_mesh(taskgraphs: Sequence[TaskGraph], devices: Sequence[jax.Device],
                cluster: ClusterConfig, virtual_stages: int = 1,
-               shard_size: int | str = "all") -> Layout:
+               shard_size: int | str = "all", context: int = 1) -> Layout:
   """Task graphs + devices -> ``Layout`` (see the module doc for the rules). With
   ``virtual_stages = v > 1`` the task graphs are pipeline chunks, ``v`` per stage;
-  ``shard_size`` (``zero.shard_size``): the data replicas of one hybrid-sharding group."""
+  ``shard_size`` (``zero.shard_size``): the data replicas of one hybrid-sharding group;
+  ``context`` (``context.parallel_degree``): devices each sequence is split over."""
   counts = [tg.device_count for tg in taskgraphs]
   colocated = cluster.colocate_split_and_replicate or len(taskgraphs) == 1
   _check_virtual(taskgraphs, virtual_stages, colocated)
@@ -94,10 +108,12 @@ def build_mesh(taskgraphs: Sequence[TaskGraph], devices: Sequence[jax.Device],
            "them on the same devices") + ".")
   per_stage = counts[0]
   stages = 1 if colocated else len(taskgraphs) // virtual_stages
-  per_replica = per_stage * stages
+  per_replica = per_stage * stages * context
   total = len(devices)
   how = (f"{_listing(taskgraphs)}" if colocated or len(taskgraphs) == 1 else
          f"the sum over the stages {_listing(taskgraphs)}")
+  if context > 1:
+    how += f", times context.parallel_degree={context}"
   if per_replica > total:
     raise PlanError(f"One model replica needs {per_replica} devices ({how}) but only {total} "
                     f"devices are available. Lower the device_count of the scopes or run on "
@@ -108,21 +124,29 @@ def build_mesh(taskgraphs: Sequence[TaskGraph], devices: Sequence[jax.Device],
                     f"whose replica size divides {total}, or run on a multiple of "
                     f"{per_replica} devices.")
   replicas = total // per_replica
+  if context > 1 and stages > 1:
+    raise PlanError(
+        f"context.parallel_degree={context} splits sequences over a 'context' axis, which "
+        f"epljax does not combine with pipeline stages ({stages} here: {_listing(taskgraphs)}) "
+        "yet. Set context.parallel_degree=1, or run the model without pipeline stages (one "
+        "task graph, or cluster.colocate_split_and_replicate=True) and use context x model x "
+        "data parallelism.")
   ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
   grid = np.empty(len(ordered), dtype=object)
   grid[:] = ordered
   if cluster.device_place_prefer_intra_node:
-    grid = grid.reshape(replicas, stages, per_stage)
+    grid = grid.reshape(replicas, stages, context, per_stage)
   else:  # spread each replica over hosts: consecutive devices go to different replicas
-    grid = grid.reshape(stages, per_stage, replicas).transpose(2, 0, 1)
+    grid = grid.reshape(stages, context, per_stage, replicas).transpose(3, 0, 1, 2)
+  axes = (DATA, STAGE, CONTEXT, MODEL)
+  if context == 1:
+    grid, axes = grid.reshape(replicas, stages, per_stage), AXES
   stage_of = tuple(0 if colocated else i for i in range(len(taskgraphs)))
   size = group_size(shard_size, replicas, per_replica, ordered, stages)
   if size < replicas:
-    mesh = Mesh(grid.reshape(replicas // size, size, *grid.shape[1:]), HYBRID_AXES,
-                axis_types=(AxisType.Auto,) * len(HYBRID_AXES))
-  else:
-    mesh = Mesh(grid, AXES, axis_types=_AUTO)
-  return Layout(mesh, replicas, stages, per_stage, stage_of, colocated, virtual_stages)
+    grid, axes = grid.reshape(replicas // size, size, *grid.shape[1:]), (REPLICA, *axes)
+  mesh = Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
+  return Layout(mesh, replicas, stages, per_stage, stage_of, colocated, virtual_stages, context)
 
 
 def group_size(shard_size: int | str, replicas: int, per_replica: int,

@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+import epljax as epl
 from example_models.layers import lm_fns, rms_norm, rope
 
 
@@ -35,6 +36,9 @@ class Size:
   layers: int
   dtype: Any = jnp.float32     # compute dtype; parameters are float32 whatever it is
   remat: bool = False          # each scanned layer under nn.remat (saves its input alone)
+  # "einsum": scores, causal mask and softmax written out (the whole score matrix);
+  # "epl": epl.nn.dot_product_attention (linear memory; runs over context parallelism).
+  attention: str = "einsum"
 
   @property
   def params(self) -> int:
@@ -99,12 +103,15 @@ class Attention(nn.Module):
     positions = jnp.arange(x.shape[1])
     q = (rope(q, positions) * s.head_dim ** -0.5).astype(s.dtype)
     k = rope(k, positions).astype(s.dtype)
-    repeat = s.heads // s.kv_heads
-    k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)   # GQA: shared k/v
-    logits = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32)
-    causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
-    probs = jax.nn.softmax(jnp.where(causal, logits, -1e30), axis=-1).astype(s.dtype)
-    out = jnp.einsum("bhts,bshd->bthd", probs, v)
+    if s.attention == "epl":   # (q is scaled above)
+      out = epl.nn.dot_product_attention(q, k, v, causal=True, scale=1.0).astype(s.dtype)
+    else:
+      repeat = s.heads // s.kv_heads
+      k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)   # GQA: shared k/v
+      logits = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32)
+      causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
+      probs = jax.nn.softmax(jnp.where(causal, logits, -1e30), axis=-1).astype(s.dtype)
+      out = jnp.einsum("bhts,bshd->bthd", probs, v)
     return Projection((s.heads, s.head_dim, s.d_model), ("heads", "kv", "embed"), s.dtype,
                       name="out")("bthk,hkd->btd", out)
 
