@@ -1,7 +1,7 @@
 """nanoGPT's baby GPT on tiny Shakespeare in every layout of ``examples/shakespeare_char.py``.
 
-    python bench/shakespeare.py --data ../shared/data/tinyshakespeare.txt           # the table
-    python bench/shakespeare.py --data ../shared/data/tinyshakespeare.txt --record  # + RESULTS.md
+    python bench/shakespeare.py            # the table (data: examples/data/tinyshakespeare.txt)
+    python bench/shakespeare.py --record   # + RESULTS.md
 
 Trains each layout (``single``: plain ``jax.jit`` on one device, the reference; ``dp``,
 ``split``, ``pipeline``, ``3d``) for 2000 iterations on the same global batches of 12 windows
@@ -35,7 +35,7 @@ import epljax as epl  # noqa: E402
 import shakespeare_char as sc  # noqa: E402
 from common import machine, record, table, time_against_hand  # noqa: E402
 
-DEFAULT_DATA = os.path.join(HERE, "..", "..", "shared", "data", "tinyshakespeare.txt")
+DEFAULT_DATA = os.path.join(HERE, "..", "examples", "data", "tinyshakespeare.txt")
 SHAPES = {"single": "1 device", "dp": "data 4", "split": "data 2 x model 2",
           "pipeline": "data 2 x stage 2, M=3", "3d": "data 2 x stage 2 x model 2, M=3"}
 

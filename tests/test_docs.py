@@ -162,6 +162,37 @@ def test_record_blocks_are_the_records():
                      "python docs/hooks/epljax_docs.py")
 
 
+def test_include_markers_name_records_and_the_site_fills_them():
+  """``<!-- include: KEY ... -->`` in a page: the record exists (with its subsection) and the
+  page the site builds holds its text in place of the marker."""
+  hooks = load_hooks()
+  found = 0
+  for path in PAGES:
+    text = open(path).read()
+    for m in hooks.INCLUDE.finditer(text):
+      found += 1
+      rows = int(m.group("rows")) if m.group("rows") else None
+      excerpt = hooks.excerpt(m.group("key"), m.group("sub"), rows)
+      assert excerpt.strip() in hooks.include(m.group(0)), os.path.relpath(path, REPO)
+  assert found
+  key = hooks.records_module().keys()[0]
+  table = "\n".join(line for line in hooks.excerpt(key, None, None).split("\n")
+                    if line.startswith("|"))
+  page = hooks.on_page_markdown(f"before\n\n<!-- include: {key}, rows 1 -->\n\nafter\n",
+                                _Page("x.md"), None, None)
+  assert table.split("\n")[2] in page and "<!-- include" not in page
+
+
+@dataclasses.dataclass
+class _File:
+  src_uri: str
+
+
+class _Page:
+  def __init__(self, uri):
+    self.file = _File(uri)
+
+
 def test_a_figure_no_record_holds_fails():
   hooks = load_hooks()
   key = hooks.records_module().keys()[0]

@@ -6,6 +6,10 @@
 - ``notebook.md`` is generated from ``examples/notebook.ipynb`` with the outputs saved in it
   (plans as HTML tables, the progress bars' last state, plots), which tests/test_notebook.py
   keeps equal to what the notebook prints today.
+- Figures come from the benchmark records (``bench/RESULTS.md``): ``<!-- include: KEY -->``
+  in a page becomes the record's text (or a subsection of it, or its first table's first
+  rows) when the site builds, so a re-recorded bench needs no edit of the page; the record
+  blocks of the README (which GitHub shows as written) are rewritten by ``sync``.
 - The pages link to the repository's examples and benchmarks as GitHub shows them
   (``../examples/quickstart.py``); the site carries those files too (examples/, bench/, with
   ``bench/RESULTS.md`` as a page), and the links are rewritten to point there.
@@ -61,7 +65,7 @@ def on_page_markdown(markdown, page, config, files):
     markdown = re.sub(r"\]\(\.\./((?:examples|bench)/[^)\s]+)\)", r"](\1)", markdown)
   if MARKER in markdown:
     markdown = markdown.replace(MARKER, config_reference())
-  return markdown
+  return include(sync(markdown))
 
 
 def config_reference() -> str:
@@ -108,12 +112,17 @@ def _type_name(hint) -> str:
 # <!-- record: KEY § SUBSECTION, rows N --> ... <!-- /record -->: the lines between are the
 # record's (sub)section up to its N-th table row, rewritten by ``sync`` (README and pages alike,
 # so GitHub shows them too); tests/test_docs.py fails when a page is not its own ``sync``.
+# A marker in a code span (`<!-- include: KEY -->`) is text, not a marker.
+# <!-- include: KEY § SUBSECTION, rows N -->: the same excerpt, put in place of the marker when
+# the site builds (the page's source holds only the marker).
 # <!-- figures: KEY; KEY --> ... <!-- /figures -->: every figure between (a number with a unit:
 # 1.02x, 0.4 ms, 14.44 MiB, 6-8x, 22%; code spans aside) must be in those records; a measured
 # figure (a decimal with a unit) outside both kinds of block fails too.
-RECORD = re.compile(r"(<!-- record: (?P<key>.+?)(?: § (?P<sub>.+?))?"
+RECORD = re.compile(r"(?<!`)(<!-- record: (?P<key>.+?)(?: § (?P<sub>.+?))?"
                     r"(?:, rows (?P<rows>\d+))? -->\n)(?P<body>.*?)(<!-- /record -->)", re.S)
-FIGURES = re.compile(r"<!-- figures: (?P<keys>.+?) -->(?P<body>.*?)<!-- /figures -->", re.S)
+INCLUDE = re.compile(r"(?<!`)<!-- include: (?P<key>.+?)(?: § (?P<sub>.+?))?"
+                     r"(?:, rows (?P<rows>\d+))? -->")
+FIGURES = re.compile(r"(?<!`)<!-- figures: (?P<keys>.+?) -->(?P<body>.*?)<!-- /figures -->", re.S)
 NUMBER = r"\d+\.\d+"
 UNIT = r"(?:[x×]|\s?(?:ms|us|µs|s|%|KiB|MiB|GiB|kB|KB|MB|GB|kchars))(?![\w])"
 FIGURE = re.compile(rf"(?<![\w.]){NUMBER}(?:\s?[-–]\s?{NUMBER})?{UNIT}")
@@ -164,6 +173,22 @@ def sync(text: str) -> str:
     rows = int(m.group("rows")) if m.group("rows") else None
     return m.group(1) + excerpt(m.group("key"), m.group("sub"), rows) + m.group(6)
   return RECORD.sub(one, text)
+
+
+def include(text: str) -> str:
+  """``text`` with each include marker replaced by its record's excerpt."""
+  def one(m):
+    rows = int(m.group("rows")) if m.group("rows") else None
+    return excerpt(m.group("key"), m.group("sub"), rows).rstrip("\n")
+  return INCLUDE.sub(one, text)
+
+
+def quoted_keys(text: str) -> list[str]:
+  """The records a page quotes: its record, include and figures markers' keys, in order."""
+  out = [m.group("key") for m in RECORD.finditer(text)]
+  out += [m.group("key") for m in INCLUDE.finditer(text)]
+  out += [k.strip() for m in FIGURES.finditer(text) for k in m.group("keys").split(";")]
+  return list(dict.fromkeys(out))
 
 
 def _code_free(text: str) -> str:
