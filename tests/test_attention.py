@@ -195,6 +195,26 @@ def test_bad_shapes_are_refused_with_the_shapes_and_the_fix():
     epl.nn.dot_product_attention(q, k, v, bias=jnp.ones((3, 4, 4)))
 
 
+def test_batch_and_heads_split_over_devices_need_no_collective_inside_the_attention():
+  """GSPMD with the batch over 2 devices and the heads over 4 (epl.split's layout for heads):
+  same numbers as one device, and the only collectives left are the scalar loss's sums."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+  split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None, "model"))
+  q, k, v, weights = inputs(9, 2, 32, 32, 8, 4)
+
+  def loss(q, k, v):
+    out = attention._blockwise(q, k, v, 2, None, None, 0, 0, True, 0.3, 8, 8)[0]
+    return jnp.sum(out * weights)
+
+  step = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
+  placed = [jax.device_put(x, split) for x in (q, k, v)]
+  compiled = step.lower(*placed).compile()
+  for got, want in zip(jax.tree.leaves(compiled(*placed)), jax.tree.leaves(step(q, k, v))):
+    np.testing.assert_allclose(got, want, **TOL)
+  assert {(c.kind, c.bytes) for c in epl.hlo.collectives(compiled.as_text())} == {
+      ("all-reduce", 4)}
+
+
 def _temp_bytes(fn, seq, heads=2, dim=16):
   x = jax.ShapeDtypeStruct((1, seq, heads, dim), jnp.float32)
   step = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) ** 2), (0, 1, 2)))
