@@ -193,6 +193,24 @@ class _Page:
     self.file = _File(uri)
 
 
+def test_every_quoted_record_names_a_bench_that_reruns_it():
+  """bench/run.py's map: each record a page quotes names a bench script (and pipeline.py
+  subcommand) that exists, so ``run.py --headline`` can rewrite it."""
+  spec = importlib.util.spec_from_file_location("epljax_bench_run",
+                                                os.path.join(REPO, "bench", "run.py"))
+  run = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = run             # (its dataclass looks its module up)
+  spec.loader.exec_module(run)
+  benches = run.quoted()
+  assert len({b.name for b in benches}) == len(benches) > 20
+  for b in benches:
+    script = os.path.join(REPO, b.argv[1])
+    assert os.path.exists(script), (b.key, b.argv)
+    if b.argv[1] == "bench/pipeline.py":
+      assert f'"{b.argv[2]}"' in open(script).read(), b.argv
+  assert {b.needs for b in benches} == {"cpu", "cuda-plugin", "gpu"}
+
+
 def test_a_figure_no_record_holds_fails():
   hooks = load_hooks()
   key = hooks.records_module().keys()[0]
