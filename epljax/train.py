@@ -41,7 +41,7 @@ from epljax.build import Built, UserFns, build
 from epljax.env import Env
 from epljax.errors import EPLError, NonFiniteError, PlanError, StateError
 from epljax.launch import worker as launch_worker
-from epljax.plan import Plan
+from epljax.plan import Plan, Rebuild
 from epljax.sharding import constraints
 from epljax.step import NONFINITE_RUN, TrainState
 
@@ -327,6 +327,15 @@ class Trainer:
                   self.has_aux, self.mutable, self.clip_norm)
     with constraints.explained():   # a model's constraints on its own mesh
       self._built = build(fns, self._config, self._cluster, rng, batch)
+    # What the plan needs to name the config changes that would make it fit (shapes only).
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
+
+    def build_with(overrides: dict[str, Any]) -> Built:
+      with constraints.explained():
+        return build(fns, self._config.replace(overrides), self._cluster, rng, shapes)
+
+    self._built.plan.rebuild = Rebuild(self._built, self._config, shapes, build_with,
+                                       self._counts)
     self._reading, self._unread = None, self.max_nonfinite_steps or 0
     self._batch_shapes, self._last_return, self._in_flight = None, None, None
     self._returned = None

@@ -162,9 +162,15 @@ def _run_plan_cli(*args):
 
 
 def test_the_plan_cli_refuses_without_the_plugin_or_names_the_topology_syntax():
+  """A topology the tool cannot make is its own failure, exit 4 (1 is "does not fit", 2 "the
+  script never reached trainer.init")."""
   done = _run_plan_cli(os.path.join(HERE, "launch_scripts", "train_dp.py"),
                        "--topology", "h100:eight")
-  assert done.returncode == 2 and "KIND:HOSTSxGPUS_PER_HOST" in done.stderr, done.stderr
+  assert done.returncode == 4 and "KIND:HOSTSxGPUS_PER_HOST" in done.stderr, done.stderr
+  if not _has_cuda_plugin():
+    done = _run_plan_cli(os.path.join(HERE, "launch_scripts", "train_dp.py"),
+                         "--topology", "h100:2x8")
+    assert done.returncode == 4 and "cuda12" in done.stderr, done.stderr
 
 
 @needs_plugin
@@ -176,12 +182,17 @@ def test_the_plan_cli_plans_an_unchanged_script_for_two_hosts(tmp_path):
   assert done.returncode == 0, done.stdout + done.stderr
   assert "over 16 gpu devices" in done.stdout and "H100" in done.stdout
   assert "16 x NVIDIA H100 80GB HBM3 in 2 hosts: fits" in done.stdout
+  lines = done.stdout.splitlines()   # the verdict first: fits, what crosses the hosts
+  assert lines[0].startswith("epljax plan: fits, ") and "over 16 gpu devices in 2 hosts" in lines[1]
+  assert any(line.startswith("  hosts     2, crossed each step by all-reduce over data")
+             for line in lines[:lines.index("")]), done.stdout
   assert not (tmp_path / "out.json").exists()   # the script stopped at trainer.init
   row = [line for line in done.stdout.splitlines() if line.strip().startswith("all-reduce")]
   assert row and row[0].split()[1] == "data" and row[0].split()[-1] == "yes"
   small = _run_plan_cli(script, "--topology", "h100:2x8", "--memory-limit", "0.000001", "--",
                         str(tmp_path / "out.json"))
   assert small.returncode == 1 and "DOES NOT FIT" in small.stdout
+  assert "  change    no change of " in small.stdout   # (nothing fits in 1 KiB)
 
 
 @needs_plugin

@@ -2,6 +2,6 @@
 
 import sys
 
-from epljax.plan.cli import main
+from epljax.plan.cli import run
 
-sys.exit(main())
+sys.exit(run())

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Callable, Sequence
-from html import escape
 from typing import Any
 
 import jax
@@ -21,7 +19,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from epljax import hlo
-from epljax.errors import size
+from epljax.errors import EPLError, size
+from epljax.plan import changes as changes_lib
+from epljax.plan import verdict as verdict_lib
+from epljax.plan.render import html_plan, render_text
+from epljax.plan.rows import HEADERS, scanned, variable_rows
 from epljax.strategy import TaskGraph
 
 
@@ -54,16 +56,6 @@ class StepCollective(hlo.Collective):
 def leaf_bytes_per_device(shape: Sequence[int], dtype: Any, sharding: NamedSharding) -> int:
   # dtype.itemsize also covers PRNG key dtypes (key<fry> is 8 bytes), unlike np.dtype(...).
   return math.prod(sharding.shard_shape(tuple(shape))) * dtype.itemsize
-
-
-def render_text(sections: Sequence[tuple[str, list[Any]]]) -> str:
-  """``(title, blocks)`` sections (``Plan.sections``) as the text ``print(plan)`` shows."""
-  lines = []
-  for i, (title, blocks) in enumerate(sections):
-    lines += ([""] if i else []) + [title]
-    for block in blocks:
-      lines += [f"  {block}"] if isinstance(block, str) else _table(*block)
-  return "\n".join(lines)
 
 
 def tree_bytes_per_device(shapes: Any, shardings: Any) -> int:
@@ -113,6 +105,8 @@ class Plan:
     self._cost = None
     self.search: list[Any] = []          # auto.auto_parallel's rows (``epljax.search``)
     self.search_notes: list[str] = []    # what the search fixed, skipped and assumed
+    self.rebuild: changes_lib.Rebuild | None = None   # set by the Trainer (``changes``)
+    self._suggested: dict[tuple[bool, int], changes_lib.Found] = {}
 
   @property
   def features(self) -> list[str]:
@@ -216,37 +210,47 @@ class Plan:
   def micro_batch_per_replica(self) -> int:
     return self.global_rows // (self.num_replicas * self.num_micro_batch)
 
-  def sections(self) -> list[tuple[str, list[Any]]]:
+  # -- throughput and what would fit -------------------------------------------------------
+  @property
+  def tokens_per_step(self) -> int | None:
+    """Tokens of a global batch (``Trainer(tokens_key=...)``, else its first integer leaf of
+    two or more dimensions), or None when the batch has none."""
+    counts = self._counts()
+    return counts.get("tokens")
+
+  @property
+  def tokens_per_s(self) -> float | None:
+    """Tokens per second per device at the predicted step time, or None."""
+    step, tokens = self.predicted_step_s, self.tokens_per_step
+    return tokens / (step * self.mesh.size) if step and tokens else None
+
+  def format(self, full: bool = False) -> str:
+    """The plan as text: ``str(plan)``, with ``full`` one variables row per leaf instead of
+    one per stack of layers."""
+    return render_text(self.sections(full))
+
+  def sections(self, full: bool = False) -> list[tuple[str, list[Any]]]:
     """The plan as ``(title, blocks)`` pairs, what ``str()`` and ``_repr_html_`` render: a
-    block is a line of text or a table ``(headers, rows)``."""
+    block is a line of text or a table ``(headers, rows)``. The verdict comes first (fits or
+    not, mesh and features, predicted step, throughput, what crosses hosts, and when it does
+    not fit the changes that would), then the details."""
     _ = self.compiled   # compile first: some features describe what they found while tracing
-    axes = " x ".join(f"{n}={s}" for n, s in self.mesh.shape.items())
-    devices = self.mesh.devices.flat
-    first = next(iter(devices))
-    head = [
-        f"mesh      {axes} over {self.mesh.size} {first.platform} devices",
-        f"replicas  {self.num_replicas}    stages {self.num_stages}    "
-        f"micro batches {self.num_micro_batch}    schedule {self.schedule}",
-        f"batch     {self.global_rows} rows per step = {self.num_replicas} replicas x "
-        f"{self.micro_batch_per_replica} rows x {self.num_micro_batch} micro batches, "
-        f"split over ({', '.join(self.batch_axes)})",
-        *[f"feature   {f}" for f in self.features],
-    ]
     # A stacked leaf split by layer over the stages (``EVERY_STAGE``) counts in each of them.
     every = [leaf for leaf in self.leaves if leaf.taskgraph == EVERY_STAGE]
     per_tg = {tg.name: [leaf for leaf in self.leaves if leaf.taskgraph == tg.name] + every
               for tg in self.taskgraphs}
-    out = [("epljax plan", head), ("task graphs", [(
+    out = [verdict_lib.verdict(self), ("task graphs", [(
         ["index", "name", "strategy", "devices", "params", "bytes/device"],
         [[tg.index, tg.name, tg.strategy, tg.device_count, len(per_tg[tg.name]),
           size(sum(x.bytes_per_device for x in per_tg[tg.name]))] for tg in self.taskgraphs])])]
     if self.pipeline is not None:
       out.append(("pipeline stages", self.pipeline.blocks()))
-    out.append(("variables", [(
-        ["path", "shape", "dtype", "spec", "bytes/device", "task graph", "why"],
-        [[leaf.path + ("" if leaf.trainable else "  (state)"), leaf.shape, leaf.dtype,
-          _spec(leaf.spec), size(leaf.bytes_per_device), leaf.taskgraph, leaf.rule]
-         for leaf in self.leaves])]))
+    stacks = {} if full or self.rebuild is None else scanned(
+        self.rebuild.built.capture.program, self.leaves)
+    table = variable_rows(self.leaves, stacks, full)
+    out.append(("variables" + (" (a stack of layers a row; every leaf: --full, "
+                               "plan.format(full=True))" if len(table) < len(self.leaves)
+                               else ""), [(HEADERS, table)]))
     out.append(("memory per device", self._memory_blocks()))
     if self.search:
       out.append(("automatic plan (auto.auto_parallel)", self._search_blocks()))
@@ -255,6 +259,32 @@ class Plan:
     if predicted:
       out.append(("predicted step (epljax.cost)", predicted))
     return out
+
+  def suggestions(self, compile: bool = False, count: int = 3) -> changes_lib.Found:
+    """When the plan does not fit: the ``count`` cheapest config changes that would, by the
+    plan search's estimates on this mesh (``epljax.plan.changes``: ``.changes``, cheapest
+    first, each with its overrides and bytes per device; ``.note`` says why there are none).
+    With ``compile`` each is built and compiled, its ``compiled_bytes`` read from the program.
+    Nothing when it fits."""
+    if self.fits or self.rebuild is None:
+      return changes_lib.Found([])
+    compiled = [found for (was_compiled, _), found in self._suggested.items() if was_compiled]
+    if not compile and compiled:   # (the last compiled answer: better than estimates)
+      return compiled[-1]
+    if (compile, count) not in self._suggested:
+      self._suggested[(compile, count)] = changes_lib.fitting(self, self.rebuild, count, compile)
+    return self._suggested[(compile, count)]
+
+  def _counts(self) -> dict[str, int]:
+    if self.rebuild is None:
+      return {}
+    try:
+      counts = self.rebuild.counts(self.rebuild.batch)
+    except EPLError:   # (a tokens_key the batch lacks: train_step says so)
+      return {}
+    examples = counts.get("examples") or self.global_rows
+    # (a process's batch of a multi-host run: scaled to the global batch)
+    return {k: v * self.global_rows // examples for k, v in counts.items()}
 
   def _collective_blocks(self) -> list[Any]:
     """One row per (kind, axes): count, bytes per device per step, whether it crosses hosts."""
@@ -298,7 +328,7 @@ class Plan:
     return lines
 
   def __str__(self) -> str:
-    return render_text(self.sections())
+    return self.format()
 
   def _repr_html_(self) -> str:
     """The plan as HTML tables, for Jupyter (``trainer.plan`` as a cell's last line)."""
@@ -334,7 +364,8 @@ class Plan:
     """The candidates weighed, best first (``epljax.search``)."""
     rows = search_rows(self.search[:limit])
     more = len(self.search) - limit
-    return [*self.search_notes, (["", "mesh", "features", "bytes/device", "compute ms",
+    return [*self.search_notes, (["", "mesh", "features", "estimated bytes",
+                                  "compiled bytes", "compute ms",
                                   "comm ms", "bubble ms", "step ms", "why not"], rows),
             *([f"... {more} more candidates in trainer.plan.search"] if more > 0 else [])]
 
@@ -345,7 +376,8 @@ class Plan:
 
 def search_rows(candidates) -> list[list[str]]:
   """The printed cells of ``plan.search`` rows: chosen ("*"), mesh (and what ``epl.split``
-  holds: "all" or a module), features, bytes per device ("(est.)": not compiled), predicted
+  holds: "all" or a module), features, bytes per device estimated before any compile and
+  compiled ("-": not compiled), predicted
   compute, communication, bubble and step milliseconds, why it lost."""
   def mesh(shape):
     return " x ".join(f"{a}={n}" for a, n in shape.items() if n > 1 or a == "data")
@@ -363,49 +395,7 @@ def search_rows(candidates) -> list[list[str]]:
   ms = lambda s: f"{s * 1e3:.3g}"  # noqa: E731
   return [["*" if r.chosen else "",
            mesh(r.mesh_shape) + (f" ({r.split})" if r.split else ""), features(r.features),
-           size(r.bytes_per_device) + ("" if r.compiled else " (est.)"), ms(r.compute_s),
+           size(r.estimated_bytes),
+           size(r.compiled_bytes) if r.compiled_bytes is not None else "-", ms(r.compute_s),
            ms(r.communication_s), ms(r.bubble_s), ms(r.predicted_step_s), r.reason]
           for r in candidates]
-
-
-def _spec(spec: P) -> str:
-  return "P(" + ", ".join(repr(a) for a in spec) + ")"
-
-
-def html_plan(sections: Sequence[tuple[str, Sequence[Any]]]) -> str:
-  """``Plan.sections()`` as HTML: a heading per section, its tables as tables, and its lines
-  as a two-column table of label (``mesh``, ``schedule`` ...) and text."""
-  out = ['<div class="epljax-plan">']
-  for title, blocks in sections:
-    out.append(f"<h4>{escape(title)}</h4>")
-    lines: list[str] = []
-    for block in [*blocks, None]:
-      if isinstance(block, str):
-        label, text = _label(block)
-        lines.append(f"<tr><th style=\"text-align:left\">{escape(label)}</th>"
-                     f"<td style=\"text-align:left\">{escape(text)}</td></tr>")
-        continue
-      if lines:
-        out.append("<table>" + "".join(lines) + "</table>")
-        lines = []
-      if block is not None:
-        headers, rows = block
-        out.append("<table><thead><tr>" + "".join(
-            f"<th style=\"text-align:left\">{escape(str(h))}</th>" for h in headers)
-            + "</tr></thead><tbody>" + "".join(
-            "<tr>" + "".join(f"<td style=\"text-align:left\"><code>{escape(str(c))}</code></td>"
-                             for c in row) + "</tr>" for row in rows) + "</tbody></table>")
-  return "\n".join(out + ["</div>"])
-
-
-def _label(line: str) -> tuple[str, str]:
-  """``"schedule  PreferBackward ..."`` -> ``("schedule", "PreferBackward ...")``; a line
-  without a short label first comes back whole."""
-  match = re.match(r"([a-z][a-z ]{0,9}?)  +(\S.*)", line)
-  return (match.group(1), match.group(2)) if match else ("", line)
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
-  cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
-  widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-  return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
