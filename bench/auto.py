@@ -139,8 +139,8 @@ def main(argv=None):
                         f"{a}={n}" for a, n in best.mesh_shape.items()),
                     size(best.estimate.bytes_per_device), size(best.bytes_per_device),
                     f"{best.estimate.bytes_per_device / best.bytes_per_device:.2f}"])
-    body = table(["", "mesh", "features", "bytes/device", "compute ms", "comm ms", "bubble ms",
-                  "step ms", "why not"], rows_of(trainer))
+    body = table(["", "mesh", "features", "estimated bytes", "compiled bytes", "compute ms",
+                  "comm ms", "bubble ms", "step ms", "why not"], rows_of(trainer))
     details.append(f"### {name}\n\n" + "\n".join(
         f"- {n}" for n in trainer.plan.search_notes) + "\n\n" + body)
     print(f"\n{name}\n" + "\n".join(trainer.plan.search_notes) + "\n" + body)

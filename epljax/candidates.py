@@ -80,6 +80,21 @@ class Candidate:
   skipped: str = ""             # why it was not compiled though within the limit, if so
   estimate: Any = dataclasses.field(default=None, repr=False, compare=False)  # cost.StepCost
   cost: Any = dataclasses.field(default=None, repr=False, compare=False)  # compiled, or None
+  # The bytes estimated before any compile (a compiled step over the limit corrects the
+  # ``estimate`` of the rows still to weigh, never this); default: ``bytes_per_device`` of
+  # the row as made, before it was compiled.
+  estimated_bytes: int | None = None
+
+  def __post_init__(self):
+    if self.estimated_bytes is None:
+      object.__setattr__(self, "estimated_bytes", self.estimate.bytes_per_device
+                         if self.estimate is not None else self.bytes_per_device)
+
+  @property
+  def compiled_bytes(self) -> int | None:
+    """The compiled step's bytes per device (``memory_analysis()``: arguments + outputs -
+    aliased + temp); None where the row was not compiled."""
+    return self.bytes_per_device if self.compiled else None
 
   @property
   def stages(self) -> int:

@@ -66,7 +66,7 @@ def search(fns, config, cluster, rng, batch, builders: Builders) -> Any:
                     + "; ".join(found.notes[1:]))
   budget = config.auto.max_compiles
   rows, chosen, compiles = _compile_in_order(
-      list(found.rows), functools.partial(_compile_row, found.bases, found.make, chip), limit,
+      list(found.rows), functools.partial(compile_row, found.bases, found.make, chip), limit,
       budget)
   if chosen is None:
     raise PlanError(_none_fits(rows, limit, config.auto.memory_limit, compiles, budget))
@@ -87,8 +87,8 @@ def search(fns, config, cluster, rng, batch, builders: Builders) -> Any:
 
 def _compile_in_order(rows: list[Candidate], compile_row: Callable, limit: int, budget: int):
   """Compiles rows within the limit (``compile_row``: a row -> its Built and compiled
-  ``StepCost``, as ``_compile_row``), at most ``budget``: each time the one of lowest
-  pace-scaled estimate (``_scaled``; ties by ``candidates.order``) among those that could
+  ``StepCost``, the module's ``compile_row`` with its builds), at most ``budget``: each time
+  the one of lowest pace-scaled estimate (``_scaled``; ties by ``candidates.order``) among those that could
   still beat the fastest compiled step that fits (``_worth_compiling``; module doc): (rows,
   (the fastest fitting row's index, its Built) or None, compiles)."""
   compiles, best = 0, None
@@ -173,7 +173,7 @@ def _why_not_compiled(row: Candidate, pace: dict, bar: float, budget: int) -> st
           f"({_uncertainty(row, pace):.0%})")
 
 
-def _compile_row(bases: dict, make: Callable, chip, row: Candidate):
+def compile_row(bases: dict, make: Callable, chip, row: Candidate):
   """``row`` built (its overrides on its base's model axis and split) and its compiled
   ``StepCost``."""
   k, split = (row.mesh_shape[MODEL], row.split) if row.stages > 1 else next(

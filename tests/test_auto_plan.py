@@ -20,6 +20,7 @@ from epljax import candidates as candidates_lib
 from epljax import cost as cost_lib
 from epljax import flops as flops_lib
 from epljax import search as search_lib
+from epljax.errors import size
 from epljax.mesh import MODEL
 from helpers import MLP, assert_trees_close, classification_batch, linen_fns, reference_run
 
@@ -159,10 +160,20 @@ def test_the_plan_prints_the_candidates(small):
   assert {r.mesh_shape["stage"] for r in trainer.plan.search} == {1, 2}
   assert "offload candidates not searched: on CPU" in section
   assert "chip      cpu" in section and "(nominal)" in section
-  for header in ("mesh", "features", "bytes/device", "compute ms", "comm ms", "bubble ms",
-                 "step ms", "why not"):
+  for header in ("mesh", "features", "estimated bytes", "compiled bytes", "compute ms",
+                 "comm ms", "bubble ms", "step ms", "why not"):
     assert header in section
   assert "(estimated, not compiled)" in section
+  # Every row has the bytes estimated before any compile; compiled rows their compiled bytes
+  # too (the step's memory_analysis), the others None; the table prints both.
+  rows = trainer.plan.search
+  assert all(r.estimated_bytes > 0 for r in rows)
+  assert all((r.compiled_bytes is None) != r.compiled for r in rows)
+  best = rows[0]
+  assert best.compiled_bytes == best.bytes_per_device
+  assert best.estimated_bytes == best.estimate.bytes_per_device != best.compiled_bytes
+  line = next(x for x in section.splitlines() if x.lstrip().startswith("*"))
+  assert size(best.estimated_bytes) in line and size(best.compiled_bytes) in line
 
 
 class Wide(nn.Module):
