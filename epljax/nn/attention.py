@@ -36,7 +36,7 @@ def dot_product_attention(q, k, v, *, causal: bool = False, mask=None, bias=None
     ``is_causal``).
   - ``mask``: boolean, broadcastable to ``[batch, heads, q_seq, kv_seq]``, True = attend.
   - ``bias``: added to the scores, same broadcast (its gradient is computed too).
-  - ``scale``: multiplies the scores, ``1 / sqrt(head_dim)`` by default.
+  - ``scale``: a Python number that multiplies the scores, ``1 / sqrt(head_dim)`` by default.
 
   Returns ``[batch, q_seq, heads, head_dim]`` in ``q``'s dtype; the softmax statistics are
   float32. A query row that sees no key (everything masked) gets zeros.

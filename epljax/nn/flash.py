@@ -91,20 +91,19 @@ class _Tile:
     self.v = lax.dynamic_slice_in_dim(v, self.k_start, bk, 1)
     rows = self.q_start + jnp.arange(bq)
     cols = self.k_start + jnp.arange(bk)
-    keep = (cols >= j * bk)[None, :]   # keys the block before already had
+    keep = (cols >= j * bk)[None, :]   # not the keys the block before already had
     if causal:
       keep = keep & ((q_offset + rows)[:, None] >= (k_offset + cols)[None, :])
-    self.new_rows = rows >= i * bq     # rows the block before already had
+    self.new_rows = rows >= i * bq     # not the rows the block before already had
     user_mask = _slice(_slice(mask, self.q_start, bq, 3), self.k_start, bk, 4)
     if user_mask is not None:
       keep = keep & user_mask
-    self.keep = keep
     s = jnp.einsum("bqhgd,bkhd->bhgqk", self.q, self.k,
                    preferred_element_type=jnp.float32) * scale
-    self.bias = _slice(_slice(bias, self.q_start, bq, 3), self.k_start, bk, 4)
-    if self.bias is not None:
-      s = s + self.bias.astype(jnp.float32)
-    self.s = jnp.where(keep, s, -jnp.inf)
+    user_bias = _slice(_slice(bias, self.q_start, bq, 3), self.k_start, bk, 4)
+    if user_bias is not None:
+      s = s + user_bias.astype(jnp.float32)
+    self.s = jnp.where(keep, s, -jnp.inf)   # [batch, kv_heads, groups, block_q, block_k]
 
 
 def _forward(static, q, k, v, mask, bias, q_offset, k_offset):
