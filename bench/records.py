@@ -1,9 +1,9 @@
 """The benchmark records: ``bench/RESULTS.md`` holds the latest run of each bench, one section
 per key, and ``bench/RESULTS-archive.md`` every run in date order.
 
-A bench's key is its title, its command line (without ``--record``) and the devices it ran on,
-so a rerun of the same bench on the same kind of machine replaces its section in RESULTS.md
-and nothing there is superseded. Pure text in, text out: no jax, so the docs' tests and hooks
+A bench's key is its title, its command line (without ``--record``) and the devices it compiled
+for, so a rerun of the same bench on the same kind of machine replaces its section in
+RESULTS.md and nothing there is superseded. Pure text in, text out: no jax, so the docs' tests and hooks
 read the records without importing the benchmarks.
 """
 
@@ -43,8 +43,9 @@ class Section:
 
 
 def record_key(title: str, command: str, devices: str) -> str:
-  """``Automatic plans (bench/auto.py --limit 460000) on 8 x cpu``: the title without its
-  parenthesis, the command without ``python`` and ``--record``, the devices."""
+  """``Automatic plans (bench/auto.py --limit 460000) on XLA:CPU, 8 simulated devices``: the
+  title without its parenthesis, the command without ``python`` and ``--record``, the devices
+  with their compiler (``common.devices``: XLA:CPU, compile-only H100s, or a GPU timed)."""
   base = re.sub(r"\s*\((?:bench/|\d{4}-)[^)]*\)", "", title).strip()
   words = [w for w in command.split() if w not in ("python", "python3", "--record")]
   return f"{base} ({' '.join(words)}) on {devices}"

@@ -40,7 +40,7 @@ import records  # noqa: E402
 # Estimated minutes of one rerun on a 2-core CPU machine (measured where a date says so),
 # by the first words of the bench's command: the longest prefix that matches.
 MINUTES = {
-    "comm.py": 1,                     # 2026-12-08: 0.6 min
+    "comm.py": 1,                     # 2026-12-08: 1.0 min at load ~17 (7 others at work)
     "comm.py --zoo": 3,
     "overhead.py": 4,
     "overhead.py --sizes": 3,         # on the GPU
@@ -63,7 +63,7 @@ MINUTES = {
     "pipeline.py compile --split": 10,
     "pipeline.py compile --roll": 10,
     "pipeline.py compile --baseline": 12,
-    "pipeline.py memory": 2,          # 2026-12-08: 1.3 min
+    "pipeline.py memory": 3,          # 2026-12-08: 12 min at load ~17 (7 others at work)
     "pipeline.py memory --gpu": 3,
     "pipeline.py peak": 2,
     "pipeline.py roll": 4,

@@ -68,6 +68,8 @@ def test_the_site_builds_strict(tmp_path):
   assert "Args:" not in api and "Parameters" in api
   for page, text in (("tutorial", "2 hosts x 8 GPUs"), ("migrating", "SHARD_GRAD_OP")):
     assert text in open(tmp_path / "site" / page / "index.html").read(), page
+  plans = open(tmp_path / "site" / "automatic-plans" / "index.html").read()
+  assert "<!-- include:" not in plans and plans.count("Recorded 20") >= 3   # records included
   notebook = open(tmp_path / "site" / "notebook" / "index.html").read()
   assert notebook.count("epljax-plan") >= 3 and "data:image/png;base64," in notebook
   assert '<div class="epljax-bar">' in notebook           # the bars' last state
