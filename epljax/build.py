@@ -168,7 +168,7 @@ def _build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any,
   sums = jits.pop("gradient_sums")
   skip = step_lib.describe_skip(by_cond)
   waits = step_lib.waits_each_step(where.layout.mesh)
-  lines = [sums, skip, step_lib.describe_wait(waits)]
+  lines = [sums, skip, step_lib.describe_wait(waits), _context_line(var, where, micro_shapes)]
   plan = make_plan(var, cap, where, [*features, *filter(None, lines)], fstate, jits, batch,
                    rows, target=cost_lib.Target.of(config, cluster))
   state_shardings = jits.pop("state_shardings")
@@ -576,6 +576,19 @@ def _traced_in_session(fn: Callable, mesh, attention=None) -> Callable:
 
   wrapped.__name__ = f"epl_{fn.__name__}"
   return wrapped
+
+
+def _context_line(var: Variables, where: Placement, micro_shapes: Any) -> str:
+  """The plan's line for context parallelism: the loss traced once more (shapes only),
+  counting the attention calls that run over ``context`` (``epljax.nn.context.describe``)."""
+  layout = context_lib.layout_of(where.layout.mesh, where.batch_plan.axes)
+  if layout is None:
+    return ""
+  loss = _traced_in_session(lambda p, s, b: var.loss_call(p, s, b)[0], where.layout.mesh,
+                            layout)
+  with context_lib.counting_calls() as calls:
+    jax.eval_shape(loss, var.params_shape, var.state_shape, micro_shapes)
+  return context_lib.describe(layout, calls.count)
 
 
 def _check_trainable(params_shape: Any, model: Model) -> None:

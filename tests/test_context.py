@@ -22,7 +22,9 @@ from flax.core import meta
 import epljax as epl
 from epljax.mesh import CONTEXT
 from helpers import DEEP_TOL, TOL, assert_trees_close, on_one_jax, reference_run
-from models import common, llama
+from models import common, gemma, gpt2, gpt2_fused, llama
+from test_memory_amp import LOSS_RTOL
+from test_zoo import assert_close_in_bf16_scaled
 
 ROWS = 8
 STEPS = 2
@@ -41,30 +43,52 @@ class SeqModel:
 
 def _models() -> dict[str, SeqModel]:
   size = dataclasses.replace(llama.SMALL, attention="epl")
+  gemma_model = gemma.Gemma(attention="epl")
+  fused = gpt2_fused.GPT2(attention="epl")
+  tokens = lambda length, vocab: lambda rows: common.token_batch(rows, length, vocab)  # noqa
   return {
-      "llama": SeqModel("llama", llama.fns(size),
-                        lambda rows: common.token_batch(rows, 16, llama.VOCAB),
+      "llama": SeqModel("llama", llama.fns(size), tokens(16, llama.VOCAB),
                         llama.LOGICAL_RULES, DEEP_TOL, llama.ANNOTATE),
+      "gemma": SeqModel("gemma", (lambda rng, b: gemma_model.init(rng, b["x"]),
+                                  lambda v, b: common.lm_loss(gemma_model.apply(v, b["x"]),
+                                                              b["y"])),
+                        tokens(16, gemma.VOCAB), None, DEEP_TOL, gemma.ANNOTATE),
+      "gpt2": SeqModel("gpt2", gpt2.fns(dataclasses.replace(gpt2.SMALL, attention="epl")),
+                       tokens(gpt2.LENGTH, gpt2.VOCAB), None, TOL, gpt2.ANNOTATE),
+      "gpt2_fused": SeqModel("gpt2_fused", (gpt2_fused.init_fn_of(fused),
+                                            gpt2_fused.loss_fn_of(fused)),
+                             tokens(gpt2.LENGTH, gpt2.VOCAB), None, TOL, gpt2_fused.ANNOTATE),
   }
 
 
 MODELS = _models()
 
-# (model, cell) -> its config; a cell's name says the mesh on 8 devices.
+# cell -> its config; the comment says the mesh on 8 devices.
 CELLS = {
     "context2": {"context.parallel_degree": 2},                        # data 4 x context 2
     "context4": {"context.parallel_degree": 4},                        # data 2 x context 4
     "context8": {"context.parallel_degree": 8},                        # context 8
-    "split_context2": {"context.parallel_degree": 2},                  # + model 2 (heads)
+    "split_context2": {"context.parallel_degree": 2},                  # data 2 x ctx 2 x model 2
     "zero_v3_context2": {"context.parallel_degree": 2, "zero.level": "v3"},
+}
+# The other strategies with context parallelism, each on one model.
+STRATEGY_CELLS = {
+    "hsdp_context2": ("gpt2", {"context.parallel_degree": 2, "zero.level": "v1",
+                               "zero.shard_size": 2}),      # replica 2 x data 2 x context 2
+    "checkpoint_context4": ("llama", {"context.parallel_degree": 4,
+                                      "gradient_checkpoint.type": "auto"}),
+    "amp_context2": ("gpt2_fused", {"context.parallel_degree": 2, "amp.level": "O1"}),
+    "accumulate_context2": ("gemma", {"context.parallel_degree": 2,
+                                      "pipeline.num_micro_batch": 2}),
 }
 
 
 def cells():
-  out = []
-  for i, (name, cell) in enumerate((m, c) for m in MODELS for c in CELLS):
-    out.append(pytest.param(name, cell, id=f"{name}-{cell}", marks=on_one_jax(i)))
-  return out
+  pairs = [(m, c) for m in MODELS for c in CELLS]
+  pairs += [(m, c) for c, (m, _) in STRATEGY_CELLS.items()]
+  # Alternate the two jax versions so each model and each cell kind runs on both.
+  return [pytest.param(m, c, id=f"{m}-{c}", marks=on_one_jax(i + i // len(CELLS)))
+          for i, (m, c) in enumerate(pairs)]
 
 
 def optimizer():
@@ -121,13 +145,33 @@ def check_against_reference(model: SeqModel, history, variables):
 @pytest.mark.parametrize("name, cell", cells())
 def test_context_parallel_training_equals_one_device(name, cell):
   model = MODELS[name]
-  config = CELLS[cell]
+  config = CELLS[cell] if cell in CELLS else STRATEGY_CELLS[cell][1]
   annotate = {model.annotate: epl.split(2)} if cell.startswith("split") else None
   trainer, history, variables = train_cell(model, config, annotate)
   shape = dict(trainer.plan.mesh.shape)
   assert shape[CONTEXT] == config["context.parallel_degree"]
   assert shape["model"] == (2 if annotate else 1)
+  assert "epl.nn.dot_product_attention call(s) run over 'context'" in " ".join(
+      trainer.plan.features)
+  if cell.startswith("amp"):
+    _, (expected_history, expected) = initial_and_reference(model)
+    for (loss, _), (ref_loss, _) in zip(history, expected_history):
+      np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL)
+    assert_close_in_bf16_scaled(history[0][1], expected_history[0][1])
+    assert_close_in_bf16_scaled(variables, expected)
+  else:
+    check_against_reference(model, history, variables)
+
+
+def test_einsum_attention_trains_exactly_and_the_plan_says_scores_are_not_split():
+  """The zoo's Llama as written (einsum, mask, softmax): GSPMD gathers what it needs, the
+  result is exact, and the plan says the score matrix is not split and what to call."""
+  model = dataclasses.replace(MODELS["llama"], name="llama_einsum", fns=llama.fns())
+  trainer, history, variables = train_cell(model, {"context.parallel_degree": 2})
   check_against_reference(model, history, variables)
+  text = " ".join(trainer.plan.features)
+  assert ("the model computes no epl.nn.dot_product_attention, so its attention's score "
+          "matrix is not split over 'context'") in text, text
 
 
 def test_a_sequence_that_does_not_divide_is_refused_naming_the_leaf():

@@ -84,12 +84,57 @@ def attention_over(layout: ContextLayout | None) -> Iterator[None]:
     _LAYOUT.reset(token)
 
 
+@dataclasses.dataclass
+class Calls:
+  """How many times ``epl.nn.dot_product_attention`` was traced (``counting_calls``)."""
+  count: int = 0
+
+
+_CALLS: contextvars.ContextVar[Calls | None] = contextvars.ContextVar(
+    "epljax_attention_calls", default=None)
+
+
+@contextlib.contextmanager
+def counting_calls() -> Iterator[Calls]:
+  """Counts the attention calls traced inside (what ``describe`` says of the model)."""
+  calls = Calls()
+  token = _CALLS.set(calls)
+  try:
+    yield calls
+  finally:
+    _CALLS.reset(token)
+
+
 def current() -> ContextLayout | None:
-  """The layout attention runs over now, or None (local attention)."""
+  """The layout attention runs over now, or None (local attention). Called once by every
+  ``epl.nn.dot_product_attention`` (which ``counting_calls`` counts)."""
+  calls = _CALLS.get()
+  if calls is not None:
+    calls.count += 1
   layout = _LAYOUT.get()
   if layout is None or CONTEXT not in jax.sharding.get_abstract_mesh().axis_names:
     return None
   return layout
+
+
+NOT_SPLIT = (
+    "context parallelism over {k} devices: the model computes no epl.nn.dot_product_attention, "
+    "so its attention's score matrix is not split over 'context': GSPMD gathers the keys and "
+    "values and each device holds [seq/{k}, seq] scores per head. Compute attention with "
+    "epl.nn.dot_product_attention(q, k, v, causal=...) to run it over 'context' in memory "
+    "linear in the sequence")
+
+
+def describe(layout: ContextLayout | None, calls: int) -> str:
+  """The plan's line for context parallelism: what runs over the axis, or what does not."""
+  if layout is None:
+    return ""
+  if not calls:
+    return NOT_SPLIT.format(k=layout.size)
+  heads = f", heads over '{layout.heads_axis}'" if layout.heads_axis else ""
+  return (f"context parallelism over {layout.size} devices: {calls} "
+          f"epl.nn.dot_product_attention call(s) run over 'context' (batch over "
+          f"{'/'.join(layout.batch_axes)}{heads}; causal work in zig-zag order)")
 
 
 def choose_method(q_shape, kv_shape, *, masked: bool) -> str:

@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+import epljax as epl
 from models.common import lm_loss, rms_norm, rope
 
 VOCAB, D_MODEL, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, LAYERS, WINDOW = 128, 32, 4, 2, 8, 64, 4, 4
@@ -49,6 +50,7 @@ class Embedder(nn.Module):
 
 class Attention(nn.Module):
   window: int | None   # None: global attention; k: each position sees the k latest
+  attention: str = "einsum"   # or "epl": epl.nn.dot_product_attention (a mask for the window)
 
   @nn.compact
   def __call__(self, x):
@@ -57,6 +59,12 @@ class Attention(nn.Module):
     k, v = Einsum((2, KV_HEADS, D_MODEL, HEAD_DIM), name="kv_einsum")("btd,ckdh->cbtkh", x)
     positions = jnp.arange(x.shape[1])
     q, k = rope(q, positions) * HEAD_DIM ** -0.5, rope(k, positions)
+    if self.attention == "epl":
+      t, s = positions[:, None], positions[None, :]
+      window = None if self.window is None else (t - s < self.window)[None, None]
+      encoded = epl.nn.dot_product_attention(q, k, v, causal=True, mask=window, scale=1.0)
+      return Einsum((HEADS, HEAD_DIM, D_MODEL), name="attn_vec_einsum")("bthk,hkd->btd",
+                                                                        encoded)
     q = q.reshape(*q.shape[:2], KV_HEADS, groups, HEAD_DIM)
     logits = jnp.einsum("btkgh,bskh->bkgts", q, k)
     t, s = positions[:, None], positions[None, :]
@@ -80,20 +88,23 @@ class FeedForward(nn.Module):
 
 class Layer(nn.Module):
   window: int | None
+  attention: str = "einsum"
 
   @nn.compact
   def __call__(self, x):
-    x = x + Attention(self.window, name="attn")(RMSNorm(name="pre_attention_norm")(x))
+    x = x + Attention(self.window, self.attention, name="attn")(RMSNorm(name="pre_attention_norm")(x))
     return x + FeedForward(name="mlp")(RMSNorm(name="pre_ffw_norm")(x))
 
 
 class Gemma(nn.Module):
+  attention: str = "einsum"   # "epl": epl.nn.dot_product_attention
+
   @nn.compact
   def __call__(self, ids):
     embedder = Embedder(name="embedder")
     x = embedder.encode(ids)
     for i in range(LAYERS):
-      x = Layer(WINDOW if i % 2 == 0 else None, name=f"layer_{i}")(x)   # local, global, ...
+      x = Layer(WINDOW if i % 2 == 0 else None, self.attention, name=f"layer_{i}")(x)   # local, global, ...
     logits = embedder.decode(RMSNorm(name="final_norm")(x))
     return jnp.tanh(logits / 30.0) * 30.0   # final logit soft-capping (Gemma 2)
 

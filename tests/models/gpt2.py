@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+import epljax as epl
 from models.common import lm_fns
 
 INIT = nn.initializers.normal(0.1)
@@ -36,6 +37,7 @@ class Size:
   dtype: Any = jnp.float32     # compute dtype; parameters are float32 whatever it is
   scan: bool = False           # blocks under nn.scan ("h", leading layers axis) or "h_i"
   remat: bool = False          # each block under nn.remat
+  attention: str = "einsum"    # or "epl": epl.nn.dot_product_attention
 
   @property
   def head_dim(self) -> int:
@@ -71,11 +73,14 @@ class Attention(nn.Module):
     b, t, _ = x.shape
     q, k, v = (nn.Dense(s.d_model, kernel_init=INIT, dtype=s.dtype, name=n)(x)
                .reshape(b, t, s.heads, s.head_dim) for n in ("q", "k", "v"))
-    logits = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) / jnp.sqrt(
-        float(s.head_dim))
-    causal = jnp.tril(jnp.ones((t, t), bool))
-    probs = jax.nn.softmax(jnp.where(causal, logits, -1e30), axis=-1).astype(s.dtype)
-    out = jnp.einsum("bhts,bshd->bthd", probs, v).reshape(b, t, s.d_model)
+    if s.attention == "epl":
+      out = epl.nn.dot_product_attention(q, k, v, causal=True).reshape(b, t, s.d_model)
+    else:
+      logits = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) / jnp.sqrt(
+          float(s.head_dim))
+      causal = jnp.tril(jnp.ones((t, t), bool))
+      probs = jax.nn.softmax(jnp.where(causal, logits, -1e30), axis=-1).astype(s.dtype)
+      out = jnp.einsum("bhts,bshd->bthd", probs, v).reshape(b, t, s.d_model)
     return nn.Dense(s.d_model, kernel_init=INIT, dtype=s.dtype, name="c_proj")(out)
 
 

@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+import epljax as epl
 from models.common import lm_loss
 from models.gpt2 import D_MODEL, HEAD_DIM, HEADS, LAYERS, LENGTH, VOCAB
 
@@ -39,16 +40,20 @@ class Conv1D(nn.Module):
 
 class Attention(nn.Module):
   transposed: bool
+  attention: str = "einsum"   # or "epl": epl.nn.dot_product_attention
 
   @nn.compact
   def __call__(self, x):
     b, t, _ = x.shape
     qkv = Conv1D(3 * D_MODEL, self.transposed, name="c_attn")(x)
     q, k, v = (part.reshape(b, t, HEADS, HEAD_DIM) for part in jnp.split(qkv, 3, axis=2))
-    logits = jnp.einsum("bthd,bshd->bhts", q, k) / jnp.sqrt(float(HEAD_DIM))
-    causal = jnp.tril(jnp.ones((t, t), bool))
-    probs = jax.nn.softmax(jnp.where(causal, logits, -1e30), axis=-1)
-    out = jnp.einsum("bhts,bshd->bthd", probs, v).reshape(b, t, D_MODEL)
+    if self.attention == "epl":
+      out = epl.nn.dot_product_attention(q, k, v, causal=True).reshape(b, t, D_MODEL)
+    else:
+      logits = jnp.einsum("bthd,bshd->bhts", q, k) / jnp.sqrt(float(HEAD_DIM))
+      causal = jnp.tril(jnp.ones((t, t), bool))
+      probs = jax.nn.softmax(jnp.where(causal, logits, -1e30), axis=-1)
+      out = jnp.einsum("bhts,bshd->bthd", probs, v).reshape(b, t, D_MODEL)
     return Conv1D(D_MODEL, self.transposed, name="c_proj")(out)
 
 
@@ -63,16 +68,18 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
   transposed: bool
+  attention: str = "einsum"
 
   @nn.compact
   def __call__(self, x):
-    x = x + Attention(self.transposed, name="attn")(nn.LayerNorm(name="ln_1")(x))
+    x = x + Attention(self.transposed, self.attention, name="attn")(nn.LayerNorm(name="ln_1")(x))
     return x + MLP(self.transposed, name="mlp")(nn.LayerNorm(name="ln_2")(x))
 
 
 class GPT2(nn.Module):
   transposed: bool = False
   remat: bool = False      # each block under nn.remat (Hugging Face's gradient_checkpointing)
+  attention: str = "einsum"   # "epl": epl.nn.dot_product_attention
 
   @nn.compact
   def __call__(self, ids):
@@ -81,7 +88,7 @@ class GPT2(nn.Module):
     x = wte(ids) + wpe(jnp.arange(ids.shape[1]))[None]
     block = nn.remat(Block) if self.remat else Block
     for i in range(LAYERS):
-      x = block(self.transposed, name=f"h_{i}")(x)
+      x = block(self.transposed, self.attention, name=f"h_{i}")(x)
     return wte.attend(nn.LayerNorm(name="ln_f")(x))
 
 
