@@ -42,6 +42,7 @@ from epljax.env import Env
 from epljax.errors import EPLError, NonFiniteError, PlanError, StateError
 from epljax.launch import worker as launch_worker
 from epljax.plan import Plan, Rebuild
+from epljax.plan.changes import in_this_context
 from epljax.sharding import constraints
 from epljax.step import NONFINITE_RUN, TrainState
 
@@ -334,8 +335,8 @@ class Trainer:
       with constraints.explained():
         return build(fns, self._config.replace(overrides), self._cluster, rng, shapes)
 
-    self._built.plan.rebuild = Rebuild(self._built, self._config, shapes, build_with,
-                                       self._counts)
+    self._built.plan.rebuild = Rebuild(self._built, self._config, shapes,
+                                       in_this_context(build_with), self._counts)
     self._reading, self._unread = None, self.max_nonfinite_steps or 0
     self._batch_shapes, self._last_return, self._in_flight = None, None, None
     self._returned = None

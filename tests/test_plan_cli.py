@@ -10,6 +10,7 @@ import os
 import re
 import runpy
 
+import flax.linen as nn
 import jax
 import optax
 import pytest
@@ -108,12 +109,14 @@ def test_a_plan_that_does_not_fit_exits_1_and_names_the_changes_that_would(over_
 def test_the_cheapest_change_compiled_fits(over_the_limit):
   """From Python: ``plan.suggestions(compile=True)`` builds and compiles the change; its
   compiled bytes are within the limit. The HTML keeps the text's order (verdict first)."""
-  model = runpy.run_path(SCRIPT)["ScannedMLP"]()
+  script = runpy.run_path(SCRIPT)
+  model = script["ScannedMLP"]()
   epl.init({"auto.memory_limit": over_the_limit})
   trainer = epl.Trainer(lambda rng, b: model.init(rng, b["x"]),
                         lambda v, b: cross_entropy(model.apply(v, b["x"]), b["y"]),
                         optax.adamw(1e-3))
-  plan = trainer.compile(classification_batch(8 * jax.device_count()))
+  with nn.logical_axis_rules(script["RULES"]):   # (ended before the changes are built)
+    plan = trainer.compile(classification_batch(8 * jax.device_count()))
   assert not plan.fits
   (change,) = plan.suggestions(compile=True, count=1).changes
   assert change.compiled_bytes <= over_the_limit < plan.bytes_per_device, change

@@ -36,6 +36,21 @@ class Rebuild:
   counts: Callable[[Any], dict[str, int]]  # batch -> {"examples", "tokens"} (Trainer._counts)
 
 
+def in_this_context(build: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], Any]:
+  """``build``, run later inside the Flax logical axis rules in effect now: a script's
+  ``with nn.logical_axis_rules(...)`` around ``trainer.init`` has ended when its plan is
+  printed and its changes built."""
+  from flax.core import spmd   # (where epljax.sharding.annotations reads them)
+
+  rules = tuple(spmd.get_logical_axis_rules() or ())
+
+  def build_here(overrides: dict[str, Any]) -> Any:
+    with spmd.logical_axis_rules(rules):
+      return build(overrides)
+
+  return build_here
+
+
 @dataclasses.dataclass(frozen=True)
 class Change:
   """A config change and what it gives per device: estimated, and compiled when asked."""
@@ -43,6 +58,7 @@ class Change:
   estimated_bytes: int
   predicted_step_s: float     # the estimate's
   compiled_bytes: int | None = None
+  refused: str = ""           # compiled: the EPLError its build raised, if any
 
   @property
   def text(self) -> str:
@@ -50,7 +66,9 @@ class Change:
 
   def line(self, limit: int | None) -> str:
     """``zero.level=v3: 41.2 GiB per device (estimated), step 350 ms predicted``."""
-    if self.compiled_bytes is None:
+    if self.refused:
+      got = f"{size(self.estimated_bytes)} per device (estimated); refused: {self.refused}"
+    elif self.compiled_bytes is None:
       got = f"{size(self.estimated_bytes)} per device (estimated)"
     else:
       verdict = "" if limit is None or self.compiled_bytes <= limit else ", DOES NOT FIT"
@@ -114,7 +132,14 @@ def fitting(plan, rebuild: Rebuild, count: int = 3, compile: bool = False) -> Fo
                  + "; auto.auto_parallel=True also weighs model and stage axes")
   fits = fits[:count]
   if compile:
-    fits = [dataclasses.replace(c, compiled_bytes=rebuild.build(c.overrides).plan.bytes_per_device)
-            for c in fits]
+    fits = [_compiled(c, rebuild) for c in fits]
   return Found(fits)
+
+
+def _compiled(change: Change, rebuild: Rebuild) -> Change:
+  try:
+    built = rebuild.build(change.overrides)
+  except EPLError as e:   # (the estimate could not know: its build says why)
+    return dataclasses.replace(change, refused=str(e).splitlines()[0])
+  return dataclasses.replace(change, compiled_bytes=built.plan.bytes_per_device)
 

@@ -1,5 +1,6 @@
 """A training script for the ``python -m epljax.plan`` tests: an MLP whose 4 hidden layers run
-under ``nn.scan`` (one stack of layers), trained with AdamW on 8 rows per device.
+under ``nn.scan`` (one stack of layers), trained with AdamW on 8 rows per device; its first
+kernel has Flax logical axis names, the rules set around ``trainer.init``.
 
     python -m epljax.plan tests/plan_scripts/scanned_mlp.py --topology cpu:8 [-- --fail MODE]
 
@@ -27,12 +28,18 @@ class Layer(nn.Module):
     return nn.relu(nn.Dense(x.shape[-1])(x)), None
 
 
+# The first kernel's Flax logical axis names, mapped to mesh axes by the rules the script
+# sets around trainer.init (as examples/llama.py does).
+RULES = (("features", None), ("hidden", None))
+
+
 class ScannedMLP(nn.Module):
   width: int = 64
 
   @nn.compact
   def __call__(self, x):
-    x = nn.Dense(self.width)(x)
+    x = nn.Dense(self.width, kernel_init=nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ("features", "hidden")))(x)
     x, _ = nn.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True},
                    length=4)()(x, None)
     return nn.Dense(10)(x)
@@ -54,7 +61,8 @@ def main(argv=None):
   trainer = epl.Trainer(lambda rng, b: model.init(rng, b["x"]),
                         lambda v, b: cross_entropy(model.apply(v, b["x"]), b["y"]),
                         optax.adamw(1e-3))
-  trainer.init(jax.random.key(0), batch)
+  with nn.logical_axis_rules(RULES):
+    trainer.init(jax.random.key(0), batch)
   print("trained")   # (never, under python -m epljax.plan)
 
 
