@@ -51,6 +51,7 @@ def _launched(script, args):
   code, out, _ = launch("--num_workers", 2, "--gpu_per_worker", 4,
                         os.path.join(EXAMPLES, script), *args, timeout=300)
   assert code == 0, out
+  assert "Gloo" not in out and "without epl.init()" not in out, out   # no noise, no warning
   zero, one = _lines(out, "[worker 0] "), _lines(out, "[worker 1] ")
   assert zero == one, out           # every worker sees the global loss
   return zero

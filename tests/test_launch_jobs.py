@@ -63,16 +63,20 @@ def wait_gone(pids, seconds=10):
   return [p for p in pids if alive(p)]
 
 
+GLOO = "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
 ODD_ARGS = ["a b", "$HOME", "it's", "x;echo no", "--num_workers", ""]
 
 
 def test_shell_script_gets_its_arguments_unchanged_and_prefixed_logged_output(tmp_path):
   script = tmp_path / "run.sh"
-  script.write_text(textwrap.dedent("""\
+  script.write_text(textwrap.dedent(f"""\
       for a in "$@"; do echo "arg=[$a]"; done
       echo "worker=$EPL_WORKER_INDEX of $EPL_NUM_WORKERS at $EPL_COORDINATOR_ADDRESS"
       echo "flags=$XLA_FLAGS"
+      echo '{GLOO}'
       """))
+  (tmp_path / "logs").mkdir()
+  (tmp_path / "logs" / "worker_1.log").write_text("a crashed run's traceback\n")
   code, out, _ = launch("--num_workers", 2, "--gpu_per_worker", 3, "--log_dir", tmp_path / "logs",
                         script, *ODD_ARGS, timeout=60)
   assert code == 0, out
@@ -87,6 +91,11 @@ def test_shell_script_gets_its_arguments_unchanged_and_prefixed_logged_output(tm
     assert f"[worker {i}] flags={flags}" in out
     log = (tmp_path / "logs" / f"worker_{i}.log").read_text()
     assert log.startswith("arg=[a b]\n") and f"worker={i} of 2" in log
+    assert log.endswith(GLOO + "\n")       # the log keeps gloo's lines; the console does not
+  assert "Gloo" not in out
+  # The earlier run's log is kept (rotated), not overwritten.
+  assert (tmp_path / "logs" / "worker_1.log.1").read_text() == "a crashed run's traceback\n"
+  assert not (tmp_path / "logs" / "worker_0.log.1").exists()
 
 
 def test_python_script_runs_with_this_interpreter(tmp_path):

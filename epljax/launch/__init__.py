@@ -5,9 +5,11 @@
 - ``cli``: EPL's launcher flags -> ``jobs.Job``;
 - ``jobs``: the workers to start on this host (argv, coordinator, devices), pure functions;
 - ``supervisor``: starts them, prefixes and logs their output, stops all when one fails;
+- ``logs``: log files kept across runs (rotated), library noise left out of the console;
 - ``runtime``: inside a worker, ``epl.init`` -> ``jax.distributed.initialize`` (once);
 - ``worker``: inside a running worker: step heartbeats, ``stop_requested``, failing fast;
-- ``run_script``: runs a ``.py`` SCRIPT as ``__main__`` (exits at once on a failure).
+- ``run_script``: runs a ``.py`` SCRIPT as ``__main__`` (exits at once on a failure; warns
+  when a script of a several-worker job starts JAX without ``epl.init()``).
 
 JAX's own multi-controller runtime connects the workers (``jax.distributed``, gloo collectives
 on CPU, NCCL on GPU); the launcher only starts processes with the right environment.

@@ -66,10 +66,13 @@ def parser() -> argparse.ArgumentParser:
                  help="host:port of every worker, comma-separated; the first is worker 0, "
                  "whose port the coordinator listens on.")
   p.add_argument("--log_dir", default=None,
-                 help="Write each worker's output to LOG_DIR/worker_<i>.log too.")
+                 help="Write each worker's output to LOG_DIR/worker_<i>.log too (every line, "
+                 "library messages included); an earlier run's log there moves to "
+                 "worker_<i>.log.1 (.1 to .2, ... up to .9).")
   p.add_argument("--debug", action="store_true",
                  help="The first worker started here keeps the terminal (for pdb); print the "
-                 "workers' commands and environment.")
+                 "workers' commands and environment, and the libraries' routine messages "
+                 "(Gloo's connections, JAX's SIGTERM notices) the console otherwise leaves out.")
   p.add_argument("--platform", choices=("auto", "gpu", "cpu"), default="auto",
                  help="Devices to use: GPUs when nvidia-smi finds some (auto), or force one.")
   p.add_argument("--init_timeout", type=float, default=DEFAULT_INIT_TIMEOUT,

@@ -1,7 +1,9 @@
 """Starts the workers, relays their output, and ends the job as a whole.
 
 - Output: every line a worker prints (stdout and stderr together) goes to the console as
-  ``[worker i] line`` and, with ``--log_dir``, unchanged into ``worker_<i>.log``.
+  ``[worker i] line`` (without the libraries' routine messages unless ``--debug``:
+  ``logs.quiet``) and, with ``--log_dir``, unchanged into ``worker_<i>.log``; an earlier run's
+  log there moves to ``worker_<i>.log.1`` (``logs.rotate``).
 - Faults: the first worker that exits non-zero or dies from a signal ends the job: the others
   get SIGTERM, then SIGKILL after ``FAILURE_GRACE`` seconds, and the launcher exits with that
   worker's status, naming it, its host, how it ended and its log (or its last lines). "First"
@@ -33,6 +35,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
+from epljax.launch import logs
 from epljax.launch.jobs import DEFAULT_GRACE_PERIOD, DEFAULT_HANG_TIMEOUT, Worker
 from epljax.launch.worker import HEARTBEAT
 
@@ -45,8 +48,10 @@ class _Running:
   """One started worker: its process, the moment it ended, its output relay and last lines."""
 
   def __init__(self, worker: Worker, environ: Mapping[str, str], console: IO[str],
-               lock: threading.Lock, foreground: bool, heartbeat: str | None):
+               lock: threading.Lock, foreground: bool, heartbeat: str | None,
+               noise: bool = False):
     self.worker = worker
+    self.noise = noise        # --debug: the console shows the libraries' messages too
     self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     self.heartbeat = heartbeat
     self.last_output = time.monotonic()
@@ -58,6 +63,7 @@ class _Running:
     log = None
     if worker.log_path:
       os.makedirs(os.path.dirname(worker.log_path) or ".", exist_ok=True)
+      logs.rotate(worker.log_path)
       log = open(worker.log_path, "w", buffering=1)  # noqa: SIM115 (closed by the relay)
     self.foreground = foreground
     if foreground:   # --debug: this worker keeps the terminal (pdb), in the launcher's group
@@ -87,9 +93,12 @@ class _Running:
         # A progress bar redraws its line with carriage returns: keep what a terminal would
         # show at the end of it, so each line of the log is one prefixed line.
         line = raw.decode("utf-8", "replace").rstrip("\n").rstrip("\r").split("\r")[-1]
-        self.tail.append(line)
         if log:
           log.write(line + "\n")
+        line = line if self.noise else logs.quiet(line)
+        if line is None:
+          continue
+        self.tail.append(line)
         with lock:
           console.write(prefix + line + "\n")
           console.flush()
@@ -143,7 +152,7 @@ def run(workers: Sequence[Worker], environ: Mapping[str, str], *, debug: bool = 
     try:
       for i, w in enumerate(workers):
         beat = os.path.join(beats, f"worker_{w.index}.step") if hang_timeout else None
-        running.append(_Running(w, environ, console, lock, debug and i == 0, beat))
+        running.append(_Running(w, environ, console, lock, debug and i == 0, beat, debug))
       return _watch(running, signals, grace_period, hang_timeout, console, lock)
     finally:
       _stop(running, signal.SIGTERM, FAILURE_GRACE)
