@@ -139,6 +139,49 @@ class Placement:
     return self.pipe.to_internal(params) if self.in_stages else params
 
 
+@dataclasses.dataclass(frozen=True)
+class CaptureOptions:
+  """How the loss is captured (``sharding.capture.capture``'s options, the pipeline's
+  per-replica capture too): the ``epl.annotate`` module rules and default strategy in force,
+  where ``init_fn`` defined each variable, and with ``auto.auto_parallel``'s stages the split
+  of scanned layers and the stage cuts."""
+  module_rules: Sequence[Any]
+  defaults: strategy_lib.Defaults | None
+  definitions: Sequence[Any]                 # per variable leaf (``defining_frames``)
+  rewrite: Callable[[Any], Any] | None = None   # one scan per stage (``scan_split``)
+  stage_cuts: Sequence[int] | None = None    # node indices where stages 1.. start
+
+  def kwargs(self) -> dict[str, Any]:
+    """As ``capture``'s keyword arguments."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Steps:
+  """Steps 1 to 4 (traced, nothing compiled): the variables, the task graphs, where
+  everything lives with the features' shardings, the features and their context."""
+  variables: Variables
+  capture: Capture
+  placement: Placement
+  features: list[Feature]
+  context: BuildContext
+
+
+@dataclasses.dataclass(frozen=True)
+class Jitted:
+  """Step 5: the jitted functions, the shardings they take, and the plan's line of the gradient
+  sums (``_shared_reductions``)."""
+  init: Any        # (rng, global batch) -> TrainState
+  step: Any        # (state, global batch) -> (state, metrics); donates the state
+  grads: Any       # (state, global batch) -> (loss, the gradients in the user's tree)
+  loss: Any        # (state, global batch) -> the first micro batch's loss
+  eval: Any        # (state, global batch) -> metrics
+  state_shardings: TrainState
+  batch_sharding: NamedSharding           # every global batch leaf: rows over the batch axes
+  user_params: Callable[[Any], Any]       # TrainState.params -> the user's tree
+  gradient_sums: Any   # "" (none), a str, or the fused forward (its ``describe``)
+
+
 # The mesh is not known before the capture; a provisional one with the same axis names lets
 # model code that asks for the mesh (NNX eager sharding) trace.
 _PROVISIONAL = abstract_mesh()
@@ -159,27 +202,30 @@ def _build(fns: UserFns, config, cluster, rng: jax.Array, batch: Any,
   if config.auto.auto_parallel and config.pipeline.num_stages is None:
     return search.search(fns, config, cluster, rng, batch,
                          search.Builders(build, pipeline_plan))   # the plan, searched
-  var, cap, where, features, ctx = plan_steps(fns, config, cluster, rng, micro_shapes, rows,
-                                              scope)
-  fstate = {f.name: f.init_state(ctx) for f in features}
+  steps = plan_steps(fns, config, cluster, rng, micro_shapes, rows, scope)
+  var, where, features = steps.variables, steps.placement, steps.features
+  fstate = {f.name: f.init_state(steps.context) for f in features}
   fstate[step_lib.NONFINITE_RUN] = np.zeros((), np.int32)
   by_cond = _skips_by_cond(where, features)
-  jits, user_params = compile_functions(fns, var, where, features, fstate, ctx, rows, by_cond)
-  sums = jits.pop("gradient_sums")
+  jitted = compile_functions(fns, steps, fstate, rows, by_cond)
   skip = step_lib.describe_skip(by_cond)
   waits = step_lib.waits_each_step(where.layout.mesh)
-  lines = [sums, skip, step_lib.describe_wait(waits), _context_line(var, where, micro_shapes)]
-  plan = make_plan(var, cap, where, [*features, *filter(None, lines)], fstate, jits, batch,
-                   rows, target=cost_lib.Target.of(config, cluster))
-  state_shardings = jits.pop("state_shardings")
+  lines = [jitted.gradient_sums, skip, step_lib.describe_wait(waits),
+           _context_line(var, where, micro_shapes)]
+  plan = make_plan(steps, [*features, *filter(None, lines)], fstate, jitted, batch, rows,
+                   target=cost_lib.Target.of(config, cluster))
+  state_shardings = jitted.state_shardings
   user = UserState(state_shardings=state_shardings, params_shape=var.params_shape,
                    state_shape=var.state_shape, optimizer=fns.optimizer, feature_state=fstate,
                    fused=where.fused, stages=where.pipe if where.in_stages else None,
                    user_shardings=where.user_shardings)
-  return Built(var.model, cap, where.layout, where.batch_plan, state_shardings, plan=plan,
-               user_params=user_params, state_treedef=jax.tree.structure(state_shardings),
-               first_step_checks=[f.after_first_step for f in features], user_state=user,
-               waits_each_step=waits, **jits)
+  return Built(var.model, steps.capture, where.layout, where.batch_plan, state_shardings,
+               init_jit=jitted.init, step_jit=jitted.step, grads_jit=jitted.grads,
+               loss_jit=jitted.loss, batch_sharding=jitted.batch_sharding, plan=plan,
+               user_params=jitted.user_params,
+               state_treedef=jax.tree.structure(state_shardings),
+               first_step_checks=[f.after_first_step for f in features],
+               eval_jit=jitted.eval, user_state=user, waits_each_step=waits)
 
 
 def pipeline_plan(fns: UserFns, config, cluster, rng: jax.Array, batch: Any,
@@ -190,7 +236,7 @@ def pipeline_plan(fns: UserFns, config, cluster, rng: jax.Array, batch: Any,
   ``pipe.param_bytes_per_device`` is what a device stores."""
   rows, micro_shapes = _micro_shapes(config, batch)
   with constraints.explained():
-    return plan_steps(fns, config, cluster, rng, micro_shapes, rows, scope)[2].pipe
+    return plan_steps(fns, config, cluster, rng, micro_shapes, rows, scope).placement.pipe
 
 
 def _micro_shapes(config, batch: Any) -> tuple[int, Any]:
@@ -207,8 +253,7 @@ def _micro_shapes(config, batch: Any) -> tuple[int, Any]:
 
 
 def plan_steps(fns: UserFns, config, cluster, rng: jax.Array, micro_shapes: Any, rows: int,
-               scope: search.Scope | None = None
-               ) -> tuple[Variables, Capture, Placement, list[Feature], BuildContext]:
+               scope: search.Scope | None = None) -> Steps:
   """Steps 1 to 4 (traced, nothing compiled): the variables, the task graphs, where everything
   lives with the features' shardings, the features and their context."""
   num_micro = config.pipeline.num_micro_batch
@@ -216,9 +261,8 @@ def plan_steps(fns: UserFns, config, cluster, rng: jax.Array, micro_shapes: Any,
   rules, defaults = annotations.module_rules(), strategy_lib.Defaults.current()
   if scope is not None:
     rules, defaults = [*rules, *scope.module_rules], scope.defaults or defaults
-  options = dict(module_rules=rules, defaults=defaults,
-                 definitions=defining_frames(var.init_jaxpr))
-  cap = capture_loss(var, micro_shapes, len(cluster.devices), **options)
+  options = CaptureOptions(rules, defaults, defining_frames(var.init_jaxpr))
+  cap = capture_loss(var, micro_shapes, len(cluster.devices), options)
   if config.auto.auto_parallel:   # EPL's automatic pipeline partitioning
     check_auto(cap, config.pipeline.num_stages)
     stages, virtual = config.pipeline.num_stages, config.pipeline.num_virtual_stages
@@ -226,10 +270,11 @@ def plan_steps(fns: UserFns, config, cluster, rng: jax.Array, micro_shapes: Any,
     unit = "stages" if virtual == 1 else f"chunks ({stages} stages x {virtual} virtual)"
     split, not_split = scan_split(cap, n_chunks, var.num_params, len(var.paths), unit)
     if split is not None:   # scanned layers: one scan per stage (per chunk, interleaved)
-      options["rewrite"] = split
-      cap = capture_loss(var, micro_shapes, len(cluster.devices), **options)
-    options["stage_cuts"] = auto_stage_cuts(cap, n_chunks, not_split, unit)
-    cap = capture_loss(var, micro_shapes, len(cluster.devices), **options)
+      options = dataclasses.replace(options, rewrite=split)
+      cap = capture_loss(var, micro_shapes, len(cluster.devices), options)
+    options = dataclasses.replace(
+        options, stage_cuts=auto_stage_cuts(cap, n_chunks, not_split, unit))
+    cap = capture_loss(var, micro_shapes, len(cluster.devices), options)
   where = place(fns, var, cap, micro_shapes, rows, config, cluster, options)
   mesh = where.layout.mesh
   ctx = BuildContext(mesh=mesh, num_replicas=where.layout.num_replicas,
@@ -246,7 +291,7 @@ def plan_steps(fns: UserFns, config, cluster, rng: jax.Array, micro_shapes: Any,
   ctx = dataclasses.replace(ctx, shardings=shardings)
   if where.pipe is not None:   # the pipeline's branches: its stages with the features' hooks
     where = dataclasses.replace(where, pipe=where.pipe.with_features(features, ctx))
-  return var, cap, where, features, ctx
+  return Steps(var, cap, where, features, ctx)
 
 
 def _check_stage_features(features: Sequence[Feature]) -> None:
@@ -287,7 +332,8 @@ def trace_variables(fns: UserFns, rng: jax.Array, micro_shapes: Any) -> Variable
                    tuple(p_paths + s_paths))
 
 
-def capture_loss(var: Variables, micro_shapes: Any, num_devices: int, **options) -> Capture:
+def capture_loss(var: Variables, micro_shapes: Any, num_devices: int,
+                 options: CaptureOptions) -> Capture:
   """Step 2: the task graphs, from the loss traced on abstract values (and from where
   ``init_fn`` defined each variable, for EPL's "variables defined under split" MoE pattern)."""
   leaves, tree = jax.tree.flatten((var.params_shape, var.state_shape, micro_shapes))
@@ -298,11 +344,11 @@ def capture_loss(var: Variables, micro_shapes: Any, num_devices: int, **options)
 
   with jax.sharding.use_abstract_mesh(_PROVISIONAL):
     return capture(flat_loss, leaves[:n_v], leaves[n_v:], input_paths=var.paths,
-                   num_devices=num_devices, **options)
+                   num_devices=num_devices, **options.kwargs())
 
 
 def place(fns: UserFns, var: Variables, cap: Capture, micro_shapes: Any, rows: int, config,
-          cluster, options: dict[str, Any]) -> Placement:
+          cluster, options: CaptureOptions) -> Placement:
   """Step 3: mesh, batch layout, variable specs, pipeline packing, base shardings."""
   layout = build_mesh(cap.taskgraphs, cluster.devices, config.cluster,
                       config.pipeline.num_virtual_stages,
@@ -329,7 +375,7 @@ def place(fns: UserFns, var: Variables, cap: Capture, micro_shapes: Any, rows: i
       state_paths=list(var.paths[var.num_params:]), micro_shapes=micro_shapes,
       global_capture=cap, layout=layout, batch_axes=axes, config=config.pipeline,
       num_devices=len(cluster.devices), param_specs=[s.spec for s in leaf_specs[:var.num_params]],
-      capture_options=options)
+      capture_options=options.kwargs())
   named = [NamedSharding(mesh, s.spec) for s in leaf_specs]
   n_p = var.num_params
   replicated = NamedSharding(mesh, P())
@@ -353,16 +399,17 @@ def place(fns: UserFns, var: Variables, cap: Capture, micro_shapes: Any, rows: i
   pipe.check_stage_layout(fns.optimizer)
   opt_shape, shardings = state_shardings(
       pipe.params_shape if pipe.in_stages else var.params_shape, pipe.param_shardings)
-  user = (state_shardings(var.params_shape, pipe.user_param_shardings)[1] if pipe.in_stages
-          else None)
+  user = None
+  if pipe.in_stages:
+    _, user = state_shardings(var.params_shape, pipe.user_param_shardings)
   return Placement(layout, bplan, leaf_specs, pipe, opt_shape, shardings, fused, user)
 
 
-def compile_functions(fns: UserFns, var: Variables, where: Placement,
-                      features: Sequence[Feature], fstate: dict, ctx: BuildContext,
-                      rows: int, by_cond: bool) -> tuple[dict[str, Any], Callable]:
+def compile_functions(fns: UserFns, steps: Steps, fstate: dict, rows: int,
+                      by_cond: bool) -> Jitted:
   """Step 5: the jitted functions (and how to show the trained params in the user's tree);
   ``by_cond``: how a non-finite step is skipped (``step.skips_by_cond``)."""
+  var, where, features, ctx = steps.variables, steps.placement, steps.features, steps.context
   mesh, pipe, base = where.layout.mesh, where.pipe, where.shardings
   num_micro = ctx.num_micro_batch
   replicated = NamedSharding(mesh, P())
@@ -427,19 +474,17 @@ def compile_functions(fns: UserFns, var: Variables, where: Placement,
   jit = functools.partial(jax.jit, compiler_options=options)
   checked = (functools.partial(Preflight, check=where.pipe.check_compiled)
              if where.pipe is not None and where.pipe.slotted else lambda f: f)
-  return dict(
-      gradient_sums=sums,
-      state_shardings=state_sh,
-      batch_sharding=rows_sh,
-      init_jit=jax.jit(traced(init_state), out_shardings=state_sh),
-      step_jit=checked(jit(traced(step), in_shardings=(state_sh, batch_sh),
-                           out_shardings=(state_sh, None), donate_argnums=0)),
-      grads_jit=checked(jit(traced(loss_and_grads), in_shardings=(state_sh, batch_sh),
-                            out_shardings=(replicated, (where.user_shardings or base).params))),
-      loss_jit=jit(traced(first_loss), in_shardings=(state_sh, batch_sh),
-                   out_shardings=replicated),
-      eval_jit=jit(traced(evaluate), in_shardings=(state_sh, batch_sh)),
-  ), user_params
+  return Jitted(
+      init=jax.jit(traced(init_state), out_shardings=state_sh),
+      step=checked(jit(traced(step), in_shardings=(state_sh, batch_sh),
+                       out_shardings=(state_sh, None), donate_argnums=0)),
+      grads=checked(jit(traced(loss_and_grads), in_shardings=(state_sh, batch_sh),
+                        out_shardings=(replicated, (where.user_shardings or base).params))),
+      loss=jit(traced(first_loss), in_shardings=(state_sh, batch_sh),
+               out_shardings=replicated),
+      eval=jit(traced(evaluate), in_shardings=(state_sh, batch_sh)),
+      state_shardings=state_sh, batch_sharding=rows_sh, user_params=user_params,
+      gradient_sums=sums)
 
 
 def _shared_reductions(forward, var: Variables, where: Placement, features: Sequence[Feature],
@@ -498,10 +543,11 @@ class Preflight:
     return self._compiled(*args)
 
 
-def make_plan(var: Variables, cap: Capture, where: Placement, features: Sequence[Feature],
-              fstate: dict, jits: dict[str, Any], batch: Any, rows: int,
-              target: cost_lib.Target | None = None) -> Plan:
-  """Step 6: the plan, with the compiled facts computed lazily from the same executables."""
+def make_plan(steps: Steps, features: Sequence[Feature | str], fstate: dict, jitted: Jitted,
+              batch: Any, rows: int, target: cost_lib.Target | None = None) -> Plan:
+  """Step 6: the plan, with the compiled facts computed lazily from the same executables;
+  ``features``: the plan's feature lines (the features, then lines of the step)."""
+  var, cap, where = steps.variables, steps.capture, steps.placement
   layout, pipe, base = where.layout, where.pipe, where.shardings
   mesh, axes = layout.mesh, where.batch_plan.axes
   abstract_state = jax.tree.map(
@@ -509,7 +555,7 @@ def make_plan(var: Variables, cap: Capture, where: Placement, features: Sequence
       jax.eval_shape(lambda: TrainState(
           step=jnp.zeros((), jnp.int32), params=where.stored_shape(var.params_shape),
           opt_state=where.opt_shape,
-          model_state=var.state_shape, feature_state=fstate)), jits["state_shardings"])
+          model_state=var.state_shape, feature_state=fstate)), jitted.state_shardings)
   abstract_batch = batch_lib.global_shapes(batch, lambda nd: batch_lib.leaf_sharding(
       NamedSharding(mesh, specs_lib.batch_spec(axes, nd)), nd))
   n_p = var.num_params
@@ -525,7 +571,7 @@ def make_plan(var: Variables, cap: Capture, where: Placement, features: Sequence
           var.paths, var.leaves, final, cap.input_taskgraph, where.leaf_specs))]
   specs = [sh.spec for sh in final]
   grads_sh = base.reduced_grads
-  step_jit, grads_jit = jits["step_jit"], jits["grads_jit"]
+  step_jit, grads_jit = jitted.step, jitted.grads
   num_micro = where.batch_plan.num_micro_batch
   return Plan(
       mesh=mesh, num_replicas=layout.num_replicas, num_stages=layout.num_stages,
