@@ -81,12 +81,15 @@ class Measured:
 def spread(rows: list, limit: int | None) -> list:
   """At most ``limit`` rows, spread over the meshes (and splits, stages) first, then over the
   features: round-robin over the groups of one mesh, each group's rows in a shuffled order
-  (seeded: the same rows every run) so that the first picks differ in their features."""
+  so that the first picks differ in their features. Neither order depends on the estimates:
+  the same rows are picked whatever the estimator says (a before / after comparison)."""
   if not limit or limit >= len(rows):
     return rows
   groups: dict[tuple, list] = {}
-  for r in rows:
-    groups.setdefault((tuple(sorted(r.mesh_shape.items())), r.split), []).append(r)
+  for r in sorted(rows, key=lambda r: sorted((k, str(v)) for k, v in r.features.items())):
+    groups.setdefault((r.stages, r.mesh_shape.get("model", 1), r.split,
+                       tuple(sorted(r.mesh_shape.items()))), []).append(r)
+  groups = dict(sorted(groups.items()))
   for g in groups.values():
     random.Random(0).shuffle(g)
   out, i = [], 0
