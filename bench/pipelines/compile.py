@@ -544,7 +544,12 @@ def split_rows(layers: int = 48, reps: int = 5) -> list[list]:
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser()
+  parser = argparse.ArgumentParser(prog="bench/pipeline.py compile")
+  # (bench/pipeline.py runs these two in schedule.py, whose residual MLP they measure)
+  parser.add_argument("--depth", action="store_true", help="compile time and HLO size vs "
+                      "depth, next to a hand-written GPipe")
+  parser.add_argument("--split", action="store_true", help="where the 48-block step's "
+                      "compile time goes: lower vs XLA compile, and kernels")
   parser.add_argument("--roll", action="store_true", help="roll_layers off and on: the 32-layer "
                       "loop MLP against plain jax.jit, the 48-layer loop GPT against a GPipe")
   parser.add_argument("--scan", action="store_true", help="with --roll: also nn.scan blocks "
