@@ -74,7 +74,9 @@ class Change:
       verdict = "" if limit is None or self.compiled_bytes <= limit else ", DOES NOT FIT"
       got = (f"{size(self.compiled_bytes)} per device compiled (estimated "
              f"{size(self.estimated_bytes)}{verdict})")
-    return f"{self.text}: {got}, step {self.predicted_step_s * 1e3:.3g} ms predicted"
+    step = self.predicted_step_s
+    step_text = f"{step:.3g} s" if step >= 1 else f"{step * 1e3:.3g} ms"
+    return f"{self.text}: {got}, step {step_text} predicted"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,10 +1,13 @@
 """``Trainer.plan``: what epljax will do, readable by a person and checkable by a test.
 
-``print(trainer.plan)`` shows the mesh, the task graphs, every parameter's ``PartitionSpec`` and
-bytes per device, the per-device memory of the compiled step and whether it fits the device,
-its collectives per mesh axis (and whether they cross hosts) and the step time the cost model
-predicts from them. The compiled facts come from the same executable ``train_step`` runs,
-compiled once on first use (printing compiles nothing else).
+``print(trainer.plan)`` opens with the verdict (``verdict.py``: fits or not, mesh, features,
+predicted step, MFU, tokens/s, what crosses hosts, and the changes that would fit), then the
+task graphs, every parameter's ``PartitionSpec`` and bytes per device (a stack of layers a row,
+``rows.py``), the per-device memory of the compiled step, its collectives per mesh axis (and
+whether they cross hosts) and the step time the cost model predicts from them. The compiled
+facts come from the same executable ``train_step`` runs, compiled once on first use (printing
+compiles nothing else; naming the changes of a plan that does not fit traces, and with
+``suggestions(compile=True)`` compiles, those changes).
 """
 
 from __future__ import annotations
