@@ -2,6 +2,7 @@
 attention: values and gradients, float32 1e-5; memory linear in the sequence, read from the
 compiled program; cuDNN's fused attention in the program compiled for compile-only H100s."""
 
+import functools
 import os
 import re
 
@@ -158,6 +159,31 @@ def test_blocks_merged_over_two_halves_of_the_keys_equal_full_attention(causal):
   assert bool(jnp.all(jnp.isinf(second_lse[:, :, :half]))) == causal
   for got, expected in zip(grads, want_grads):
     np.testing.assert_allclose(got, expected, **TOL)
+
+
+def test_attention_block_in_a_shard_map_with_offsets_from_the_axis_index():
+  """Each of 4 devices attends its chunk of queries to all keys, the causal mask placed by
+  ``q_offset = axis_index * chunk`` (check_vma on: the kernel's loop carries vary as its
+  inputs do): the chunks put together are causal attention, values and gradients."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("context",))
+  q, k, v, weights = inputs(10, 1, 16, 16, 2, 1)
+  P = jax.sharding.PartitionSpec
+
+  def local(q, k, v):
+    offset = jax.lax.axis_index("context") * 4
+    return epl.nn.attention_block(q, k, v, q_offset=offset, k_offset=0, causal=True,
+                                  scale=None)[0]
+
+  def loss(fn, q, k, v):
+    return jnp.sum(fn(q, k, v) * weights)
+
+  split = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "context"), P(), P()),
+                        out_specs=P(None, "context"))
+  got = jax.jit(jax.value_and_grad(functools.partial(loss, split), (0, 1, 2)))(q, k, v)
+  want = jax.jit(jax.value_and_grad(functools.partial(
+      loss, lambda q, k, v: naive(q, k, v, True)), (0, 1, 2)))(q, k, v)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, **TOL)
 
 
 def test_merging_rows_that_saw_no_key_keeps_zeros_and_finite_gradients():

@@ -48,8 +48,18 @@ def blockwise_attention(q, k, v, mask, bias, q_offset, k_offset, *, causal: bool
   block_q, block_k = min(block_q, q.shape[1]), min(block_k, k.shape[1])
   q_offset = jnp.asarray(q_offset, jnp.int32)
   k_offset = jnp.asarray(k_offset, jnp.int32)
+  q, k, v, bias = _varying_alike(q, k, v, bias, mask, q_offset, k_offset)
   return _attention(causal, float(scale), block_q, block_k, q, k, v, mask, bias, q_offset,
                     k_offset)
+
+
+def _varying_alike(q, k, v, bias, *rest):
+  """Inside a ``shard_map``: q, k, v and bias made to vary over every manual axis any input
+  varies over (keys shared by all devices, queries split, say), so that the custom VJP's
+  gradients have their inputs' types; jax sums each over the axes it was made to vary over.
+  Elsewhere this adds a constant 0, which XLA removes."""
+  zero = _zeros((), q, k, v, bias, *rest)
+  return tuple(x if x is None else x + zero.astype(x.dtype) for x in (q, k, v, bias))
 
 
 def _start(index, block: int, seq: int):
@@ -77,6 +87,13 @@ def _add_tile(x, tile, q_start, k_start):
   starts = (0, 0, 0, q_start if x.shape[3] > 1 else 0, k_start if x.shape[4] > 1 else 0)
   old = lax.dynamic_slice(x, starts, tile.shape)
   return lax.dynamic_update_slice(x, old + tile, starts)
+
+
+def _zeros(shape, *like, value=0.0):
+  """A float32 ``value``-filled array that varies over the same manual mesh axes as ``like``
+  together (inside a ``shard_map`` with ``check_vma``, a loop's carry must match its body)."""
+  base = sum(lax.full_like(x, 0, jnp.float32, ()) for x in like if x is not None)
+  return jnp.broadcast_to(base + value, shape)
 
 
 class _Tile:
@@ -126,8 +143,8 @@ def _forward(static, q, k, v, mask, bias, q_offset, k_offset):
       return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv
 
     rows = (batch, heads, groups, bq)
-    state = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32),
-             jnp.zeros((*rows, dim), jnp.float32))
+    state = (_zeros(rows, *like, value=-jnp.inf), _zeros(rows, *like),
+             _zeros((*rows, dim), *like))
     end = nk
     if causal:
       last_row = q_offset + jnp.minimum((i + 1) * bq, q_seq) - 1
@@ -141,8 +158,9 @@ def _forward(static, q, k, v, mask, bias, q_offset, k_offset):
     lse = lax.dynamic_update_slice_in_dim(lse, block_lse, start, 3)
     return out, lse
 
-  out = jnp.zeros((batch, q_seq, heads, groups, dim), jnp.float32)
-  lse = jnp.zeros((batch, heads, groups, q_seq), jnp.float32)
+  like = (q, k, v, mask, bias, q_offset, k_offset)
+  out = _zeros((batch, q_seq, heads, groups, dim), *like)
+  lse = _zeros((batch, heads, groups, q_seq), *like)
   return lax.fori_loop(0, nq, query_block, (out, lse))
 
 
@@ -202,15 +220,14 @@ def _attention_bwd(causal, scale, block_q, block_k, residuals, cotangents):
         dbias = _add_tile(dbias, d_tile, tile.q_start, tile.k_start)
       return dq, dk_j, dv_j, dbias
 
-    zeros = jnp.zeros((q.shape[0], bk, *k.shape[2:]), jnp.float32)
+    zeros = _zeros((q.shape[0], bk, *k.shape[2:]), *like)
     dq, dk_j, dv_j, dbias = lax.fori_loop(begin, nq, query_block, (dq, zeros, zeros, dbias))
     k_start = _start(j, bk, k_seq)   # keys shared with the block before got no gradient here
     return dq, _add_at(dk, dk_j, k_start, 1), _add_at(dv, dv_j, k_start, 1), dbias
 
-  dq = jnp.zeros(q.shape, jnp.float32)
-  dk = jnp.zeros(k.shape, jnp.float32)
-  dv = jnp.zeros(v.shape, jnp.float32)
-  dbias = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
+  like = (q, k, v, mask, bias, q_offset, k_offset, d_out, d_lse)
+  dq, dk, dv = (_zeros(x.shape, *like) for x in (q, k, v))
+  dbias = None if bias is None else _zeros(bias.shape, *like)
   dq, dk, dv, dbias = lax.fori_loop(0, nk, key_block, (dq, dk, dv, dbias))
   dbias = None if bias is None else dbias.astype(bias.dtype)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, dbias, None, None)
