@@ -6,9 +6,10 @@ Predicted step time = FLOPs / (peak x efficiency) + the communication compute do
 bytes on the wire / the bandwidth of the links its mesh axis runs over (within a host, or
 across hosts); what of it is hidden is read from the compiled schedule (``epljax.overlap``:
 async start/done pairs and the compute XLA placed between them). The FLOPs come from
-``cost_analysis()``, the collectives from the compiled HLO (loop bodies times their trip count,
-``hlo``), never from wall time. The chips and links are ``epljax.chips``' table, each figure
-with its source.
+``cost_analysis()`` with loop bodies counted per iteration (``epljax.flops``; a pipeline's from
+its schedule, ``epljax.pipeline.cost``), the collectives from the compiled HLO (loop bodies
+times their trip count, ``hlo``), never from wall time. The chips and links are
+``epljax.chips``' table, each figure with its source.
 """
 
 from __future__ import annotations
@@ -153,9 +154,10 @@ class Target:
 
   def step_cost(self, plan) -> StepCost:
     """The predicted cost of ``plan``'s compiled step (``cost.step_cost``)."""
-    host = 0
-    if self.offload:   # weights in and out (v1: the optimizer state too), not in the HLO
-      host = 2 * plan.param_bytes + (2 * plan.optimizer_bytes if self.offload == "v1" else 0)
+    from epljax.memory import offload   # (what offload moves, not in the HLO)
+
+    host = offload.footprint(self.offload, {"parameters": plan.param_bytes,
+                                            "optimizer state": plan.optimizer_bytes})[1]
     return step_cost(plan.compiled, plan.mesh, self.chip, plan.pipeline, host)
 
 

@@ -13,7 +13,6 @@ import pytest
 import epljax as epl
 from epljax import hlo
 from epljax.errors import PlanError
-from epljax.pipeline.describe import stage_param_bytes
 from helpers import TOL, classification_batch, linen_fns
 from pipeline_helpers import BACKWARD, FORWARD, check_matches_reference, sgd_clipped
 
@@ -153,7 +152,7 @@ def test_split_default_strategy_4_stages_gpipe_match_reference():
   pipe = trainer.plan.pipeline
   assert len(pipe.loop.branches) == 3             # the two middle stages share a branch
   # identical stages fill the same slots: a device holds about one stage's parameters
-  assert pipe.store.bytes_inside() < 2 * max(stage_param_bytes(pipe, s) for s in pipe.stages)
+  assert pipe.store.bytes_inside() < 2 * max(pipe.stage_param_bytes(s) for s in pipe.stages)
   np.testing.assert_equal(pipe.split, (2, 2, 2, 2))
 
 

@@ -15,6 +15,8 @@ interleaved over virtual stages), and the ``shard_map`` loop that runs them in o
 - ``roll.py``: a stage's repeated layers as one ``lax.scan`` over stacked weights;
 - ``stats.py``: batch statistics averaged over pipeline replicas (BatchNorm with several);
 - ``runtime.py``: the loop over ticks (``jax.vjp`` per micro batch, ``ppermute`` between stages);
+- ``cost.py``: what the loop computes per device (each branch's FLOPs times its busy slots)
+  and its bubble, for the cost model (``epljax.cost``);
 - ``builder.py``: the plan (``Pipeline``, immutable, built before anything compiles) and what
   ``epl.Trainer`` calls; ``describe.py``: the pipeline's lines in the plan, read from it;
   ``render.py``: the schedule as a picture.

@@ -5,8 +5,8 @@ function.
 traces the loss once more at the shapes one replica sees per micro batch, cuts the stages
 (``partition.py``), averages batch statistics over the replicas (``stats.py``), picks the
 schedule (``schedules.py``), decides where every parameter is stored (``storage.make_store``)
-and returns a frozen ``Pipeline``, which prints (``describe()``, ``stage_info()``) without
-compiling anything:
+and returns a frozen ``Pipeline``, which prints (``describe()``, ``stage_info()``: its
+``describe.Described``) without compiling anything:
 
 - ``param_shardings``: ``TrainState.params`` is the user's parameter tree, each leaf sharded
   over ``stage`` too, so the optimizer (any optax one) and checkpoints see the user's leaves;
@@ -40,9 +40,9 @@ from epljax import hlo
 from epljax.errors import PipelineWarning, PlanError, listing
 from epljax.features import BuildContext, Feature, GradientFn, loss_scale
 from epljax.mesh import MODEL, STAGE, Layout
-from epljax.pipeline import describe, packing, runtime, slots, stats, storage
+from epljax.pipeline import packing, runtime, slots, stats, storage
 from epljax.pipeline.auto import check_balance
-from epljax.pipeline.describe import StageInfo
+from epljax.pipeline.describe import Described
 from epljax.pipeline.partition import Stage, cut_stages, shared_params
 from epljax.pipeline.schedules import Schedule, make_schedule
 from epljax.sharding import constraints
@@ -52,7 +52,7 @@ from epljax.strategy import SPLIT
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Pipeline:
+class Pipeline(Described):
   """What ``plan_pipeline`` worked out (see the module doc); ``with_features`` adds the loop's
   branches. Immutable: every property is read from the fields."""
   stages: tuple[Stage, ...]
@@ -395,23 +395,6 @@ class Pipeline:
       return loss, aux, grads, self.unpack_state(state, model_state)
 
     return gradients
-
-  # -- the plan (``describe.py``) ------------------------------------------------------------
-  @property
-  def param_bytes_per_device(self) -> int:
-    return describe.param_bytes_per_device(self)
-
-  def stage_info(self) -> list[StageInfo]:
-    return describe.stage_info(self)
-
-  def describe(self) -> list[str]:
-    return describe.describe(self)
-
-  def blocks(self) -> list[Any]:
-    return describe.blocks(self)
-
-  def text(self) -> str:
-    return describe.text(self)
 
 
 def plan_pipeline(*, loss_call: Callable, has_aux: bool, params_shape: Any, state_shape: Any,
