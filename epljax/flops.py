@@ -23,7 +23,7 @@ def compiled_flops(compiled, hlo_text: str | None = None) -> float:
   showed half the FLOPs of 1); the matmuls and convolutions of each body are added again for
   the iterations it left out (``known_trip_count``, ``hlo.executed_collectives``' reading).
   Every branch of a conditional inside a loop counts on every iteration, so a pipeline's tick
-  loop is overcounted: its FLOPs come from its schedule (``step_cost``, ``_pipeline_compute``).
+  loop is overcounted: its FLOPs come from its schedule (``epljax.pipeline.cost``).
   ``hlo_text``: ``compiled.as_text()``, where the caller has it already."""
   if hlo_text is None:
     hlo_text = compiled.as_text()
