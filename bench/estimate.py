@@ -33,6 +33,7 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import random  # noqa: E402
+import signal  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
@@ -215,25 +216,40 @@ def main(argv=None):
   compiler = "8 compile-only H100s" if args.gpu else "XLA:CPU, 8 CPU devices"
   start = time.perf_counter()
   summaries, details, everything, timing = [], [], [], []
-  for name in args.models:
-    model_start = time.perf_counter()
-    measured, made, total = measure(MODELS[name], devices, args.max_rows or None)
-    seconds = time.perf_counter() - model_start
-    everything += measured
-    summaries.append(summary_row(name + (" (held out)" if MODELS[name].heldout else ""),
-                                 measured))
-    timing.append(f"{name}: {len(measured)} of {total} rows, {seconds:.0f} s "
-                  f"(candidates made in {made:.0f} s)")
-    body = table(DETAIL, detail_rows(measured))
-    details.append(f"### {name}\n\n{body}")
-    print(f"\n{name} ({timing[-1]})\n{body}", flush=True)
-  summaries.append(summary_row("all", everything))
-  head = table(SUMMARY, summaries)
+  # A run stopped (SIGTERM, Ctrl-C) still prints and records the models it measured.
+  signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+  try:
+    for name in args.models:
+      model_start = time.perf_counter()
+      measured, made, total = measure(MODELS[name], devices, args.max_rows or None)
+      seconds = time.perf_counter() - model_start
+      everything += measured
+      summaries.append(summary_row(name + (" (held out)" if MODELS[name].heldout else ""),
+                                   measured))
+      timing.append(f"{name}: {len(measured)} of {total} rows, {seconds:.0f} s "
+                    f"(candidates made in {made:.0f} s)")
+      body = table(DETAIL, detail_rows(measured))
+      details.append(f"### {name}\n\n{body}")
+      print(f"\n{name} ({timing[-1]})\n{body}", flush=True)
+  except KeyboardInterrupt:
+    print("stopped: recording the models measured so far")
+  finally:
+    if details:
+      write(args, compiler, devices, summaries, everything, details, timing, start,
+            len(details) < len(args.models))
+
+
+def write(args, compiler, devices, summaries, everything, details, timing, start,
+          partial: bool) -> None:
+  """Prints the summary and, with ``--record``, records the run so far."""
+  head = table(SUMMARY, [*summaries, summary_row("all", everything)])
   total_s = time.perf_counter() - start
   print(f"\n{compiler}: {total_s:.0f} s\n{head}")
   if args.record:
     record("Estimates against compiled steps (bench/estimate.py)", head + "\n\n" + (
                f"{compiler}; global batch {ROWS} rows, adamw; "
+               + (f"partial: {len(details)} of {len(args.models)} models measured; "
+                  if partial else "")
                + ("every row of each search" if not args.max_rows else
                   f"at most {args.max_rows} rows of each search, spread over its meshes")
                + ". Ratios are estimated / compiled per row: bytes per device "
