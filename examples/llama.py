@@ -160,7 +160,8 @@ def main(argv=None) -> list[float]:
             **parse_config(args.config)})
   if args.layout in ("tp", "tp_pp"):
     epl.annotate({"Llama": epl.split(args.tp)})   # Megatron from the logical axis names
-  optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, args.lr, 20, args.steps),
+  warmup = min(20, args.steps // 2)   # (a short run keeps steps to decay over)
+  optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps),
                           b2=0.95, weight_decay=0.1)
   data = batches(train_tokens, seq, rows, args.seed)
   # The rules a MaxText user gives Flax: logical axis names -> the "model" mesh axis.

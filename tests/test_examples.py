@@ -87,7 +87,8 @@ def test_the_examples_stand_alone():
 def test_a_missing_extra_is_named_with_exit_status_2(monkeypatch, capsys):
   """scikit-learn missing: the digits example names the extra and exits 2 (1 is the planning
   CLI's "does not fit")."""
-  monkeypatch.setitem(sys.modules, "sklearn", None)       # import sklearn fails as if missing
+  for name in ("sklearn", "sklearn.datasets", "sklearn.model_selection"):
+    monkeypatch.setitem(sys.modules, name, None)           # their import fails as if missing
   with pytest.raises(SystemExit) as exited:
     load("resnet_digits").load()
   assert exited.value.code == 2
