@@ -46,7 +46,7 @@ from epljax import batch as batch_lib
 from epljax import estimate as estimate_lib
 from epljax import strategy as strategy_lib
 from epljax.errors import PlanError
-from epljax.memory import offload
+from epljax.memory import offload, remat
 from epljax.mesh import DATA, MODEL, REPLICA, STAGE
 from epljax.pipeline import schedules
 from epljax.pipeline.auto import StageBalanceWarning
@@ -162,8 +162,12 @@ def space(fns, config, cluster, rng, batch, builders: Builders, chip) -> Space:
   batch_bytes = jax.process_count() * sum(
       math.prod(np.shape(x)) * np.dtype(batch_lib._dtype(x)).itemsize
       for x in jax.tree.leaves(batch))
-  residuals = estimate_lib.residual_bytes(
-      next(iter(bases.values())).capture.program.closed_jaxpr) if bases else 0
+  closed = next(iter(bases.values())).capture.program.closed_jaxpr if bases else None
+  plain = estimate_lib.residual_bytes(closed) if closed is not None else 0
+  # (gradient_checkpoint.type="auto"'s footprint, from the segments it cuts: where searched)
+  residuals = estimate_lib.Residuals(plain, remat.checkpointed_residuals(
+      closed, estimate_lib.residual_bytes, cluster.platform)
+      if closed is not None and fixed.get("gradient_checkpoint", "auto") == "auto" else plain)
   update = (estimate_lib.update_flops(fns.optimizer,
                                       next(iter(bases.values())).user_state.params_shape)
             if bases else 0.0)
@@ -262,7 +266,7 @@ def _pipeline_plan(pipeline_plan, fns, config, cluster, rng, batch, stages: int,
 
 
 def _stage_rows(make_pipe: Callable, bases: dict, facts: dict, fixed: dict[str, Any], chip,
-                batch_bytes: int, residuals: int, update: float,
+                batch_bytes: int, residuals: estimate_lib.Residuals, update: float,
                 notes: list[str]) -> list[Candidate]:
   """data x stage x model candidates for S = 2, 4, ... stages while the model cuts into S
   balanced stages (``auto.auto_parallel``'s cut), each stage the whole of it under
@@ -344,7 +348,7 @@ def feature_grid(fixed: dict[str, Any], built) -> Iterator[dict[str, Any]]:
 
 
 def estimate_row(built, facts, features: dict[str, Any], chip, batch_bytes: int, split: str,
-              residuals: int, update: float) -> Candidate:
+              residuals: estimate_lib.Residuals, update: float) -> Candidate:
   """A candidate before compiling: every number is ``estimate.step_cost``'s."""
   step = estimate_lib.step_cost(built, facts, features, chip, batch_bytes, residuals, update)
   return Candidate(estimate_lib.hybrid_shape(built.plan.mesh, features), dict(features),

@@ -1,9 +1,12 @@
 """The plan search's estimate of a candidate before compiling (``epljax.search``).
 
 Parameter, gradient, optimizer-state and model-state bytes per device follow exactly from the
-traced specs and the features; activations, FLOPs and collectives are estimated from the
-traced program: activations from the residuals of ``jax.vjp`` of the loss (``residual_bytes``),
-collectives over ``model`` from how each node reads a split parameter (``split_uses``). The
+traced specs and the features, each feature's footprint from the module that makes its
+shardings (``memory.zero.footprint`` and ``hybrid_traffic``, ``memory.offload.footprint``,
+``memory.remat.checkpointed_residuals``, ``mesh.builder.group_size``); activations, FLOPs and
+collectives are estimated from the traced program: activations from the residuals of
+``jax.vjp`` of the loss (``residual_bytes``), collectives over ``model`` from how each node
+reads a split parameter (``split_uses``). The
 search compiles the candidates it chooses among; their compiled costs (``cost.compiled_cost``)
 replace these numbers.
 """
@@ -21,14 +24,14 @@ import optax
 from jax.extend import core as jcore
 
 from epljax import cost as cost_lib
-from epljax.mesh import DATA, MODEL, REPLICA, STAGE, data_axes, hosts
+from epljax.errors import PlanError
+from epljax.memory import offload as offload_lib
+from epljax.memory import zero as zero_lib
+from epljax.mesh import DATA, MODEL, REPLICA, STAGE, builder, data_axes, hosts
 from epljax.pipeline.auto import node_flops
 from epljax.pipeline.schedules import IDLE
 from epljax.sharding import program as program_lib
 
-# Activations kept under gradient_checkpoint.type="auto": a rough share, for ranking only (the
-# compiled bytes decide).
-_CHECKPOINTED_SHARE = 1 / 3
 # Outputs whose share split over model scales the residuals: matmuls, nonlinear functions.
 _KEPT = {"dot_general", "conv_general_dilated", "exp", "log", "tanh", "logistic", "erf", "div",
          "integer_pow", "rsqrt", "sqrt", "max", "pow"}
@@ -152,8 +155,17 @@ def _use_bytes(built, amp_itemsize: int | None) -> int:
   return total
 
 
+@dataclasses.dataclass(frozen=True)
+class Residuals:
+  """What the backward pass keeps of the forward pass (whole batch, ``residual_bytes``):
+  ``plain``, and ``checkpointed`` under ``gradient_checkpoint.type="auto"``, the footprint of
+  the segments that feature cuts (``memory.remat.checkpointed_residuals``)."""
+  plain: int
+  checkpointed: int
+
+
 def step_cost(built, facts: ProgramFacts, features: dict[str, Any], chip, batch_bytes: int,
-              residuals: int, update: float = 0.0) -> cost_lib.StepCost:
+              residuals: int | Residuals, update: float = 0.0) -> cost_lib.StepCost:
   """A candidate's bytes and time before compiling: parameters, gradients, optimizer and
   model state per device exactly from the specs; activations (the vjp's ``residuals``, split
   like the batch and like the model's split outputs), FLOPs (``node_flops``, x3 for the
@@ -171,30 +183,23 @@ def step_cost(built, facts: ProgramFacts, features: dict[str, Any], chip, batch_
   # ZeRO's group: all the data replicas, or (HSDP, ``zero_shard``) one host's (``zero_group``),
   # each shard replicated over the groups ('replica').
   g = zero_group(plan.mesh, features) if zero else d
-  params = plan.param_bytes
-  grads, opt = params, plan.optimizer_bytes
-  full_params = params
-  if zero:
-    opt //= g
-  # Without accumulation v1 keeps only its shard of each reduced gradient as v2 does: the two
-  # compile to one program (``memory/zero.py``).
-  if zero in ("v2", "v3") or (zero == "v1" and micro == 1):
-    grads //= g
-  if zero == "v3":
-    params //= g
-  host = 0
-  if offload:
-    host += 2 * params
-    params = 0
-  if offload == "v1":
-    host += 2 * opt
-    opt = 0
+  full_params = plan.param_bytes
+  # Each feature's footprint, from the module that makes its shardings: ZeRO's sharded parts
+  # (``zero.footprint``), then what offload moves to the host (``offload.footprint``).
+  on_device = zero_lib.footprint(zero, micro, {zero_lib.PARAMETERS: full_params,
+                                               zero_lib.GRADIENTS: full_params,
+                                               zero_lib.OPTIMIZER_STATE: plan.optimizer_bytes},
+                                 g)
+  on_device, host = offload_lib.footprint(offload, on_device)
+  params, grads, opt = (on_device[k] for k in (zero_lib.PARAMETERS, zero_lib.GRADIENTS,
+                                               zero_lib.OPTIMIZER_STATE))
   batch_bytes //= max(1, math.prod(mesh[a] for a in plan.batch_axes))
   split_nodes = facts.split_nodes
-  kept = residuals / max(1, math.prod(mesh[a] for a in plan.batch_axes)) * facts.share / micro
+  if not isinstance(residuals, Residuals):   # (one figure: the same with checkpointing)
+    residuals = Residuals(residuals, residuals)
   checkpointed = features["gradient_checkpoint"] == "auto"
-  if checkpointed:
-    kept *= _CHECKPOINTED_SHARE
+  kept = ((residuals.checkpointed if checkpointed else residuals.plain)
+          / max(1, math.prod(mesh[a] for a in plan.batch_axes)) * facts.share / micro)
   # The peak is either in the backward pass (residuals beside the gradient accumulator, with
   # micro batches) or at the gradients' sum over data (a second buffer: all-reduced, or its
   # shard under ZeRO), after the residuals are freed.
@@ -217,8 +222,11 @@ def step_cost(built, facts: ProgramFacts, features: dict[str, Any], chip, batch_
   # each parameter on its own (v3: gathered again in the forward and the backward pass).
   leaves = sum(leaf.trainable for leaf in plan.leaves)
   if d > 1:
-    if zero:
-      _add_zero(add, full_params, facts.use_bytes or full_params, d, g, leaves, zero == "v3")
+    if zero:   # (``zero.hybrid_traffic``: within the groups, and across them under HSDP)
+      for t in zero_lib.hybrid_traffic(zero, full_params, leaves, g, d // g,
+                                       facts.use_bytes or full_params):
+        add(t.kind, t.axis, t.bytes, t.group, times=t.times,
+            across=(t.axis == REPLICA) if g < d else None)
     else:
       add("all-reduce", "+".join(a for a in data_axes(plan.mesh) if mesh[a] > 1),
           full_params, d)
@@ -257,14 +265,13 @@ def zero_group(mesh, features: dict[str, Any]) -> int:
   ``ici_fsdp`` x ``dcn_data``) one host's; with an int ``zero_shard`` (``zero.shard_size``)
   that many. A hybrid mesh (its 'replica' axis) says it: its 'data' axis is the group."""
   d = _replicas(mesh)
-  shard = features.get("zero_shard")
   if REPLICA in mesh.axis_names:
     return dict(mesh.shape)[DATA]
-  if shard == HOST_SHARD:
-    return max(1, min(d, data_per_host(mesh)))
-  if isinstance(shard, int) and shard > 0 and d % shard == 0:
-    return shard
-  return d
+  try:   # (the group the mesh builder makes: ``mesh.builder.group_size``)
+    return builder.group_size(features.get("zero_shard") or "all", d, mesh.size // d,
+                              list(mesh.devices.flat), dict(mesh.shape).get(STAGE, 1))
+  except PlanError:   # (a group the build refuses: the row is refused when compiled)
+    return d
 
 
 def hybrid_shape(mesh, features: dict[str, Any]) -> dict[str, int]:
@@ -285,29 +292,6 @@ def data_per_host(mesh) -> int:
   line = np.moveaxis(np.asarray(mesh.devices), names.index(DATA), 0).reshape(
       dict(mesh.shape)[DATA], -1)[:, 0]
   return sum(dev.process_index == line[0].process_index for dev in line)
-
-
-def _add_zero(add, full_params: float, use_bytes: float, d: int, g: int, leaves: int,
-              v3: bool) -> None:
-  """ZeRO's traffic over its ``g`` replicas ('data'). v1/v2: each parameter's gradient
-  reduce-scattered and its update gathered, in the stored dtype (``full_params`` bytes). v3:
-  each parameter gathered where it is used, in the dtype the use reads (``use_bytes``:
-  ``memory.uses`` casts before it gathers), twice (the forward and the backward pass; a
-  rematerialized layer's backward reuses its recomputed forward's gather), and its gradient
-  reduce-scattered in that dtype; nothing gathered after the update. With ``g < d`` (HSDP:
-  'data' within a host) the group's gradient shards are all-reduced over the ``d / g`` groups
-  ('replica', across hosts), as the compiled step names the axes."""
-  inside = g < d
-  across = False if inside else None
-  grads = use_bytes if v3 else full_params
-  if g > 1:
-    add("reduce-scatter", DATA, grads / g, g, times=leaves, across=across)
-    if v3:
-      add("all-gather", DATA, 2 * use_bytes, g, times=2 * leaves, across=across)
-    else:
-      add("all-gather", DATA, full_params, g, times=leaves, across=across)
-  if inside:
-    add("all-reduce", REPLICA, grads / g, d // g, times=leaves, across=True)
 
 
 def hidden_estimate(comm: dict[tuple[str, str], float], compute_s: float, chip) -> float:

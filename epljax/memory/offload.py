@@ -39,6 +39,17 @@ def host_memory_kind(device: jax.Device) -> str | None:
   return HOST if HOST in kinds else None
 
 
+def footprint(level: str, parts: dict[str, int]) -> tuple[dict[str, int], int]:
+  """Offload ``level``'s footprint: (the bytes per device of each part left on the device,
+  the bytes a step moves between host and device). v0 keeps the parameters in host memory,
+  each copied in at its use and the new ones written back (2x); v1 the optimizer state too,
+  read and written by the update on the host. What ``Offload.shardings`` places, for the
+  plan search and the cost of a compiled step alike."""
+  moved = {"v0": ("parameters",), "v1": ("parameters", "optimizer state")}.get(level, ())
+  return ({k: 0 if k in moved else v for k, v in parts.items()},
+          sum(2 * parts.get(k, 0) for k in moved))
+
+
 def run_on_host(fn, *args):
   """``fn(*args)`` computed by the host, its results in host memory.
 

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.extend import core as jcore
 
 from epljax import strategy as strategy_lib
 from epljax.config import GradientCheckpointConfig
@@ -237,6 +238,58 @@ def run_segments(program: Steps, flat_args, segments, loops=frozenset(), *,
     return finish(program, env)
 
   return jax.checkpoint(run, policy=OFFLOAD)(list(flat_args)) if offload else run(flat_args)
+
+
+def auto_segments(program: Steps):
+  """``gradient_checkpoint.type="auto"``'s segments of ``program`` with every task graph kept
+  (``GradientCheckpoint._segments`` with ``end_taskgraph`` -1): (segments, loops)."""
+  loops = frozenset(blocks.scan_bodies(program))
+  ranges = blocks.structural_cuts(program).ranges
+  return blocks.plan_segments(program, ranges, [True] * len(program.steps)), loops
+
+
+def checkpointed_residuals(closed_jaxpr, residual_bytes, platform: str = "cpu") -> int:
+  """The footprint of ``gradient_checkpoint.type="auto"`` on a traced loss (``closed_jaxpr``),
+  made by the code that runs it (``auto_segments``, ``run_segments``): the residual bytes
+  (whole batch) the backward pass holds, ``residual_bytes`` (the estimate's reading of a
+  vjp's jaxpr, ``estimate.residual_bytes``) of the loss run segment by segment (the segments'
+  inputs and the plain steps' residuals), plus the largest rematerialized segment's own,
+  held while it is recomputed. (A rematerialized scan body's one iteration is not added: the
+  stacked carries dominate a loop of layers.)"""
+  fn = jcore.jaxpr_as_fun(closed_jaxpr)
+  avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed_jaxpr.jaxpr.invars]
+  program, _ = trace_steps(lambda flat: fn(*flat), avals, ())
+  segments, loops = auto_segments(program)
+  remat = [seg for seg in segments if seg.remat]
+  if not remat and not loops:
+    return residual_bytes(closed_jaxpr)
+  kept = residual_bytes(jax.make_jaxpr(lambda *flat: run_segments(
+      program, list(flat), segments, loops, platform=platform))(*avals))
+  inputs: dict[int, list] = {}
+
+  def plain(*flat):   # (each segment's input avals)
+    env = start_env(program, flat)
+    for seg in segments:
+      steps = program.steps[seg.start:seg.stop]
+      if seg.remat:
+        keys = live_across(program, steps)[0]
+        inputs[seg.start] = [jax.ShapeDtypeStruct(env[k].shape, env[k].dtype) for k in keys]
+      run_steps(steps, env)
+    return finish(program, env)
+
+  jax.make_jaxpr(plain)(*avals)
+  largest = 0
+  for seg in remat:
+    steps = program.steps[seg.start:seg.stop]
+    keys, outputs = live_across(program, steps)
+
+    def segment(*vals, steps=steps, keys=keys, outputs=outputs):
+      local = dict(zip(keys, vals))
+      run_steps(steps, local)
+      return [local[k] for k in outputs]
+
+    largest = max(largest, residual_bytes(jax.make_jaxpr(segment)(*inputs[seg.start])))
+  return kept + largest
 
 
 OFFLOADED = "epl.offloaded"

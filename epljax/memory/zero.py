@@ -118,8 +118,9 @@ class Zero(Feature):
         ctx.optimizer, lambda current, target: NamedSharding(
             target.mesh, target.spec, memory_kind=current.memory_kind),
         shardings.opt_state, sharded_tree, is_leaf=is_sharding)
-    params = sharded_tree if self.level == "v3" else shardings.params
-    reduced = self.level != "v1" or ctx.num_micro_batch == 1
+    parts = sharded_parts(self.level, ctx.num_micro_batch)
+    params = sharded_tree if PARAMETERS in parts else shardings.params
+    reduced = GRADIENTS in parts
     grads = jax.tree.map(lambda s, p: NamedSharding(s.mesh, s.spec, memory_kind=p.memory_kind),
                          sharded_tree, shardings.params, is_leaf=is_sharding)
     at_use = shardings.params if shardings.params_at_use is None else shardings.params_at_use
@@ -159,6 +160,33 @@ class Zero(Feature):
     return f"ZeRO {self.level}: {what} sharded over {over}{left}"
 
 
+PARAMETERS, GRADIENTS, OPTIMIZER_STATE = "parameters", "gradients", "optimizer state"
+
+
+def sharded_parts(level: str, num_micro_batch: int) -> frozenset[str]:
+  """What ZeRO ``level`` shards over its group's data replicas (``Zero.shardings`` and the
+  plan search's footprint alike): the optimizer state; the gradients from v2 on, and with v1
+  without accumulation (it keeps only its shard of each reduced gradient: v2's program); the
+  parameters with v3."""
+  if not level:
+    return frozenset()
+  parts = {OPTIMIZER_STATE}
+  if level != "v1" or num_micro_batch == 1:
+    parts.add(GRADIENTS)
+  if level == "v3":
+    parts.add(PARAMETERS)
+  return frozenset(parts)
+
+
+def footprint(level: str, num_micro_batch: int, parts: dict[str, int],
+              group: int) -> dict[str, int]:
+  """Bytes per device of each part (``parameters``, ``gradients``, ``optimizer state``: as
+  data parallelism replicates them) under ZeRO ``level`` over ``group`` replicas: what
+  ``sharded_parts`` names, divided by the group."""
+  sharded = sharded_parts(level, num_micro_batch)
+  return {k: v // group if k in sharded else v for k, v in parts.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class Traffic:
   """One kind of collective of a ZeRO step, before compiling: ``bytes`` per device per step
@@ -175,19 +203,22 @@ def hybrid_traffic(level: str, param_bytes: float, leaves: int, data: int, group
   """The collectives of ZeRO ``level`` over ``data`` replicas in each of ``groups`` groups
   (``zero.shard_size``; 1: plain ZeRO), for ``leaves`` trainable leaves of ``param_bytes``
   (float32 master weights). ``gather_bytes``: the parameters' bytes in the dtype v3 gathers
-  (the compute dtype, half for bfloat16 uses; default ``param_bytes``). What the compiled
+  (the compute dtype, half for bfloat16 uses; default ``param_bytes``), in which v3 also
+  reduce-scatters the gradients (``uses.py`` casts before it gathers). What the compiled
   step shows (tests/test_memory_hybrid.py): reduce-scatter of each gradient over ``data``,
   all-gather of the updated shards (v1, v2) or of the parameters at each use in the forward
-  and the backward (v3), and one all-reduce of each gradient shard over ``replica``."""
+  and the backward (v3; a rematerialized layer's backward reuses its recomputed forward's
+  gather), and one all-reduce of each gradient shard over ``replica``."""
   gathered = param_bytes if gather_bytes is None else gather_bytes
+  grads = gathered if level == "v3" else param_bytes
   rows = []
   if data > 1 and level:
-    rows.append(Traffic("reduce-scatter", DATA, param_bytes / data, data, leaves))
+    rows.append(Traffic("reduce-scatter", DATA, grads / data, data, leaves))
     if level == "v3":
       rows.append(Traffic("all-gather", DATA, 2 * gathered, data, 2 * leaves))
     else:
       rows.append(Traffic("all-gather", DATA, param_bytes, data, leaves))
   if groups > 1:
-    shard = param_bytes / data if level else param_bytes
+    shard = grads / data if level else param_bytes
     rows.append(Traffic("all-reduce", REPLICA, shard, groups, leaves if level else 1))
   return rows
