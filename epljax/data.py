@@ -60,7 +60,11 @@ def windows(tokens: np.ndarray, length: int, rows: int, *, seed: int,
   ``rows`` is this process's share of the global batch; ``process_index`` / ``process_count``
   default to ``jax.process_index()`` / ``jax.process_count()``.
   """
-  import grain
+  try:
+    import grain
+  except ImportError as e:
+    raise ImportError("epljax.data.windows needs Grain, an optional dependency: "
+                      'pip install -e ".[grain]" in epljax\'s repository') from e
   import jax
 
   index = jax.process_index() if process_index is None else process_index

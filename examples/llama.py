@@ -50,7 +50,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
@@ -62,8 +61,6 @@ import epljax as epl  # noqa: E402
 from epljax.data import CharVocab, split_train_val  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:   # as `python examples/llama.py` has it (epljax.plan runs it by path)
-  sys.path.insert(0, HERE)
 from example_models import llama  # noqa: E402  (one Llama for this script, the zoo, the benches)
 
 DATA = os.path.join(HERE, "data", "tinyshakespeare.txt")

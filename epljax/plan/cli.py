@@ -200,11 +200,16 @@ def _environ(name: str, value: str | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _argv(argv: list[str]) -> Iterator[None]:
+  """``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS`` sets them (runpy sets neither)."""
   saved, sys.argv = sys.argv, argv
+  folder = os.path.dirname(os.path.abspath(argv[0]))
+  sys.path.insert(0, folder)
   try:
     yield
   finally:
     sys.argv = saved
+    if folder in sys.path:
+      sys.path.remove(folder)
 
 
 def _hosts(devices: list) -> str:
