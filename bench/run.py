@@ -64,7 +64,7 @@ MINUTES = {
     "pipeline.py compile --roll": 10,
     "pipeline.py compile --baseline": 12,
     "pipeline.py memory": 3,          # 2026-12-08: 12 min at load ~17 (7 others at work)
-    "pipeline.py memory --gpu": 3,
+    "pipeline.py memory --gpu": 3,    # 2026-12-08: 24 min at load ~16 (7 others at work)
     "pipeline.py peak": 2,
     "pipeline.py roll": 4,
     "pipeline.py stash": 5,
