@@ -271,7 +271,7 @@ def _has_cuda_plugin() -> bool:
 
 
 @pytest.mark.skipif(not _has_cuda_plugin(), reason=(
-    "compile-only GPUs need jax's CUDA plugin: pip install 'epljax[cuda12]'"))
+    "compile-only GPUs need jax's CUDA plugin: pip install -e '.[cuda12]'"))
 def test_h100s_run_cudnn_fused_attention_for_bfloat16_and_the_blockwise_kernel_otherwise():
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
   device = epl.topology("h100", hosts=1, per_host=1)[0]
