@@ -14,10 +14,13 @@ import dataclasses
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax.core import meta
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import epljax as epl
 from epljax.mesh import CONTEXT
@@ -39,6 +42,13 @@ class SeqModel:
   logical_rules: tuple | None = None
   tol: dict = dataclasses.field(default_factory=lambda: TOL)
   annotate: str = ""          # module path a user splits over ``model`` (heads)
+  # Parameter specs given with the split where epljax's split rules cannot follow the heads
+  # through the blockwise kernel by themselves (Gemma's grouped q, reshaped per k/v head).
+  split_specs: dict | None = None
+
+  def split_rules(self) -> dict:
+    specs = {path: P(*spec) for path, spec in (self.split_specs or {}).items()}
+    return {self.annotate: epl.split(2), **specs}
 
 
 def _models() -> dict[str, SeqModel]:
@@ -52,7 +62,8 @@ def _models() -> dict[str, SeqModel]:
       "gemma": SeqModel("gemma", (lambda rng, b: gemma_model.init(rng, b["x"]),
                                   lambda v, b: common.lm_loss(gemma_model.apply(v, b["x"]),
                                                               b["y"])),
-                        tokens(16, gemma.VOCAB), None, DEEP_TOL, gemma.ANNOTATE),
+                        tokens(16, gemma.VOCAB), None, DEEP_TOL, gemma.ANNOTATE,
+                        gemma.MEGATRON),
       "gpt2": SeqModel("gpt2", gpt2.fns(dataclasses.replace(gpt2.SMALL, attention="epl")),
                        tokens(gpt2.LENGTH, gpt2.VOCAB), None, TOL, gpt2.ANNOTATE),
       "gpt2_fused": SeqModel("gpt2_fused", (gpt2_fused.init_fn_of(fused),
@@ -146,7 +157,7 @@ def check_against_reference(model: SeqModel, history, variables):
 def test_context_parallel_training_equals_one_device(name, cell):
   model = MODELS[name]
   config = CELLS[cell] if cell in CELLS else STRATEGY_CELLS[cell][1]
-  annotate = {model.annotate: epl.split(2)} if cell.startswith("split") else None
+  annotate = model.split_rules() if cell.startswith("split") else None
   trainer, history, variables = train_cell(model, config, annotate)
   shape = dict(trainer.plan.mesh.shape)
   assert shape[CONTEXT] == config["context.parallel_degree"]
@@ -192,3 +203,135 @@ def test_pipeline_stages_are_refused_saying_what_to_change():
       r"context.parallel_degree=2 .* does not combine with pipeline stages \(2 here.*Set "
       r"context.parallel_degree=1, or run the model without pipeline stages")):
     epl.Trainer(*model.fns, optimizer()).init(jax.random.key(0), model.make_batch(ROWS))
+
+
+# ---- the attention alone: both methods, causal or not, a mask; causal balance ------------
+
+N = 4   # context devices (data 2 x context 4)
+
+
+def _over_context(fn, method: str | None, n: int = N):
+  """``fn`` jitted over a (data 2, context n) mesh with ``context.attention_over`` set."""
+  from epljax.nn import context
+  mesh = Mesh(np.array(jax.devices()[:2 * n]).reshape(2, n), ("data", CONTEXT),
+              axis_types=(AxisType.Auto,) * 2)
+  layout = context.ContextLayout(n, ("data",), None, method)
+  sharding = NamedSharding(mesh, P("data", CONTEXT))
+
+  def run(*args):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), context.attention_over(layout):
+      return fn(*args)
+  return jax.jit(run), sharding
+
+
+def _qkv(seq: int = 16, heads: int = 4, kv_heads: int = 2):
+  rng = np.random.default_rng(0)
+  return [rng.normal(size=(2, seq, h, 8)).astype(np.float32) for h in (heads, kv_heads, kv_heads)]
+
+
+@pytest.mark.parametrize("method, causal, masked", [
+    ("ring", True, False), ("ring", False, False), ("gather", True, False),
+    ("gather", False, False), (None, True, True)])
+def test_attention_over_context_equals_local_attention(method, causal, masked):
+  """Values and gradients of each form (a mask goes to the gather) against the local
+  attention on the whole sequence."""
+  q, k, v = _qkv()
+  seq = q.shape[1]
+  pos = np.arange(seq)
+  mask = (pos[:, None] - pos[None, :] < 5)[None, None] if masked else None   # a window of 5
+  weights = np.random.default_rng(1).normal(size=q.shape).astype(np.float32)
+
+  def loss(q, k, v):
+    out = epl.nn.dot_product_attention(q, k, v, causal=causal, mask=mask)
+    return (out * weights).sum(), out
+
+  grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+  (expected_loss, expected_out), expected_grads = jax.jit(grad)(q, k, v)
+  run, sharding = _over_context(grad, method)
+  (got_loss, got_out), got_grads = run(*(jax.device_put(x, sharding) for x in (q, k, v)))
+  np.testing.assert_allclose(got_out, expected_out, **TOL)
+  np.testing.assert_allclose(got_loss, expected_loss, rtol=1e-5)
+  assert_trees_close(got_grads, expected_grads)
+
+
+def _count_pairs(method: str | None, masked: bool) -> np.ndarray:
+  """Per context device: the (query, key) score pairs its attention blocks computed (causal:
+  those on or below the diagonal; what the blockwise kernel's work is proportional to)."""
+  from epljax.nn import attention as blocks
+  from epljax.nn import context
+  noted = []   # (device, pairs); list.append is atomic, the callbacks run in many threads
+
+  def note(c, pairs):
+    noted.append((int(c), int(pairs)))
+
+  class Counting:
+    merge_partials = staticmethod(blocks.merge_partials)
+
+    @staticmethod
+    def attention_block(q, k, v, *, q_offset, k_offset, causal, scale, mask=None, bias=None):
+      tq, tk = q.shape[1], k.shape[1]
+      pairs = tq * tk
+      if causal:
+        row = q_offset + jnp.arange(tq) - k_offset + 1
+        pairs = jnp.clip(row, 0, tk).sum()
+      jax.debug.callback(note, jax.lax.axis_index(CONTEXT), pairs)
+      return blocks.attention_block(q, k, v, q_offset=q_offset, k_offset=k_offset,
+                                    causal=causal, scale=scale, mask=mask, bias=bias)
+
+  q, k, v = _qkv(seq=64)
+  mask = np.ones((1, 1, 64, 64), bool) if masked else None
+  original = context._blocks
+  context._blocks = lambda: Counting
+  try:
+    run, sharding = _over_context(
+        lambda q, k, v: epl.nn.dot_product_attention(q, k, v, causal=True, mask=mask), method)
+    jax.block_until_ready(run(*(jax.device_put(x, sharding) for x in (q, k, v))))
+    jax.effects_barrier()   # every callback has run
+  finally:
+    context._blocks = original
+  counts = np.zeros(N, np.int64)
+  for c, pairs in noted:
+    counts[c] += pairs
+  return counts // 2   # (both data replicas counted)
+
+
+def test_causal_work_is_balanced_over_the_context_devices():
+  """Zig-zag order: every context device computes the same number of causal score pairs, in
+  the ring and in the gather; queries in order (the masked gather) would not."""
+  for method in ("ring", "gather"):
+    counts = _count_pairs(method, masked=False)
+    assert counts.min() == counts.max() > 0, (method, counts)
+  in_order = _count_pairs(None, masked=True)
+  assert in_order.max() > 3 * in_order.min(), in_order
+
+
+def test_resume_from_a_checkpoint_across_context_parallelism(tmp_path):
+  """A checkpoint saved without context parallelism restores into a plan with it and the run
+  continues exactly; and back (GPT-2, one step each way)."""
+  model = MODELS["gpt2"]
+  variables, _ = initial_and_reference(model)
+  init_fn, loss_fn = model.fns
+  batch = model.make_batch(ROWS)
+  history, expected = reference_run(init_fn, loss_fn, optimizer(), jax.random.key(0), batch, 3,
+                                    variables=variables)
+  epl.init({"context.parallel_degree": 1})
+  plain = epl.Trainer(init_fn, loss_fn, optimizer())
+  state = plain.init(jax.random.key(0), batch, variables=variables)
+  state, _ = plain.train_step(state, batch)
+  saved = epl.Checkpointer(tmp_path / "plain")
+  saved.save(1, state)
+  saved.wait()
+  epl.init({"context.parallel_degree": 2})
+  split = epl.Trainer(init_fn, loss_fn, optimizer())
+  split.init(jax.random.key(0), batch, variables=variables)
+  state = saved.restore(split)
+  assert dict(split.plan.mesh.shape)[CONTEXT] == 2
+  state, metrics = split.train_step(state, batch)
+  np.testing.assert_allclose(float(metrics["loss"]), history[1][0], **TOL)
+  back = epl.Checkpointer(tmp_path / "context")
+  back.save(2, state)
+  back.wait()
+  state = back.restore(plain)
+  state, metrics = plain.train_step(state, batch)
+  np.testing.assert_allclose(float(metrics["loss"]), history[2][0], **TOL)
+  assert_trees_close(meta.unbox(plain.variables(state)), expected)
