@@ -68,6 +68,9 @@ class GPTConfig:
   n_layer: int = 4
   n_head: int = 4
   n_embd: int = 128
+  # "einsum": nanoGPT's scores, mask and softmax; "epl": epl.nn.dot_product_attention (memory
+  # linear in block_size; runs over context parallelism, examples/shakespeare_long.py)
+  attention: str = "einsum"
 
 
 # layout -> (cluster.run_visible_devices count, pipeline.num_micro_batch, blocks' scopes)
@@ -93,10 +96,13 @@ class CausalSelfAttention(nn.Module):
     b, t, c = x.shape
     qkv = nn.Dense(3 * c, use_bias=False, kernel_init=_normal(0.02), name="c_attn")(x)
     q, k, v = (y.reshape(b, t, cfg.n_head, c // cfg.n_head) for y in jnp.split(qkv, 3, axis=-1))
-    att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(c // cfg.n_head)
-    causal = jnp.tril(jnp.ones((t, t), bool))
-    att = jax.nn.softmax(jnp.where(causal, att, -jnp.inf), axis=-1)
-    y = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, c)
+    if cfg.attention == "epl":
+      y = epl.nn.dot_product_attention(q, k, v, causal=True).reshape(b, t, c)
+    else:
+      att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(c // cfg.n_head)
+      causal = jnp.tril(jnp.ones((t, t), bool))
+      att = jax.nn.softmax(jnp.where(causal, att, -jnp.inf), axis=-1)
+      y = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, c)
     # nanoGPT's scaled init of the residual projections: 0.02 / sqrt(2 n_layer)
     return nn.Dense(c, use_bias=False, kernel_init=_normal(0.02 / math.sqrt(2 * cfg.n_layer)),
                     name="c_proj")(y)

@@ -8,6 +8,7 @@ import os
 import re
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -93,3 +94,18 @@ def test_a_missing_extra_is_named_with_exit_status_2(monkeypatch, capsys):
     load("resnet_digits").load()
   assert exited.value.code == 2
   assert 'pip install -e ".[examples]"' in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_shakespeare_long_context_4_trains_as_one_device():
+  """examples/shakespeare_long.py: the GPT with its rows split over 4 devices (context
+  parallelism) gives one device's losses and parameters (same batches, plain jax.jit)."""
+  result = load("shakespeare_long").main(["--context", "4", "--seq", "64", "--steps", "2",
+                                          "--layers", "1", "--width", "32", "--batch", "4",
+                                          "--check"])
+  assert re.search(r"context parallelism over 4 devices: \d+ epl.nn.dot_product_attention "
+                   r"call\(s\) run over 'context'", result["plan"])
+  np.testing.assert_allclose(result["losses"], result["reference"], rtol=1e-5)
+  flat = lambda t: [np.asarray(x) for x in jax.tree.leaves(t)]  # noqa: E731
+  for ours, ref in zip(flat(result["variables"]), flat(result["reference_variables"])):
+    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-6)
