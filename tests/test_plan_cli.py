@@ -126,13 +126,15 @@ def test_the_cheapest_change_compiled_fits(over_the_limit):
   assert "compiled (estimated" in html
 
 
-@pytest.mark.parametrize("fail, code", [("end", 2), ("exit", 2), ("raise", 3)])
+@pytest.mark.parametrize("fail, code", [("end", 2), ("exit", 2), ("raise", 3), ("init", 3)])
 def test_a_script_that_never_plans_exits_2_one_that_raises_3(fail, code):
   got, out, err = _plan_cli("--", "--fail", fail)
   assert got == code and out == "", (out, err)
   if fail == "raise":   # the script's traceback, from its own frames
     assert re.search(r"scanned_mlp\.py\", line \d+, in main\n.*\nValueError: no data", err), err
     assert "runpy" not in err and "raised ValueError before its plan was made" in err
+  elif fail == "init":  # an EPLError from trainer.init itself: the script raised, not the tool
+    assert "init_fn returned None" in err and "raised PlanError before its plan" in err, err
   else:
     assert "nothing to plan" in err and ("sys.exit(5)" in err) == (fail == "exit")
 

@@ -5,7 +5,8 @@ kernel has Flax logical axis names, the rules set around ``trainer.init``.
     python -m epljax.plan tests/plan_scripts/scanned_mlp.py --topology cpu:8 [-- --fail MODE]
 
 ``--fail raise`` raises before ``trainer.init``, ``--fail exit`` calls ``sys.exit(5)``,
-``--fail end`` ends without calling it.
+``--fail end`` ends without calling it, ``--fail init`` gives ``trainer.init`` an ``init_fn``
+that returns None (its PlanError raised in ``trainer.init``).
 """
 
 import argparse
@@ -47,7 +48,7 @@ class ScannedMLP(nn.Module):
 
 def main(argv=None):
   parser = argparse.ArgumentParser()
-  parser.add_argument("--fail", choices=["raise", "exit", "end"])
+  parser.add_argument("--fail", choices=["raise", "exit", "end", "init"])
   args = parser.parse_args(argv)
   epl.init()
   model = ScannedMLP()
@@ -58,7 +59,7 @@ def main(argv=None):
     sys.exit(5)
   if args.fail == "end":
     return
-  trainer = epl.Trainer(lambda rng, b: model.init(rng, b["x"]),
+  trainer = epl.Trainer(lambda rng, b: None if args.fail == "init" else model.init(rng, b["x"]),
                         lambda v, b: cross_entropy(model.apply(v, b["x"]), b["y"]),
                         optax.adamw(1e-3))
   with nn.logical_axis_rules(RULES):
