@@ -139,9 +139,12 @@ def describe(layout: ContextLayout | None, calls: int) -> str:
 
 def choose_method(q_shape, kv_shape, *, masked: bool) -> str:
   """``"gather"`` when a mask or bias comes with the call (the ring does not carry them) or
-  when every device's keys and values together are no larger than its own queries (grouped
-  query attention with few key/value heads: holding them all costs less than the queries
-  do, and one collective replaces k - 1); otherwise ``"ring"``."""
+  when every device's keys and values together are no larger than its own queries
+  (``2 x kv_heads x k <= heads``: grouped-query attention with few key/value heads);
+  otherwise ``"ring"``. Why: the gather moves fewer bytes (no zig-zag reorder of keys and
+  values; ``bench/context_attention.py``), but holds the whole sequence's keys and values
+  for the layer, which the ring never does (two blocks at a time); so it is used where that
+  costs no more than the queries a device holds anyway."""
   layout = current()
   k = layout.size if layout is not None else 1
   if masked or kv_shape[2] * 2 * k <= q_shape[2]:
