@@ -97,8 +97,9 @@ STRATEGY_CELLS = {
 def cells():
   pairs = [(m, c) for m in MODELS for c in CELLS]
   pairs += [(m, c) for c, (m, _) in STRATEGY_CELLS.items()]
-  # Alternate the two jax versions so each model and each cell kind runs on both.
-  return [pytest.param(m, c, id=f"{m}-{c}", marks=on_one_jax(i + i // len(CELLS)))
+  # Alternating (5 cells a model, an odd number): each model and each cell kind runs on both
+  # of CI's jax versions, every cell on one.
+  return [pytest.param(m, c, id=f"{m}-{c}", marks=[*on_one_jax(i), pytest.mark.slow])
           for i, (m, c) in enumerate(pairs)]
 
 
@@ -174,6 +175,7 @@ def test_context_parallel_training_equals_one_device(name, cell):
     check_against_reference(model, history, variables)
 
 
+@pytest.mark.slow
 def test_einsum_attention_trains_exactly_and_the_plan_says_scores_are_not_split():
   """The zoo's Llama as written (einsum, mask, softmax): GSPMD gathers what it needs, the
   result is exact, and the plan says the score matrix is not split and what to call."""
@@ -307,6 +309,7 @@ def test_causal_work_is_balanced_over_the_context_devices():
 
 # The first trainer is reused after the second's epl.init, on purpose (each keeps its own
 # configuration); the library's warning about that is tested elsewhere.
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:This Trainer was made before")
 def test_resume_from_a_checkpoint_across_context_parallelism(tmp_path):
   """A checkpoint saved without context parallelism restores into a plan with it and the run
