@@ -235,11 +235,11 @@ def main(argv=None):
     print("stopped: recording the models measured so far")
   finally:
     if details:
-      write(args, compiler, devices, summaries, everything, details, timing, start,
+      write(args, argv, compiler, devices, summaries, everything, details, timing, start,
             len(details) < len(args.models))
 
 
-def write(args, compiler, devices, summaries, everything, details, timing, start,
+def write(args, argv, compiler, devices, summaries, everything, details, timing, start,
           partial: bool) -> None:
   """Prints the summary and, with ``--record``, records the run so far."""
   head = table(SUMMARY, [*summaries, summary_row("all", everything)])
