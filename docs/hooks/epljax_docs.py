@@ -45,6 +45,7 @@ EXPLAINED = {
     "io": ("Input files", "launching.md#input-files-io"),
     "auto": ("Automatic plans", "automatic-plans.md",
              "Automatic stages", "pipeline.md#automatic-stages-autoauto_parallel"),
+    "context": ("Long sequences", "long-sequences.md"),
 }
 
 
