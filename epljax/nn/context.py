@@ -21,7 +21,9 @@ device ``c`` holds halves ``c`` and ``2k - 1 - c`` (two ``ppermute``s there and 
 the output). Every step of the loop then computes exactly two half-by-half blocks on every
 device: the late half against the visiting early half, and either the early half against it
 (visitor from an earlier device) or the late half against the visiting late half (from a later
-device), chosen by a ``where`` on the inputs, never by running both.
+device), chosen by a ``where`` on the inputs, never by running both. A call with a mask or
+bias runs the gather with its queries in order (the mask's rows split as the sequence is):
+exact, but its causal work is not balanced.
 
 How it finds the plan while tracing: ``build`` traces the step inside ``attention_over(layout)``
 (a ``ContextLayout`` derived from the plan: which axes split the batch, whether ``model``
