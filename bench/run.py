@@ -54,6 +54,7 @@ MINUTES = {
     "calibrate.py": 40,               # its --cache of compiled programs makes a rerun minutes
     "auto_scale.py": 90,              # the same: bench/auto_scale.json
     "scale.py": 20,
+    "long_context.py": 15,            # 2026-12-08: 2 cells 13-14 min at load ~13 (3 compiles each)
     "plan_cluster.py": 2,             # docs/planning.md: a 70B plan in 44 s
     "pipeline.py schedule": 12,
     "pipeline.py schedule --interleaved": 10,
