@@ -224,7 +224,7 @@ def step_cost(built, facts: ProgramFacts, features: dict[str, Any], chip, batch_
   if d > 1:
     if zero:   # (``zero.hybrid_traffic``: within the groups, and across them under HSDP)
       for t in zero_lib.hybrid_traffic(zero, full_params, leaves, g, d // g,
-                                       facts.use_bytes or full_params, micro):
+                                       facts.use_bytes or full_params):
         add(t.kind, t.axis, t.bytes, t.group, times=t.times,
             across=(t.axis == REPLICA) if g < d else None)
     else:

@@ -199,8 +199,7 @@ class Traffic:
 
 
 def hybrid_traffic(level: str, param_bytes: float, leaves: int, data: int, groups: int = 1,
-                   gather_bytes: float | None = None,
-                   num_micro_batch: int = 1) -> list[Traffic]:
+                   gather_bytes: float | None = None) -> list[Traffic]:
   """The collectives of ZeRO ``level`` over ``data`` replicas in each of ``groups`` groups
   (``zero.shard_size``; 1: plain ZeRO), for ``leaves`` trainable leaves of ``param_bytes``
   (float32 master weights). ``gather_bytes``: the parameters' bytes in the dtype v3 gathers
@@ -209,21 +208,14 @@ def hybrid_traffic(level: str, param_bytes: float, leaves: int, data: int, group
   step shows (tests/test_memory_hybrid.py): reduce-scatter of each gradient over ``data``,
   all-gather of the updated shards (v1, v2) or of the parameters at each use in the forward
   and the backward (v3; a rematerialized layer's backward reuses its recomputed forward's
-  gather), and one all-reduce of each gradient shard over ``replica``. Over
-  ``num_micro_batch`` micro batches, what each micro batch does runs once per micro batch:
-  v3's gathers at each use, and the reduce-scatter of each micro batch's gradient where the
-  gradients are kept sharded (``sharded_parts``: v2, v3); v1 accumulates whole gradients
-  and reduce-scatters their sum once."""
+  gather), and one all-reduce of each gradient shard over ``replica``."""
   gathered = param_bytes if gather_bytes is None else gather_bytes
   grads = gathered if level == "v3" else param_bytes
   rows = []
   if data > 1 and level:
-    scatters = num_micro_batch if GRADIENTS in sharded_parts(level, num_micro_batch) else 1
-    rows.append(Traffic("reduce-scatter", DATA, scatters * grads / data, data,
-                        scatters * leaves))
+    rows.append(Traffic("reduce-scatter", DATA, grads / data, data, leaves))
     if level == "v3":
-      rows.append(Traffic("all-gather", DATA, 2 * num_micro_batch * gathered, data,
-                          2 * num_micro_batch * leaves))
+      rows.append(Traffic("all-gather", DATA, 2 * gathered, data, 2 * leaves))
     else:
       rows.append(Traffic("all-gather", DATA, param_bytes, data, leaves))
   if groups > 1:
