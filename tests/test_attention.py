@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import epljax as epl
-from epljax.nn import attention, flash
+from epljax.nn import blocks, flash
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -80,9 +80,9 @@ def test_blockwise_equals_the_naive_attention(case):
     bias = jnp.asarray(r.normal(size=(1, heads, q_seq, kv_seq)), jnp.float32)
 
   def blockwise(q, k, v, bias):
-    mask5, bias5 = (attention._as_5d(x, n, q, k) for x, n in ((mask, "mask"), (bias, "bias")))
-    scale_ = attention._scale(scale, q)
-    return attention._blockwise(q, k, v, heads // kv_heads, mask5, bias5, 0, 0, causal, scale_,
+    mask5, bias5 = (blocks.as_5d(x, n, q, k) for x, n in ((mask, "mask"), (bias, "bias")))
+    scale_ = blocks.default_scale(scale, q)
+    return blocks.blockwise(q, k, v, heads // kv_heads, mask5, bias5, 0, 0, causal, scale_,
                                 bq, bk)[0]
 
   out, grads = value_and_grads(blockwise, q, k, v, weights, bias)
@@ -229,7 +229,7 @@ def test_batch_and_heads_split_over_devices_need_no_collective_inside_the_attent
   q, k, v, weights = inputs(9, 2, 32, 32, 8, 4)
 
   def loss(q, k, v):
-    out = attention._blockwise(q, k, v, 2, None, None, 0, 0, True, 0.3, 8, 8)[0]
+    out = blocks.blockwise(q, k, v, 2, None, None, 0, 0, True, 0.3, 8, 8)[0]
     return jnp.sum(out * weights)
 
   step = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
@@ -252,7 +252,7 @@ def test_memory_grows_linearly_with_the_sequence_while_the_naive_grows_quadratic
   blockwise program's grow ~4x at most (1.7x on XLA:CPU, jax 0.10), the whole score matrix's
   ~16x (15.8x), so the test can fail."""
   def blockwise(q, k, v):
-    return attention._blockwise(q, k, v, 1, None, None, 0, 0, True, 0.25, 64, 64)[0]
+    return blocks.blockwise(q, k, v, 1, None, None, 0, 0, True, 0.25, 64, 64)[0]
 
   small, large = _temp_bytes(blockwise, 256), _temp_bytes(blockwise, 1024)
   naive_small, naive_large = (_temp_bytes(lambda q, k, v: naive(q, k, v, True), s)

@@ -259,7 +259,7 @@ def test_attention_over_context_equals_local_attention(method, causal, masked):
 def _count_pairs(method: str | None, masked: bool) -> np.ndarray:
   """Per context device: the (query, key) score pairs its attention blocks computed (causal:
   those on or below the diagonal; what the blockwise kernel's work is proportional to)."""
-  from epljax.nn import attention as blocks
+  from epljax.nn import blocks
   from epljax.nn import context
   noted = []   # (device, pairs); list.append is atomic, the callbacks run in many threads
 
@@ -282,15 +282,15 @@ def _count_pairs(method: str | None, masked: bool) -> np.ndarray:
 
   q, k, v = _qkv(seq=64)
   mask = np.ones((1, 1, 64, 64), bool) if masked else None
-  original = context._blocks
-  context._blocks = lambda: Counting
+  original = context.blocks
+  context.blocks = Counting
   try:
     run, sharding = _over_context(
         lambda q, k, v: epl.nn.dot_product_attention(q, k, v, causal=True, mask=mask), method)
     jax.block_until_ready(run(*(jax.device_put(x, sharding) for x in (q, k, v))))
     jax.effects_barrier()   # every callback has run
   finally:
-    context._blocks = original
+    context.blocks = original
   counts = np.zeros(N, np.int64)
   for c, pairs in noted:
     counts[c] += pairs

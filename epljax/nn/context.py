@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from epljax.errors import PlanError
 from epljax.mesh import CONTEXT, MODEL
+from epljax.nn import blocks
 
 METHODS = ("ring", "gather")
 
@@ -222,18 +223,13 @@ def _extra_spec(x, q, batch, heads, seq) -> P:
 
 # ---- the per-device bodies (inside the shard_map) ----------------------------------------
 
-def _blocks():
-  from epljax.nn import attention as blocks   # noqa: PLC0415  (the single-device building blocks)
-  return blocks
-
-
 def _gather_body(q, k, v, *, n, causal, scale, mask, bias):
   if mask is not None or bias is not None or not causal:
     # Queries in order against every key; a mask's or bias' key dimension is whole.
     c = jax.lax.axis_index(CONTEXT)
     k_all = jax.lax.all_gather(k, CONTEXT, axis=1, tiled=True)
     v_all = jax.lax.all_gather(v, CONTEXT, axis=1, tiled=True)
-    out, _ = _blocks().attention_block(q, k_all, v_all, q_offset=c * q.shape[1], k_offset=0,
+    out, _ = blocks.attention_block(q, k_all, v_all, q_offset=c * q.shape[1], k_offset=0,
                                        causal=causal, scale=scale, mask=mask, bias=bias)
     return out
   k_all = jax.lax.all_gather(k, CONTEXT, axis=1, tiled=True)   # halves in order
@@ -257,7 +253,6 @@ def _ring_body(q, k, v, *, n, causal, scale, mask, bias):
   del mask, bias   # choose_method sends those to the gather
   shift = [(i, (i + 1) % n) for i in range(n)]
   if not causal:
-    blocks = _blocks()
     acc, kv = None, (k, v)
     for t in range(n):
       part = blocks.attention_block(q, *kv, q_offset=0, k_offset=0, causal=False, scale=scale)
@@ -282,7 +277,6 @@ def _zigzag_causal(q, visits, *, n, scale):
   every device's zig-zag keys: ``visits`` yields, for step t = 0 .. n-1, device ``c - t``'s
   halves ``((k0, v0), (k1, v1))``. Two half blocks per step after the first."""
   visits = iter(visits)
-  blocks = _blocks()
   c = jax.lax.axis_index(CONTEXT)
   half = q.shape[1] // 2
   q0, q1 = q[:, :half], q[:, half:]

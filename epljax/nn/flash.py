@@ -1,5 +1,6 @@
 """Blockwise attention in memory linear in the sequence: the XLA kernel behind
-``epl.nn.dot_product_attention`` and ``attention_block`` (see ``attention.py`` for the API).
+``epl.nn.dot_product_attention`` and ``attention_block`` (see ``attention.py`` and ``blocks.py``
+for the API).
 
 The forward walks query blocks and, inside each, key/value blocks with an online softmax (a
 running maximum and sum per query row), so no more than one ``[block_q, block_k]`` tile of
