@@ -23,7 +23,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import epljax as epl
-from epljax.mesh import CONTEXT
+from epljax.mesh import CONTEXT, DATA
 from helpers import DEEP_TOL, TOL, assert_trees_close, on_one_jax, reference_run
 from models import common, gemma, gpt2, gpt2_fused, llama
 from test_memory_amp import LOSS_RTOL
@@ -165,6 +165,13 @@ def test_context_parallel_training_equals_one_device(name, cell):
   assert shape["model"] == (2 if annotate else 1)
   assert "epl.nn.dot_product_attention call(s) run over 'context'" in " ".join(
       trainer.plan.features)
+  if "zero.level" in config:   # ZeRO shards over data x context (one dimension, both axes)
+    state = trainer._require().state_shardings
+    sharded = state.params if config["zero.level"] == "v3" else state.opt_state
+    specs = [s.spec for s in jax.tree.leaves(sharded, is_leaf=lambda x: isinstance(
+        x, NamedSharding))]
+    assert sum((DATA, CONTEXT) in spec for spec in specs) > len(specs) // 2, specs
+    assert "sharded over 'data' x 'context'" in str(trainer.plan)
   if cell.startswith("amp"):
     _, (expected_history, expected) = initial_and_reference(model)
     for (loss, _), (ref_loss, _) in zip(history, expected_history):

@@ -16,10 +16,17 @@
   LM head of a large vocabulary, a few rows per device), the use is routed otherwise
   (``routes.py``).
 
+Context parallelism (``context.parallel_degree``): the ``context`` devices of a replica see
+different tokens of the same rows and sum their gradients as data replicas do, so ZeRO shards
+over ``data`` x ``context`` together (one mesh-axis tuple on a dimension; ``zero_axes``), as a
+hand FSDP over every device of the replicas does; a leaf that data x context does not divide
+falls back to ``data`` alone.
+
 Hybrid sharding (``zero.shard_size``, HSDP; MaxText's ``ici_fsdp`` x ``dcn_data``, PyTorch's
 ``HYBRID_SHARD``): the mesh's ``data`` axis is one group of replicas and ``replica`` runs across
 the groups (``mesh/builder.py``). Everything above happens over ``data`` inside a group; the
-groups hold the same shards, and each gradient shard is all-reduced over ``replica`` once
+groups hold the same shards (``context`` stays inside a group), and each gradient shard is
+all-reduced over ``replica`` once
 (``hybrid_traffic`` gives the step's collectives for a plan search).
 
 A leaf is sharded on its largest dimension that the data axis divides and that no other mesh
@@ -33,6 +40,7 @@ part of the forward pass is ``uses.ParamUses``, reading those shardings.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 from jax.sharding import NamedSharding
@@ -41,26 +49,48 @@ from jax.sharding import PartitionSpec as P
 from epljax import step as step_lib
 from epljax.config import ZeroConfig
 from epljax.features import BuildContext, Feature, GradientFn, StateShardings, UpdateFn
-from epljax.mesh import DATA, REPLICA
+from epljax.mesh import CONTEXT, DATA, REPLICA
 from epljax.sharding.program import LOOPS
 
 
+def zero_axes(mesh) -> tuple[str, ...]:
+  """The mesh axes ZeRO shards over: ``data``, and ``context`` beside it under context
+  parallelism (its devices see different tokens of the same rows and sum their gradients as
+  data replicas do, so they split the state too: FSDP over data x context). Hybrid sharding's
+  ``replica`` stays outside (the groups hold the same shards)."""
+  return (DATA, CONTEXT) if dict(mesh.shape).get(CONTEXT, 1) > 1 else (DATA,)
+
+
 def shard_over_data(sharding: NamedSharding, shape, size: int,
-                    unit_axes_free: bool = False) -> NamedSharding:
-  """``sharding`` with ``data`` on the largest free dimension ``size`` divides (as it is when
-  ``data`` is used already or no dimension fits). With ``unit_axes_free`` a dimension named only
-  by mesh axes of one device (a model's logical rules naming ``model`` in a data-only mesh)
-  is free too: it splits nothing."""
+                    unit_axes_free: bool = False,
+                    over: tuple[str, ...] = (DATA,)) -> NamedSharding:
+  """``sharding`` with the mesh axes ``over`` (``data``, or ``data`` x ``context``: one entry)
+  on the largest free dimension ``size`` (their devices) divides; as it is when one of them is
+  used already or no dimension fits. With ``unit_axes_free`` a dimension named only by mesh
+  axes of one device (a model's logical rules naming ``model`` in a data-only mesh) is free
+  too: it splits nothing."""
   axes = lambda e: () if e is None else e if isinstance(e, tuple) else (e,)  # noqa: E731
   entries = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
   used = {a for e in entries for a in axes(e)}
   free = [d for d, e in enumerate(entries)
           if (e is None or unit_axes_free and all(sharding.mesh.shape[a] == 1 for a in axes(e)))
           and shape[d] % size == 0 and shape[d] >= size]
-  if DATA in used or not free:
+  if used & set(over) or not free:
     return sharding
-  entries[max(free, key=lambda d: (shape[d], -d))] = DATA
+  entries[max(free, key=lambda d: (shape[d], -d))] = over[0] if len(over) == 1 else over
   return NamedSharding(sharding.mesh, P(*entries), memory_kind=sharding.memory_kind)
+
+
+def shard_over_group(sharding: NamedSharding, shape, mesh, unit_axes_free: bool = False):
+  """``shard_over_data`` over ``zero_axes(mesh)``; a leaf no dimension of which the data x
+  context devices divide falls back to ``data`` alone."""
+  over = zero_axes(mesh)
+  sizes = dict(mesh.shape)
+  split = shard_over_data(sharding, shape, math.prod(sizes[a] for a in over), unit_axes_free,
+                          over)
+  if split == sharding and len(over) > 1:
+    split = shard_over_data(sharding, shape, sizes[DATA], unit_axes_free)
+  return split
 
 
 def read_in_loops(capture, leaves: int) -> list[bool]:
@@ -93,9 +123,11 @@ class Zero(Feature):
     self._treedef = None
     self._unsharded: list[str] = []
     self._groups = 1
+    self._over: tuple[str, ...] = (DATA,)
+    self._paths: list[str] = []
 
   def shardings(self, shardings: StateShardings, ctx: BuildContext) -> StateShardings:
-    size = ctx.mesh.shape[DATA]
+    self._over = zero_axes(ctx.mesh)
     self._groups = dict(ctx.mesh.shape).get(REPLICA, 1)
     shapes, self._treedef = jax.tree.flatten(ctx.stored_params_shape)
     full = jax.tree.leaves(shardings.params, is_leaf=is_sharding)
@@ -107,12 +139,12 @@ class Zero(Feature):
     # slots, ``state_params_shape``, are not the traced loss's inputs: each keeps its own.)
     looped = (read_in_loops(ctx.capture, len(shapes)) if ctx.state_params_shape is None
               else [True] * len(shapes))
-    self._sharded = [shard_over_data(s, x.shape, size, unit_axes_free=not inside)
+    self._sharded = [shard_over_group(s, x.shape, ctx.mesh, unit_axes_free=not inside)
                      for s, x, inside in zip(full, shapes, looped)]
     paths = [jax.tree_util.keystr(p, simple=True, separator="/")
              for p, _ in jax.tree_util.tree_flatten_with_path(ctx.stored_params_shape)[0]]
-    self._unsharded = [f"{path} {tuple(x.shape)}" for path, x, a, b in
-                       zip(paths, shapes, full, self._sharded) if a == b]
+    self._paths = [f"{path} {tuple(x.shape)}" for path, x in zip(paths, shapes)]
+    self._unsharded = [p for p, a, b in zip(self._paths, full, self._sharded) if a == b]
     sharded_tree = jax.tree.unflatten(self._treedef, self._sharded)
     opt_state = step_lib.map_optimizer_state(
         ctx.optimizer, lambda current, target: NamedSharding(
@@ -154,9 +186,15 @@ class Zero(Feature):
     left = (f"; not sharded (no dimension divisible by the data axis): "
             f"{', '.join(self._unsharded[:4])}{' ...' if len(self._unsharded) > 4 else ''}"
             if self._unsharded else "")
-    over = ("'data'" if self._groups == 1 else
-            f"'data' inside each of {self._groups} groups (zero.shard_size), replicated over "
+    axes = " x ".join(f"'{a}'" for a in self._over)
+    over = (axes if self._groups == 1 else
+            f"{axes} inside each of {self._groups} groups (zero.shard_size), replicated over "
             f"'replica' (gradient shards all-reduced across the groups)")
+    alone = [u for u, s in zip(self._paths, self._sharded) if len(self._over) > 1
+             and DATA in s.spec and self._over not in s.spec]
+    if alone:
+      over += (f"; over 'data' alone (no dimension divisible by data x context): "
+               f"{', '.join(alone[:4])}{' ...' if len(alone) > 4 else ''}")
     return f"ZeRO {self.level}: {what} sharded over {over}{left}"
 
 
@@ -181,7 +219,8 @@ def sharded_parts(level: str, num_micro_batch: int) -> frozenset[str]:
 def footprint(level: str, num_micro_batch: int, parts: dict[str, int],
               group: int) -> dict[str, int]:
   """Bytes per device of each part (``parameters``, ``gradients``, ``optimizer state``: as
-  data parallelism replicates them) under ZeRO ``level`` over ``group`` replicas: what
+  data parallelism replicates them) under ZeRO ``level`` over ``group`` devices (the data
+  replicas of one group, times ``context.parallel_degree``: ``zero_axes``): what
   ``sharded_parts`` names, divided by the group."""
   sharded = sharded_parts(level, num_micro_batch)
   return {k: v // group if k in sharded else v for k, v in parts.items()}
@@ -199,9 +238,11 @@ class Traffic:
 
 
 def hybrid_traffic(level: str, param_bytes: float, leaves: int, data: int, groups: int = 1,
-                   gather_bytes: float | None = None) -> list[Traffic]:
+                   gather_bytes: float | None = None, context: int = 1) -> list[Traffic]:
   """The collectives of ZeRO ``level`` over ``data`` replicas in each of ``groups`` groups
-  (``zero.shard_size``; 1: plain ZeRO), for ``leaves`` trainable leaves of ``param_bytes``
+  (``zero.shard_size``; 1: plain ZeRO), times ``context`` (``context.parallel_degree``: ZeRO's
+  group is data x context, its rows over ``data+context``; ``replica`` outside), for
+  ``leaves`` trainable leaves of ``param_bytes``
   (float32 master weights). ``gather_bytes``: the parameters' bytes in the dtype v3 gathers
   (the compute dtype, half for bfloat16 uses; default ``param_bytes``), in which v3 also
   reduce-scatters the gradients (``uses.py`` casts before it gathers). What the compiled
@@ -212,12 +253,14 @@ def hybrid_traffic(level: str, param_bytes: float, leaves: int, data: int, group
   gathered = param_bytes if gather_bytes is None else gather_bytes
   grads = gathered if level == "v3" else param_bytes
   rows = []
+  axis = DATA if context == 1 else f"{DATA}+{CONTEXT}"
+  data *= context
   if data > 1 and level:
-    rows.append(Traffic("reduce-scatter", DATA, grads / data, data, leaves))
+    rows.append(Traffic("reduce-scatter", axis, grads / data, data, leaves))
     if level == "v3":
-      rows.append(Traffic("all-gather", DATA, 2 * gathered, data, 2 * leaves))
+      rows.append(Traffic("all-gather", axis, 2 * gathered, data, 2 * leaves))
     else:
-      rows.append(Traffic("all-gather", DATA, param_bytes, data, leaves))
+      rows.append(Traffic("all-gather", axis, param_bytes, data, leaves))
   if groups > 1:
     shard = grads / data if level else param_bytes
     rows.append(Traffic("all-reduce", REPLICA, shard, groups, leaves if level else 1))
