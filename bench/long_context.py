@@ -15,7 +15,8 @@ with ``zero.level: v3`` and ``context.parallel_degree: k`` for ``H100s / k`` row
 - epljax with context k: bytes per device (``memory_analysis()``: arguments + outputs - aliased
   + temp), collective bytes per step per device by kind and mesh axis (``epljax.hlo``), and how
   many of the async collective-permutes and all-gathers (the key/value exchange) have compute
-  scheduled between their start and done in the compiled HLO (overlap).
+  scheduled between their start and done in the compiled HLO (overlap), and how many XLA left
+  synchronous (no overlap possible).
 - epljax without context parallelism at ``tokens / k`` per row, ``H100s`` rows (the same tokens
   per device): the ratio of bytes per device says whether activations split k ways.
 - the hand ring (``ring_llama.ring``): bytes and collective bytes, and epljax's ratios to them.
@@ -54,6 +55,8 @@ CELLS = ("32768:8:8", "131072:8:8", "32768:16:8", "131072:16:8")
 COMPUTE = re.compile(r"\s(fusion|custom-call|dot|convolution)\(")
 ASYNC = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=.*?\s"
                    r"(?P<op>collective-permute|all-gather)-start\(", re.M)
+SYNC = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=.*?\s(?P<op>collective-permute|all-gather)\(",
+                  re.M)
 
 
 def optimizer():
@@ -72,10 +75,14 @@ def batch(rows: int, tokens: int) -> dict:
   return {"x": ids, "y": ids}
 
 
-def overlap(hlo_text: str) -> dict[str, tuple[int, int]]:
-  """Per async kind: (starts with compute scheduled before their done, starts). The
-  compiled module is scheduled: each computation's instructions in execution order."""
+def overlap(hlo_text: str) -> dict[str, tuple[int, int, int]]:
+  """Per kind (collective-permute, all-gather): (async starts with compute scheduled before
+  their done, async starts, synchronous instructions), instructions of the compiled HLO
+  (a loop body's once). The compiled module is scheduled: each computation's instructions in
+  execution order."""
   found: dict[str, list[int]] = {}
+  for m in SYNC.finditer(hlo_text):
+    found.setdefault(m.group("op"), [0, 0, 0])[2] += 1
   for body in re.split(r"\n\}\n", hlo_text):
     lines = body.splitlines()
     for i, line in enumerate(lines):
@@ -86,10 +93,10 @@ def overlap(hlo_text: str) -> dict[str, tuple[int, int]]:
                    if f"-done(%{m.group('name')})" in lines[j]
                    or f"-done({m.group('name')})" in lines[j]), None)
       between = lines[i + 1:done] if done is not None else []
-      counts = found.setdefault(m.group("op"), [0, 0])
+      counts = found.setdefault(m.group("op"), [0, 0, 0])
       counts[0] += any(COMPUTE.search(x) for x in between)
       counts[1] += 1
-  return {k: (a, b) for k, (a, b) in found.items()}
+  return {k: tuple(v) for k, v in found.items()}
 
 
 def by_axis(compiled, mesh) -> str:
@@ -150,7 +157,8 @@ def _cell(tokens: int, n: int, k: int, layers: int | None) -> tuple[list, list[s
   hand_seen = overlap(hand_compiled.as_text())
   mesh = " x ".join(f"{a}={s}" for a, s in plan.mesh.shape.items() if s > 1)
   ratio = lambda a, b: f"{a / b:.3f}" if b else "-"  # noqa: E731
-  shown = lambda d: ", ".join(f"{k} {a}/{b}" for k, (a, b) in d.items()) or "none"  # noqa
+  shown = lambda d: ", ".join(f"{k} {a}/{b} async, {c} sync"  # noqa: E731
+                              for k, (a, b, c) in sorted(d.items())) or "none"
   row = [f"{tokens // 1024}k", f"{n} ({max(1, n // HOST)} host{'s' * (n > HOST)})", k, mesh,
          rows, gib(ours.bytes_per_device), gib(base.bytes_per_device),
          ratio(ours.bytes_per_device, base.bytes_per_device), gib(hand.bytes_per_device),
@@ -171,7 +179,7 @@ def _cell(tokens: int, n: int, k: int, layers: int | None) -> tuple[list, list[s
 
 HEADERS = ["tokens/row", "H100s", "k", "epljax mesh", "rows", "GiB/device epljax",
            "1/k seq, no context", "ratio", "hand ring", "ratio", "collective GiB epljax",
-           "hand ring", "ratio", "async overlapped/all", "fits 80 GiB", "compile s"]
+           "hand ring", "ratio", "overlapped/async, sync", "fits 80 GiB", "compile s"]
 
 
 def main(argv=None):
@@ -208,8 +216,10 @@ def main(argv=None):
                "arguments + outputs - aliased + temp. '1/k seq, no context': epljax, zero v3, "
                "tokens/k per row, H100s rows (the same tokens per device). Hand ring: "
                "bench/ring_llama.py (FSDP over every device, batch pre-ordered zig-zag as "
-               "Megatron's loader does, ppermute ring). Async overlapped: collective-permute / "
-               "all-gather starts with a fusion or custom-call scheduled before their done. "
+               "Megatron's loader does, ppermute ring). Overlapped/async, sync: of the "
+               "collective-permute / all-gather instructions of the compiled HLO (a loop body's "
+               "once), the async starts with a fusion or custom-call scheduled before their done"
+               ", the async starts, and the synchronous ones. "
                "Compile s: epljax / no context / hand, XLA:GPU on a shared 2-core VM."),
            argv, "compile-only H100s")
 
