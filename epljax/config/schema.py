@@ -38,7 +38,7 @@ class PipelineConfig:
       "lax.scan over their stacked weights, so its compiled program does not grow with depth. "
       "The stacks are made outside the stage's vjp and kept by no micro batch; a stage whose "
       "layers would need them kept stays unrolled and the plan says why. False: every stage "
-      "as written (bench/pipeline.py --compile).")
+      "as written (bench/pipeline.py compile --depth).")
   param_layout: str = key(
       "user", "Beyond EPL: where the train state keeps the stages' parameters and optimizer "
       "state. 'user': the user's tree, each leaf split over stage (any optax optimizer; the "

@@ -51,6 +51,7 @@ def dot_product_attention(q, k, v, *, causal: bool = False, mask=None, bias=None
   """
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   groups = blocks.check_qkv(q, k, v)
+  context.note_call()
   if context.current() is not None:   # context parallelism: over the "context" mesh axis
     return context.attention(q, k, v, causal=causal, mask=mask, bias=bias, scale=scale)
   scale = blocks.default_scale(scale, q)

@@ -108,12 +108,15 @@ def counting_calls() -> Iterator[Calls]:
     _CALLS.reset(token)
 
 
-def current() -> ContextLayout | None:
-  """The layout attention runs over now, or None (local attention). Called once by every
-  ``epl.nn.dot_product_attention`` (which ``counting_calls`` counts)."""
+def note_call() -> None:
+  """Called once by every ``epl.nn.dot_product_attention`` traced (``counting_calls``)."""
   calls = _CALLS.get()
   if calls is not None:
     calls.count += 1
+
+
+def current() -> ContextLayout | None:
+  """The layout attention runs over now, or None (local attention)."""
   layout = _LAYOUT.get()
   if layout is None or CONTEXT not in jax.sharding.get_abstract_mesh().axis_names:
     return None
