@@ -94,12 +94,21 @@ STRATEGY_CELLS = {
 }
 
 
+# Cells whose step XLA 0.12's SPMD partitioner cannot compile: it aborts the process on a
+# CHECK (spmd_partitioner_util.cc ExpandDeviceGroupsWithIota, from AllReduceAlongShardingDims;
+# GPT-2 at data 2 x context 2 x model 2, jax 0.12.0.1, 2026-12-08), where jax 0.10 compiles and
+# trains it exactly. They run on jax 0.10 until the crash is understood and avoided.
+XLA_0_12_ABORTS = {("gpt2", "split_context2")}
+
+
 def cells():
   pairs = [(m, c) for m in MODELS for c in CELLS]
   pairs += [(m, c) for c, (m, _) in STRATEGY_CELLS.items()]
   # Alternating (5 cells a model, an odd number): each model and each cell kind runs on both
   # of CI's jax versions, every cell on one.
-  return [pytest.param(m, c, id=f"{m}-{c}", marks=[*on_one_jax(i), pytest.mark.slow])
+  return [pytest.param(m, c, id=f"{m}-{c}",
+                       marks=[*on_one_jax(0 if (m, c) in XLA_0_12_ABORTS else i),
+                              pytest.mark.slow])
           for i, (m, c) in enumerate(pairs)]
 
 
